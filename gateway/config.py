@@ -1,0 +1,196 @@
+"""The gateway's configuration: one typed tree, loaded from config.toml, overridable by env.
+
+Env rule: ``TTS_GATEWAY__<SECTION>__<KEY>=value`` sets ``[section] key``; nested
+sections add more ``__`` parts (``TTS_GATEWAY__ENGINE__PIPER__WORKERS=4``). The value
+is read as a TOML value when it parses as one (``8765``, ``true``, ``["a", "b"]``),
+otherwise as a plain string.
+
+Unknown keys, wrong types and out-of-range values fail at start with a message that
+names the key, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from engine.settings import CosyVoice2Settings, PiperSettings
+
+ENV_PREFIX = "TTS_GATEWAY__"
+SAMPLE_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
+ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw")
+DEFAULT_WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+
+
+class ConfigError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    # Static files served at "/". Empty: the web/ folder shipped with the gateway.
+    web_dir: str = ""
+    # On SIGTERM: stop accepting, let running contexts finish for this long, then close.
+    drain_timeout_s: float = 10.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be between 0 and 65535")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError("log_level must be one of debug, info, warning, error")
+
+    @property
+    def web_path(self) -> Path:
+        return Path(self.web_dir) if self.web_dir else DEFAULT_WEB_DIR
+
+
+@dataclass(frozen=True)
+class AuthSettings:
+    # Empty: the gateway is open. Otherwise a client presents one of these keys.
+    api_keys: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(not key for key in self.api_keys):
+            raise ValueError("api_keys must not contain empty keys")
+
+
+@dataclass(frozen=True)
+class AudioSettings:
+    default_sample_rate: int = 24000
+    default_encoding: str = "pcm_s16le"
+
+    def __post_init__(self) -> None:
+        if self.default_sample_rate not in SAMPLE_RATES:
+            raise ValueError(f"default_sample_rate must be one of {SAMPLE_RATES}")
+        if self.default_encoding not in ENCODINGS:
+            raise ValueError(f"default_encoding must be one of {ENCODINGS}")
+
+
+@dataclass(frozen=True)
+class LimitSettings:
+    max_sessions: int = 256
+    max_contexts_per_session: int = 8
+    max_text_chars: int = 20_000  # per context, all deltas together
+    max_message_bytes: int = 65_536
+    idle_timeout_s: float = 60.0
+    # Audio waiting for a client that does not read. Past this the client is cut off.
+    send_buffer_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_contexts_per_session", "max_text_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_message_bytes < 1024:
+            raise ValueError("max_message_bytes must be >= 1024")
+        if self.idle_timeout_s <= 0:
+            raise ValueError("idle_timeout_s must be > 0")
+        if self.send_buffer_bytes < 65_536:
+            raise ValueError("send_buffer_bytes must be >= 65536")
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    name: str = "piper"
+    piper: PiperSettings = field(default_factory=PiperSettings)
+    cosyvoice2: CosyVoice2Settings = field(default_factory=CosyVoice2Settings)
+
+    def __post_init__(self) -> None:
+        if self.name not in ("piper", "cosyvoice2"):
+            raise ValueError("name must be 'piper' or 'cosyvoice2'")
+
+    @property
+    def selected(self) -> Any:
+        return getattr(self, self.name)
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerSettings = field(default_factory=ServerSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
+    audio: AudioSettings = field(default_factory=AudioSettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
+    engine: EngineSection = field(default_factory=EngineSection)
+
+
+def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Read ``path`` (if given), apply env overrides, and build the typed tree."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    _apply_env(data, os.environ if env is None else env)
+    return _build(Config, data, "")
+
+
+def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> None:
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
+        if not all(parts):
+            raise ConfigError(f"{name}: malformed override name")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{name}: {part!r} is not a section")
+        node[parts[-1]] = _parse_env_value(raw)
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"[{where}] must be a table, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(_join(where, k) for k in unknown)}; "
+            f"known: {', '.join(sorted(fields))}"
+        )
+    values = {name: _coerce(hints[name], value, _join(where, name)) for name, value in data.items()}
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        raise ConfigError(f"[{where or 'root'}] {exc}") from None
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    if typing.get_origin(hint) is tuple:
+        (item_type, _) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return tuple(_coerce(item_type, item, f"{key}[]") for item in value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool, float) and type(value) is hint:
+        return value
+    raise ConfigError(f"{key} must be {hint.__name__}, got {value!r}")
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key

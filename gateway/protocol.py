@@ -1,0 +1,557 @@
+"""The session protocol as a sans-I/O state machine.
+
+A :class:`Session` is one WebSocket connection. It takes *events* (a message from the
+client, audio from the engine, a timer) and returns *actions* (frames to send, engine
+work to start or stop, a close). It never touches a socket, a task or an engine, so
+every rule of the protocol is testable with plain function calls; the server in
+``gateway/server.py`` is the thin I/O shell that carries the actions out.
+
+Each context inside a session moves through explicit states::
+
+    STREAMING --end--> ENDING --engine finished--> (done, removed)
+        |                 |
+        +--cancel---------+--> (cancelled, removed)
+        +--engine failed--+--> (error internal, removed)
+
+A removed context's id may be reused for a new context. Engine events carry the
+context's ``key`` (unique per session), so late audio from a cancelled utterance can
+never leak into a new context that reuses its id.
+
+Times are plain floats from the caller's monotonic clock (``now``), in seconds.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import orjson
+
+from gateway.audio import StreamEncoder
+
+PROTOCOL_VERSION = 1
+DEFAULT_CONTEXT = "default"
+MAX_CONTEXT_ID_CHARS = 128
+SPEED_RANGE = (0.5, 2.0)
+SAMPLE_RATES = frozenset((8000, 16000, 22050, 24000, 44100, 48000))
+ENCODINGS = frozenset(("pcm_s16le", "pcm_f32le", "mulaw"))
+
+# WebSocket close codes the protocol uses.
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY = 1008
+CLOSE_TRY_AGAIN_LATER = 1013
+
+_FIELDS = {
+    "text": {"type", "context_id", "text", "voice", "sample_rate", "encoding", "speed"},
+    "flush": {"type", "context_id"},
+    "end": {"type", "context_id"},
+    "cancel": {"type", "context_id"},
+}
+
+
+class ErrorCode(enum.StrEnum):
+    BAD_MESSAGE = "bad_message"
+    UNKNOWN_VOICE = "unknown_voice"
+    UNSUPPORTED_FORMAT = "unsupported_format"
+    TEXT_TOO_LONG = "text_too_long"
+    TOO_MANY_CONTEXTS = "too_many_contexts"
+    UNKNOWN_CONTEXT = "unknown_context"
+    OVERLOADED = "overloaded"
+    IDLE_TIMEOUT = "idle_timeout"
+    INTERNAL = "internal"
+
+
+# ---------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class SendJson:
+    frame: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SendBytes:
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StartUtterance:
+    key: int
+    voice: str
+    speed: float
+
+
+@dataclass(frozen=True, slots=True)
+class PushText:
+    key: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class FlushInput:
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class EndInput:
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelUtterance:
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class CloseSession:
+    code: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ContextFinished:
+    """A context left the session; what the metrics record about it."""
+
+    context_id: str
+    outcome: str  # "done" | "cancelled" | "error"
+    ttfa_s: float | None
+    audio_s: float
+    compute_s: float
+    stall_s: float
+    stalls: int
+
+
+Action = (
+    SendJson | SendBytes | StartUtterance | PushText | FlushInput | EndInput
+    | CancelUtterance | CloseSession | ContextFinished
+)
+
+
+class TimedWord(Protocol):
+    """Duck type of an engine's word timing: seconds from the start of its chunk."""
+
+    text: str
+    start_s: float
+    end_s: float
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# ---------------------------------------------------------------- state
+
+
+class ContextState(enum.Enum):
+    STREAMING = "streaming"  # accepting text
+    ENDING = "ending"  # input ended; the engine speaks the rest
+
+
+@dataclass(eq=False)
+class Context:
+    key: int
+    context_id: str
+    voice: str
+    sample_rate: int
+    encoding: str
+    speed: float
+    encoder: StreamEncoder
+    state: ContextState = ContextState.STREAMING
+    text_chars: int = 0
+    seq: int = 0
+    samples_sent: int = 0  # at the context's output rate
+    compute_s: float = 0.0
+    first_text_at: float | None = None
+    first_audio_at: float | None = None
+    # Playback-stall estimate: the client starts playing on the first chunk and
+    # pauses whenever the next chunk has not arrived by the time it is needed.
+    stall_s: float = 0.0
+    stalls: int = 0
+
+    @property
+    def audio_s(self) -> float:
+        return self.samples_sent / self.sample_rate
+
+    @property
+    def ttfa_s(self) -> float | None:
+        if self.first_audio_at is None or self.first_text_at is None:
+            return None
+        return self.first_audio_at - self.first_text_at
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    voices: tuple[dict[str, Any], ...]  # as listed to clients; each has an "id"
+    default_voice: str
+    native_rate: int  # the engine's sample rate
+    default_sample_rate: int = 24000
+    default_encoding: str = "pcm_s16le"
+    max_contexts: int = 8
+    max_text_chars: int = 20_000
+
+
+@dataclass
+class Session:
+    session_id: str
+    settings: SessionSettings
+    voice: str = ""
+    sample_rate: int = 0
+    encoding: str = ""
+    draining: bool = False
+    closed: bool = False
+    contexts: dict[str, Context] = field(default_factory=dict)
+    _by_key: dict[int, Context] = field(default_factory=dict)
+    _next_key: int = 0
+
+    def __post_init__(self) -> None:
+        self._voice_ids = frozenset(v["id"] for v in self.settings.voices)
+        self.voice = self.voice or self.settings.default_voice
+        self.sample_rate = self.sample_rate or self.settings.default_sample_rate
+        self.encoding = self.encoding or self.settings.default_encoding
+
+    # ------------------------------------------------------------ connection
+
+    def open(self, query: dict[str, str]) -> list[Action]:
+        """The connection is up. ``query`` holds the URL's session defaults."""
+        try:
+            unknown = set(query) - {"voice", "sample_rate", "encoding", "api_key"}
+            if unknown:
+                raise ProtocolError(
+                    ErrorCode.BAD_MESSAGE, f"unknown query parameter(s): {', '.join(sorted(unknown))}"
+                )
+            if "voice" in query:
+                self.voice = self._check_voice(query["voice"])
+            if "sample_rate" in query:
+                self.sample_rate = self._check_rate(_parse_int(query["sample_rate"]))
+            if "encoding" in query:
+                self.encoding = self._check_encoding(query["encoding"])
+        except ProtocolError as exc:
+            return [_error(exc.code, exc.message, None), *self._close(CLOSE_POLICY, exc.message)]
+        return [
+            SendJson(
+                {
+                    "type": "ready",
+                    "protocol": PROTOCOL_VERSION,
+                    "session_id": self.session_id,
+                    "voice": self.voice,
+                    "sample_rate": self.sample_rate,
+                    "encoding": self.encoding,
+                    "voices": list(self.settings.voices),
+                }
+            )
+        ]
+
+    def refuse_overloaded(self) -> list[Action]:
+        """The gateway is at its session cap: say so, and close with 1013."""
+        return [
+            _error(ErrorCode.OVERLOADED, "the gateway is at its session limit; retry later", None),
+            *self._close(CLOSE_TRY_AGAIN_LATER, "overloaded"),
+        ]
+
+    def idle_timeout(self) -> list[Action]:
+        return [
+            _error(ErrorCode.IDLE_TIMEOUT, "no message within the idle timeout", None),
+            *self._cancel_all(),
+            *self._close(CLOSE_NORMAL, "idle timeout"),
+        ]
+
+    def client_not_reading(self) -> list[Action]:
+        """The client fell behind by more than its send buffer: cut it off."""
+        return [
+            *self._cancel_all(),
+            _error(ErrorCode.OVERLOADED, "client is not reading its audio; send buffer full", None),
+            *self._close(CLOSE_POLICY, "client not reading"),
+        ]
+
+    def start_drain(self) -> list[Action]:
+        """Shutdown begins: running contexts may finish, new ones are refused."""
+        self.draining = True
+        return []
+
+    def shutdown(self) -> list[Action]:
+        """The drain deadline passed: stop what still runs and close."""
+        return [*self._cancel_all(), *self._close(CLOSE_GOING_AWAY, "server shutting down")]
+
+    def connection_lost(self) -> list[Action]:
+        self.closed = True
+        return self._cancel_all()
+
+    @property
+    def idle(self) -> bool:
+        return not self.contexts
+
+    # ------------------------------------------------------------ client messages
+
+    def receive_message(self, data: str | bytes, now: float) -> list[Action]:
+        if self.closed:
+            return []
+        try:
+            if isinstance(data, bytes):
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, "binary frames are not accepted; send JSON text")
+            try:
+                message = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, "message is not valid JSON") from None
+            if not isinstance(message, dict):
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, "message must be a JSON object")
+            kind = message.get("type")
+            if kind not in _FIELDS:
+                raise ProtocolError(
+                    ErrorCode.BAD_MESSAGE, f"unknown message type {kind!r}; expected text, flush, end or cancel"
+                )
+            extra = set(message) - _FIELDS[kind]
+            if extra:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"unknown field(s) for {kind}: {', '.join(sorted(extra))}")
+            context_id = message.get("context_id", DEFAULT_CONTEXT)
+            if not isinstance(context_id, str) or not 0 < len(context_id) <= MAX_CONTEXT_ID_CHARS:
+                raise ProtocolError(
+                    ErrorCode.BAD_MESSAGE, f"context_id must be a string of 1-{MAX_CONTEXT_ID_CHARS} characters"
+                )
+        except ProtocolError as exc:
+            return [_error(exc.code, exc.message, None)]
+        try:
+            if kind == "text":
+                return self._on_text(context_id, message, now)
+            context = self.contexts.get(context_id)
+            if context is None:
+                raise ProtocolError(ErrorCode.UNKNOWN_CONTEXT, f"no open context {context_id!r}")
+            if kind == "cancel":
+                return self._finish_cancelled(context)
+            if context.state is not ContextState.STREAMING:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"context {context_id!r} has already ended its input")
+            if kind == "flush":
+                return [FlushInput(context.key)]
+            context.state = ContextState.ENDING
+            return [EndInput(context.key)]
+        except ProtocolError as exc:
+            return [_error(exc.code, exc.message, context_id)]
+
+    def _on_text(self, context_id: str, message: dict[str, Any], now: float) -> list[Action]:
+        text = message.get("text")
+        if not isinstance(text, str):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, "text must be a string")
+        context = self.contexts.get(context_id)
+        actions: list[Action] = []
+        if context is None:
+            context = self._new_context(context_id, message)
+            actions.append(StartUtterance(context.key, context.voice, context.speed))
+        else:
+            self._check_same_options(context, message)
+            if context.state is not ContextState.STREAMING:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"context {context_id!r} has already ended its input")
+        if context.text_chars + len(text) > self.settings.max_text_chars:
+            # Not applied; the context stays usable. A new context rejected here
+            # must not linger with no text.
+            if not context.text_chars:
+                self._remove(context)
+                return [_error(ErrorCode.TEXT_TOO_LONG, self._too_long_message(), context_id)]
+            raise ProtocolError(ErrorCode.TEXT_TOO_LONG, self._too_long_message())
+        if text:
+            context.text_chars += len(text)
+            if context.first_text_at is None:
+                context.first_text_at = now
+            actions.append(PushText(context.key, text))
+        return actions
+
+    def _too_long_message(self) -> str:
+        return f"a context holds at most {self.settings.max_text_chars} characters of text"
+
+    def _new_context(self, context_id: str, message: dict[str, Any]) -> Context:
+        if self.draining:
+            raise ProtocolError(ErrorCode.OVERLOADED, "the gateway is shutting down; no new contexts")
+        if len(self.contexts) >= self.settings.max_contexts:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_CONTEXTS,
+                f"at most {self.settings.max_contexts} contexts may be open on one connection",
+            )
+        voice = self._check_voice(message["voice"]) if "voice" in message else self.voice
+        rate = self._check_rate(message["sample_rate"]) if "sample_rate" in message else self.sample_rate
+        encoding = self._check_encoding(message["encoding"]) if "encoding" in message else self.encoding
+        speed = _check_speed(message["speed"]) if "speed" in message else 1.0
+        key = self._next_key
+        self._next_key += 1
+        context = Context(
+            key=key,
+            context_id=context_id,
+            voice=voice,
+            sample_rate=rate,
+            encoding=encoding,
+            speed=speed,
+            encoder=StreamEncoder(self.settings.native_rate, rate, encoding),
+        )
+        self.contexts[context_id] = context
+        self._by_key[key] = context
+        return context
+
+    @staticmethod
+    def _check_same_options(context: Context, message: dict[str, Any]) -> None:
+        for name in ("voice", "sample_rate", "encoding", "speed"):
+            if name in message and message[name] != getattr(context, name):
+                raise ProtocolError(
+                    ErrorCode.BAD_MESSAGE,
+                    f"{name} can only be set on a context's first text message",
+                )
+
+    def _check_voice(self, voice: Any) -> str:
+        if not isinstance(voice, str) or voice not in self._voice_ids:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_VOICE, f"unknown voice {voice!r}; available: {', '.join(sorted(self._voice_ids))}"
+            )
+        return voice
+
+    @staticmethod
+    def _check_rate(rate: Any) -> int:
+        if isinstance(rate, bool) or not isinstance(rate, int) or rate not in SAMPLE_RATES:
+            raise ProtocolError(
+                ErrorCode.UNSUPPORTED_FORMAT,
+                f"unsupported sample_rate {rate!r}; supported: {', '.join(map(str, sorted(SAMPLE_RATES)))}",
+            )
+        return rate
+
+    @staticmethod
+    def _check_encoding(encoding: Any) -> str:
+        if encoding not in ENCODINGS:
+            raise ProtocolError(
+                ErrorCode.UNSUPPORTED_FORMAT,
+                f"unsupported encoding {encoding!r}; supported: {', '.join(sorted(ENCODINGS))}",
+            )
+        return encoding
+
+    # ------------------------------------------------------------ engine events
+
+    def audio_ready(
+        self, key: int, samples: np.ndarray, words: Iterable[TimedWord], compute_s: float, now: float
+    ) -> list[Action]:
+        """The engine produced a chunk of native-rate float32 audio for a context."""
+        context = self._by_key.get(key)
+        if context is None:
+            return []  # cancelled or gone: its audio must never be sent
+        context.compute_s += compute_s
+        offset_ms = context.audio_s * 1000.0
+        data, n = context.encoder.encode(samples)
+        actions = self._send_audio(context, data, n, now)
+        timings = [
+            {
+                "text": w.text,
+                "start_ms": round(offset_ms + w.start_s * 1000.0, 1),
+                "end_ms": round(offset_ms + w.end_s * 1000.0, 1),
+            }
+            for w in words
+        ]
+        if timings:
+            actions.append(SendJson({"type": "alignment", "context_id": context.context_id, "words": timings}))
+        return actions
+
+    def utterance_finished(self, key: int, now: float) -> list[Action]:
+        """The engine spoke all input of a context that had ended."""
+        context = self._by_key.get(key)
+        if context is None:
+            return []
+        data, n = context.encoder.finish()
+        actions = self._send_audio(context, data, n, now)
+        actions.append(
+            SendJson(
+                {
+                    "type": "done",
+                    "context_id": context.context_id,
+                    "audio_ms": round(context.audio_s * 1000.0, 1),
+                    "ttfa_ms": None if context.ttfa_s is None else round(context.ttfa_s * 1000.0, 1),
+                }
+            )
+        )
+        actions.append(self._remove(context, "done"))
+        return actions
+
+    def utterance_failed(self, key: int, message: str) -> list[Action]:
+        context = self._by_key.get(key)
+        if context is None:
+            return []
+        return [
+            _error(ErrorCode.INTERNAL, f"speech generation failed: {message}", context.context_id),
+            CancelUtterance(context.key),
+            self._remove(context, "error"),
+        ]
+
+    # ------------------------------------------------------------ helpers
+
+    def _send_audio(self, context: Context, data: bytes, n: int, now: float) -> list[Action]:
+        if n == 0:
+            return []
+        offset_s = context.audio_s
+        if context.first_audio_at is None:
+            context.first_audio_at = now
+        else:
+            due = context.first_audio_at + context.stall_s + offset_s
+            if now > due:
+                context.stall_s += now - due
+                context.stalls += 1
+        header = {
+            "type": "audio",
+            "context_id": context.context_id,
+            "seq": context.seq,
+            "offset_ms": round(offset_s * 1000.0, 1),
+            "duration_ms": round(n * 1000.0 / context.sample_rate, 1),
+            "bytes": len(data),
+        }
+        context.seq += 1
+        context.samples_sent += n
+        return [SendJson(header), SendBytes(data)]
+
+    def _finish_cancelled(self, context: Context) -> list[Action]:
+        return [
+            CancelUtterance(context.key),
+            SendJson({"type": "cancelled", "context_id": context.context_id}),
+            self._remove(context, "cancelled"),
+        ]
+
+    def _cancel_all(self) -> list[Action]:
+        actions: list[Action] = []
+        for context in list(self.contexts.values()):
+            actions.append(CancelUtterance(context.key))
+            actions.append(self._remove(context, "cancelled"))
+        return actions
+
+    def _remove(self, context: Context, outcome: str = "error") -> ContextFinished:
+        del self.contexts[context.context_id]
+        del self._by_key[context.key]
+        return ContextFinished(
+            context_id=context.context_id,
+            outcome=outcome,
+            ttfa_s=context.ttfa_s,
+            audio_s=context.audio_s,
+            compute_s=context.compute_s,
+            stall_s=context.stall_s,
+            stalls=context.stalls,
+        )
+
+    def _close(self, code: int, reason: str) -> list[Action]:
+        self.closed = True
+        return [CloseSession(code, reason)]
+
+
+def _error(code: ErrorCode, message: str, context_id: str | None) -> SendJson:
+    return SendJson({"type": "error", "code": str(code), "message": message, "context_id": context_id})
+
+
+def _parse_int(value: str) -> int | str:
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
+def _check_speed(speed: Any) -> float:
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not (
+        SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]
+    ):
+        raise ProtocolError(
+            ErrorCode.BAD_MESSAGE, f"speed must be a number from {SPEED_RANGE[0]} to {SPEED_RANGE[1]}"
+        )
+    return float(speed)

@@ -1,0 +1,407 @@
+"""The I/O shell: websockets server, HTTP routes, auth, limits, metrics, drain.
+
+Everything the protocol decides lives in :mod:`gateway.protocol`; this module only
+carries its actions out: it writes frames through a bounded per-session outbox, drives
+engine utterances (one pump task per context), and runs the timers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hmac
+import logging
+import mimetypes
+import signal
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
+
+import orjson
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from engine.base import Engine, EngineError, Utterance, UtteranceOptions
+from gateway.config import Config
+from gateway.metrics import Metrics
+from gateway.protocol import (
+    Action,
+    CancelUtterance,
+    CloseSession,
+    ContextFinished,
+    EndInput,
+    FlushInput,
+    PushText,
+    SendBytes,
+    SendJson,
+    Session,
+    SessionSettings,
+    StartUtterance,
+)
+
+log = logging.getLogger("tts_gateway")
+
+STREAM_PATH = "/v1/stream"
+# A cut-off client gets this long to take its error frame and close before the
+# connection is aborted.
+CUT_OFF_GRACE_S = 2.0
+
+
+class Gateway:
+    """One gateway: an engine behind a WebSocket endpoint and its HTTP routes."""
+
+    def __init__(self, config: Config, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.metrics = Metrics(engine.name, engine.stats)
+        self.ready = False
+        self.draining = False
+        self.sessions: set[SessionRunner] = set()
+        self._server: Server | None = None
+        self._web_root = config.server.web_path.resolve()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Listen first (so /healthz and /readyz answer), then load and warm the engine."""
+        limits = self.config.limits
+        self._server = await serve(
+            self._handle_connection,
+            self.config.server.host,
+            self.config.server.port,
+            process_request=self._process_request,
+            max_size=limits.max_message_bytes,
+            # Client messages are consumed at once; a short queue bounds memory.
+            max_queue=16,
+            compression=None,  # audio does not compress; deflate would cost CPU per frame
+        )
+        log.info("listening on %s:%d", self.config.server.host, self.port)
+        await self.engine.start()
+        self.ready = True
+        self.metrics.ready.set(1)
+        log.info("engine %s ready (native %d Hz)", self.engine.name, self.engine.sample_rate)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[1]
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Stop accepting; let running contexts finish up to ``timeout``; then close all."""
+        timeout = self.config.server.drain_timeout_s if timeout is None else timeout
+        self.draining = True
+        self.ready = False
+        self.metrics.ready.set(0)
+        if self._server is not None:
+            self._server.close(close_connections=False)
+        for runner in list(self.sessions):
+            runner.apply(runner.session.start_drain())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while any(not r.session.idle for r in self.sessions) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for runner in list(self.sessions):
+            runner.apply(runner.session.shutdown())
+        await asyncio.gather(*(r.closed.wait() for r in list(self.sessions)))
+
+    async def stop(self) -> None:
+        await self.drain(timeout=0)
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        await self.engine.close()
+
+    async def serve_forever(self) -> None:
+        """Run until SIGTERM/SIGINT, then drain and stop."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        await stop.wait()
+        log.info("draining (up to %.1f s)", self.config.server.drain_timeout_s)
+        await self.drain()
+        await self.stop()
+
+    # ------------------------------------------------------------ HTTP
+
+    def _authorized(self, request: Request, query: dict[str, str]) -> bool:
+        keys = self.config.auth.api_keys
+        if not keys:
+            return True
+        presented = query.get("api_key")
+        header = request.headers.get("Authorization", "")
+        if header.lower().startswith("bearer "):
+            presented = header[7:].strip()
+        if not presented:
+            return False
+        # Compare against every key in constant time, so timing reveals nothing.
+        matches = [hmac.compare_digest(presented.encode(), key.encode()) for key in keys]
+        return any(matches)
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        url = urlsplit(request.path)
+        query = dict(parse_qsl(url.query))
+        path = url.path
+        if path == "/healthz":
+            return _response(connection, 200, b"ok\n", "text/plain; charset=utf-8")
+        if path == "/readyz":
+            if self.ready:
+                return _response(connection, 200, b"ready\n", "text/plain; charset=utf-8")
+            return _response(connection, 503, b"not ready\n", "text/plain; charset=utf-8")
+        if path in (STREAM_PATH, "/metrics", "/v1/voices") and not self._authorized(request, query):
+            self.metrics.errors.labels("unauthorized").inc()
+            return _response(connection, 401, b"missing or invalid API key\n", "text/plain; charset=utf-8")
+        if path == STREAM_PATH:
+            if not self.ready:
+                return _response(connection, 503, b"engine not ready\n", "text/plain; charset=utf-8")
+            return None  # go on with the WebSocket handshake
+        if path == "/metrics":
+            return _response(connection, 200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+        if path == "/v1/voices":
+            body = orjson.dumps(
+                {"voices": [v.as_json() for v in self.engine.voices()], "default": self.engine.default_voice}
+            )
+            return _response(connection, 200, body, "application/json")
+        return self._static(connection, path)
+
+    def _static(self, connection: ServerConnection, path: str) -> Response:
+        relative = "index.html" if path in ("", "/") else path.lstrip("/")
+        target = (self._web_root / relative).resolve()
+        if not target.is_relative_to(self._web_root) or not target.is_file():
+            return _response(connection, 404, b"not found\n", "text/plain; charset=utf-8")
+        content_type = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+        if content_type.startswith("text/") or content_type.endswith("javascript"):
+            content_type += "; charset=utf-8"
+        return _response(connection, 200, target.read_bytes(), content_type)
+
+    # ------------------------------------------------------------ WebSocket
+
+    async def _handle_connection(self, connection: ServerConnection) -> None:
+        runner = SessionRunner(self, connection)
+        self.sessions.add(runner)
+        try:
+            await runner.run()
+        finally:
+            self.sessions.discard(runner)
+
+    def session_settings(self) -> SessionSettings:
+        return SessionSettings(
+            voices=tuple(v.as_json() for v in self.engine.voices()),
+            default_voice=self.engine.default_voice,
+            native_rate=self.engine.sample_rate,
+            default_sample_rate=self.config.audio.default_sample_rate,
+            default_encoding=self.config.audio.default_encoding,
+            max_contexts=self.config.limits.max_contexts_per_session,
+            max_text_chars=self.config.limits.max_text_chars,
+        )
+
+
+class Outbox:
+    """A session's bounded send queue, drained by one writer task.
+
+    Frames leave in the order they were queued, so an audio header and its binary
+    frame stay adjacent. ``limit`` bounds the bytes waiting for a slow client.
+    """
+
+    def __init__(self, connection: ServerConnection, limit: int) -> None:
+        self._connection = connection
+        self._limit = limit
+        self._items: collections.deque[tuple[bytes, bool] | tuple[int, str]] = collections.deque()
+        self.queued_bytes = 0
+        self._wakeup = asyncio.Event()
+
+    def has_room(self, nbytes: int) -> bool:
+        return self.queued_bytes + nbytes <= self._limit
+
+    def put(self, data: bytes, text: bool) -> None:
+        self._items.append((data, text))
+        self.queued_bytes += len(data)
+        self._wakeup.set()
+
+    def put_close(self, code: int, reason: str) -> None:
+        self._items.append((code, reason))
+        self._wakeup.set()
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.queued_bytes = 0
+
+    async def run(self) -> None:
+        while True:
+            while not self._items:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            first, second = self._items.popleft()
+            if isinstance(first, int):
+                await self._connection.close(first, second)
+                return
+            self.queued_bytes -= len(first)
+            await self._connection.send(first, text=second)
+
+
+class SessionRunner:
+    """Carries out one session's protocol actions on its connection."""
+
+    def __init__(self, gateway: Gateway, connection: ServerConnection) -> None:
+        self.gateway = gateway
+        self.connection = connection
+        self.session = Session(uuid.uuid4().hex, gateway.session_settings())
+        self.outbox = Outbox(connection, gateway.config.limits.send_buffer_bytes)
+        self.closed = asyncio.Event()
+        self._utterances: dict[int, Utterance] = {}
+        self._pumps: dict[int, asyncio.Task] = {}
+        self._cut_off = False
+        self._loop = asyncio.get_running_loop()
+        self._last_activity = self._loop.time()
+
+    async def run(self) -> None:
+        gateway = self.gateway
+        writer = asyncio.create_task(self._write())
+        watchdog: asyncio.Task | None = None
+        try:
+            if len(gateway.sessions) > gateway.config.limits.max_sessions or gateway.draining:
+                self.apply(self.session.refuse_overloaded())
+            else:
+                gateway.metrics.sessions.inc()
+                gateway.metrics.sessions_active.inc()
+                query = dict(parse_qsl(urlsplit(self.connection.request.path).query))
+                self.apply(self.session.open(query))
+                watchdog = asyncio.create_task(self._watch_idle())
+                try:
+                    async for message in self.connection:
+                        self._last_activity = self._loop.time()
+                        self.apply(self.session.receive_message(message, self._loop.time()))
+                finally:
+                    gateway.metrics.sessions_active.dec()
+            await self.connection.wait_closed()
+        except ConnectionClosed:
+            pass
+        finally:
+            self.apply(self.session.connection_lost())
+            for task in (writer, watchdog, *self._pumps.values()):
+                if task is not None:
+                    task.cancel()
+            self.closed.set()
+
+    async def _write(self) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await self.outbox.run()
+
+    async def _watch_idle(self) -> None:
+        """No client frame and no audio for idle_timeout_s: the socket is idle."""
+        timeout = self.gateway.config.limits.idle_timeout_s
+        while not self.session.closed:
+            remaining = self._last_activity + timeout - self._loop.time()
+            if remaining <= 0:
+                self.apply(self.session.idle_timeout())
+                return
+            await asyncio.sleep(remaining)
+
+    # ------------------------------------------------------------ actions
+
+    def apply(self, actions: Iterable[Action]) -> None:
+        pending = collections.deque(actions)
+        while pending:
+            action = pending.popleft()
+            match action:
+                case SendJson(frame):
+                    self._send_json(frame, pending)
+                case SendBytes(data):
+                    if not self._cut_off:
+                        self.outbox.put(data, text=False)
+                case StartUtterance(key, voice, speed):
+                    self._start_utterance(key, voice, speed)
+                case PushText(key, text):
+                    self._utterances[key].push_text(text)
+                case FlushInput(key):
+                    self._utterances[key].flush()
+                case EndInput(key):
+                    self._utterances[key].end_input()
+                case CancelUtterance(key):
+                    self._stop_utterance(key)
+                case ContextFinished():
+                    self.gateway.metrics.context_finished(action)
+                case CloseSession(code, reason):
+                    self.outbox.put_close(code, reason)
+
+    def _send_json(self, frame: dict, pending: collections.deque) -> None:
+        if self._cut_off:
+            return
+        data = orjson.dumps(frame)
+        kind = frame["type"]
+        if kind == "audio":
+            # The header reserves room for its binary frame too: a pair is never split.
+            if not self.outbox.has_room(len(data) + frame["bytes"]):
+                self._cut_off_slow_reader(pending)
+                return
+            self._last_activity = self._loop.time()
+            self.gateway.metrics.audio_sent.inc(frame["duration_ms"] / 1000.0)
+        elif kind == "error":
+            self.gateway.metrics.errors.labels(frame["code"]).inc()
+        self.outbox.put(data, text=True)
+
+    def _cut_off_slow_reader(self, pending: collections.deque) -> None:
+        log.warning("session %s: client not reading, cutting it off", self.session.session_id)
+        pending.clear()  # the rest of this batch was audio for the client being cut off
+        self.outbox.clear()
+        # Cancels every context, queues the error frame (not audio: it always fits)
+        # and the close; nothing is sent after that.
+        self.apply(self.session.client_not_reading())
+        self._cut_off = True
+        self._loop.call_later(CUT_OFF_GRACE_S, self._abort)
+
+    def _abort(self) -> None:
+        if not self.closed.is_set():
+            self.connection.transport.abort()
+
+    def _start_utterance(self, key: int, voice: str, speed: float) -> None:
+        try:
+            utterance = self.gateway.engine.open_utterance(UtteranceOptions(voice=voice, speed=speed))
+        except EngineError as exc:
+            self.apply(self.session.utterance_failed(key, str(exc)))
+            return
+        self.gateway.metrics.contexts_active.inc()
+        self._utterances[key] = utterance
+        self._pumps[key] = asyncio.create_task(self._pump(key, utterance))
+
+    def _stop_utterance(self, key: int) -> None:
+        utterance = self._utterances.pop(key, None)
+        if utterance is not None:
+            utterance.cancel()
+        task = self._pumps.pop(key, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    async def _pump(self, key: int, utterance: Utterance) -> None:
+        """Move one utterance's audio into the session as it is produced."""
+        try:
+            async for chunk in utterance:
+                self.apply(
+                    self.session.audio_ready(key, chunk.samples, chunk.words, chunk.compute_s, self._loop.time())
+                )
+            self.apply(self.session.utterance_finished(key, self._loop.time()))
+        except EngineError as exc:
+            log.warning("session %s: engine failed: %s", self.session.session_id, exc)
+            self.apply(self.session.utterance_failed(key, str(exc)))
+        except Exception:
+            log.exception("session %s: unexpected engine failure", self.session.session_id)
+            self.apply(self.session.utterance_failed(key, "unexpected engine failure"))
+        finally:
+            self._utterances.pop(key, None)
+            self._pumps.pop(key, None)
+
+
+def _response(connection: ServerConnection, status: int, body: bytes, content_type: str) -> Response:
+    response = connection.respond(status, "")
+    headers = Headers(response.headers)
+    del headers["Content-Type"]
+    del headers["Content-Length"]
+    headers["Content-Type"] = content_type
+    headers["Content-Length"] = str(len(body))
+    headers["Cache-Control"] = "no-store"
+    return Response(response.status_code, response.reason_phrase, headers, body)
