@@ -306,9 +306,6 @@ class Session:
                 raise ProtocolError(
                     ErrorCode.BAD_MESSAGE, f"unknown message type {kind!r}; expected text, flush, end or cancel"
                 )
-            extra = set(message) - _FIELDS[kind]
-            if extra:
-                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"unknown field(s) for {kind}: {', '.join(sorted(extra))}")
             context_id = message.get("context_id", DEFAULT_CONTEXT)
             if not isinstance(context_id, str) or not 0 < len(context_id) <= MAX_CONTEXT_ID_CHARS:
                 raise ProtocolError(
@@ -317,6 +314,9 @@ class Session:
         except ProtocolError as exc:
             return [_error(exc.code, exc.message, None)]
         try:
+            extra = set(message) - _FIELDS[kind]
+            if extra:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"unknown field(s) for {kind}: {', '.join(sorted(extra))}")
             if kind == "text":
                 return self._on_text(context_id, message, now)
             context = self.contexts.get(context_id)
@@ -338,30 +338,26 @@ class Session:
         if not isinstance(text, str):
             raise ProtocolError(ErrorCode.BAD_MESSAGE, "text must be a string")
         context = self.contexts.get(context_id)
+        if context is not None:
+            self._check_same_options(context, message)
+            if context.state is not ContextState.STREAMING:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"context {context_id!r} has already ended its input")
+        held = context.text_chars if context is not None else 0
+        if held + len(text) > self.settings.max_text_chars:
+            # Not applied; an open context stays usable.
+            raise ProtocolError(
+                ErrorCode.TEXT_TOO_LONG, f"a context holds at most {self.settings.max_text_chars} characters of text"
+            )
         actions: list[Action] = []
         if context is None:
             context = self._new_context(context_id, message)
             actions.append(StartUtterance(context.key, context.voice, context.speed))
-        else:
-            self._check_same_options(context, message)
-            if context.state is not ContextState.STREAMING:
-                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"context {context_id!r} has already ended its input")
-        if context.text_chars + len(text) > self.settings.max_text_chars:
-            # Not applied; the context stays usable. A new context rejected here
-            # must not linger with no text.
-            if not context.text_chars:
-                self._remove(context)
-                return [_error(ErrorCode.TEXT_TOO_LONG, self._too_long_message(), context_id)]
-            raise ProtocolError(ErrorCode.TEXT_TOO_LONG, self._too_long_message())
         if text:
             context.text_chars += len(text)
             if context.first_text_at is None:
                 context.first_text_at = now
             actions.append(PushText(context.key, text))
         return actions
-
-    def _too_long_message(self) -> str:
-        return f"a context holds at most {self.settings.max_text_chars} characters of text"
 
     def _new_context(self, context_id: str, message: dict[str, Any]) -> Context:
         if self.draining:
@@ -518,7 +514,7 @@ class Session:
             actions.append(self._remove(context, "cancelled"))
         return actions
 
-    def _remove(self, context: Context, outcome: str = "error") -> ContextFinished:
+    def _remove(self, context: Context, outcome: str) -> ContextFinished:
         del self.contexts[context.context_id]
         del self._by_key[context.key]
         return ContextFinished(

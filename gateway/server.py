@@ -54,9 +54,11 @@ CUT_OFF_GRACE_S = 2.0
 class Gateway:
     """One gateway: an engine behind a WebSocket endpoint and its HTTP routes."""
 
-    def __init__(self, config: Config, engine: Engine) -> None:
+    def __init__(self, config: Config, engine: Engine, *, owns_engine: bool = True) -> None:
+        """``owns_engine=False``: the engine is already started and outlives this gateway."""
         self.config = config
         self.engine = engine
+        self._owns_engine = owns_engine
         self.metrics = Metrics(engine.name, engine.stats)
         self.ready = False
         self.draining = False
@@ -80,7 +82,8 @@ class Gateway:
             compression=None,  # audio does not compress; deflate would cost CPU per frame
         )
         log.info("listening on %s:%d", self.config.server.host, self.port)
-        await self.engine.start()
+        if self._owns_engine:
+            await self.engine.start()
         self.ready = True
         self.metrics.ready.set(1)
         log.info("engine %s ready (native %d Hz)", self.engine.name, self.engine.sample_rate)
@@ -113,7 +116,8 @@ class Gateway:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-        await self.engine.close()
+        if self._owns_engine:
+            await self.engine.close()
 
     async def serve_forever(self) -> None:
         """Run until SIGTERM/SIGINT, then drain and stop."""
@@ -336,7 +340,8 @@ class SessionRunner:
         kind = frame["type"]
         if kind == "audio":
             # The header reserves room for its binary frame too: a pair is never split.
-            if not self.outbox.has_room(len(data) + frame["bytes"]):
+            # An empty outbox always takes a pair, however large one chunk is.
+            if self.outbox.queued_bytes and not self.outbox.has_room(len(data) + frame["bytes"]):
                 self._cut_off_slow_reader(pending)
                 return
             self._last_activity = self._loop.time()
