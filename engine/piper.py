@@ -164,7 +164,10 @@ class PiperEngine(Engine):
     def _job_done(self, job: _Job, future: asyncio.Future) -> None:
         del self._running[job.utterance]
         utterance = job.utterance
-        if not utterance.cancelled:
+        if utterance.cancelled:
+            if not future.cancelled():
+                future.exception()  # a terminated run fails by design; nothing to report
+        else:
             if future.cancelled():
                 utterance._fail(EngineError("synthesis was cancelled"))
             elif future.exception() is not None:

@@ -63,6 +63,7 @@ class Gateway:
         self.ready = False
         self.draining = False
         self.sessions: set[SessionRunner] = set()
+        self.port = config.server.port
         self._server: Server | None = None
         self._web_root = config.server.web_path.resolve()
 
@@ -81,17 +82,13 @@ class Gateway:
             max_queue=16,
             compression=None,  # audio does not compress; deflate would cost CPU per frame
         )
+        self.port = self._server.sockets[0].getsockname()[1]  # the real one when config says 0
         log.info("listening on %s:%d", self.config.server.host, self.port)
         if self._owns_engine:
             await self.engine.start()
         self.ready = True
         self.metrics.ready.set(1)
         log.info("engine %s ready (native %d Hz)", self.engine.name, self.engine.sample_rate)
-
-    @property
-    def port(self) -> int:
-        assert self._server is not None
-        return self._server.sockets[0].getsockname()[1]
 
     async def drain(self, timeout: float | None = None) -> None:
         """Stop accepting; let running contexts finish up to ``timeout``; then close all."""

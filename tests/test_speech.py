@@ -16,7 +16,6 @@ from gateway.client import TTSClient
 
 from .conftest import until, ws_url
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 def transcribe(pcm_s16le_16k: bytes) -> list[str]:
