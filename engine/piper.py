@@ -93,6 +93,9 @@ class PiperEngine(Engine):
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = self.settings.threads_per_worker
         options.inter_op_num_threads = 1
+        # Idle intra-op threads would otherwise spin for a while after each run,
+        # taking cores from the other workers on a small machine.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._voice = PiperVoice.load(model, config)
         self.sample_rate = self._voice.config.sample_rate
         self._language = self._voice.config.espeak_voice.replace("en-us", "en-US")

