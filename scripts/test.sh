@@ -5,6 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
+pip() { .venv/bin/python -m pip install -q "$@"; }
+pip --upgrade pip
+# torch first and pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
+pip torch==2.13.0
+pip -e '.[test,cosyvoice2]'
+# The official CosyVoice2 implementation, test-only, for the equivalence tests.
+pip -r tests/requirements-reference.txt
+pip --no-deps cosyvoice-minicpmo==0.1.0
 exec .venv/bin/python -m pytest "$@"
