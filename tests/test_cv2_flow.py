@@ -1,0 +1,490 @@
+"""CosyVoice2 flow decoder (CFM + estimator) and the whole flow vs the official implementation.
+
+Equivalence tests build the official module at tiny size, give every parameter a
+non-trivial random value, load its state dict strictly into ours (and ours into it), and
+compare float32 outputs on the same inputs and the same noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from engine.cosyvoice2.flow import (
+    CFM,
+    CFMConfig,
+    CFMStreamCache,
+    Estimator,
+    EstimatorConfig,
+    Flow,
+    FlowConfig,
+    FlowStreamCache,
+    chunk_attention_mask,
+)
+from tests.reference import official
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tiny ops gain nothing from intra-op threads; on a shared 2-core machine the
+    threads' spin-waits made this file 10x slower. Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def randomize_(module: nn.Module, seed: int) -> nn.Module:
+    """Every parameter random and non-trivial, scaled so activations stay O(1)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if param.dim() >= 2:
+                param.copy_(noise / param[0].numel() ** 0.5)
+            elif name.endswith("weight"):  # norm gains
+                param.copy_(1 + 0.1 * noise)
+            else:
+                param.copy_(0.1 * noise)
+    return module.eval()
+
+
+def official_estimator(config: EstimatorConfig) -> nn.Module:
+    decoder = official("cosyvoice.flow.decoder")
+    return decoder.CausalConditionalDecoder(**dataclasses.asdict(config))
+
+
+def official_cfm(config: CFMConfig) -> nn.Module:
+    from omegaconf import DictConfig
+
+    flow_matching = official("cosyvoice.flow.flow_matching")
+    return flow_matching.CausalConditionalCFM(
+        in_channels=config.in_channels,
+        n_spks=config.n_spks,
+        spk_emb_dim=config.spk_emb_dim,
+        cfm_params=DictConfig(dataclasses.asdict(config.cfm_params)),
+        estimator=official_estimator(config.estimator),
+    )
+
+
+def max_err(a: Tensor, b: Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def cfm_pair() -> tuple[nn.Module, CFM]:
+    reference = randomize_(official_cfm(CFMConfig.tiny()), seed=1)
+    ours = CFM(CFMConfig.tiny()).eval()
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    return reference, ours
+
+
+def decoder_inputs(frames: int, prompt: int, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mu, mask, spks, cond for one row: cond holds a 'prompt mel' in the first frames."""
+    generator = torch.Generator().manual_seed(seed)
+    mu = torch.randn(1, 80, frames, generator=generator)
+    spks = torch.randn(1, 80, generator=generator)
+    cond = torch.zeros(1, 80, frames)
+    cond[:, :, :prompt] = torch.randn(1, 80, prompt, generator=generator)
+    return mu, torch.ones(1, 1, frames), spks, cond
+
+
+# ----------------------------------------------------------------------------- decoder
+
+
+def test_equivalence_flow_estimator(cfm_pair) -> None:
+    reference, ours = cfm_pair
+    generator = torch.Generator().manual_seed(2)
+    frames = 130  # 2 full 50-frame chunks and a partial one
+    x, mu, cond = (torch.randn(2, 80, frames, generator=generator) for _ in range(3))
+    spks, t = torch.randn(2, 80, generator=generator), torch.rand(2, generator=generator)
+    mask = torch.ones(2, 1, frames)
+    mask[1, :, 90:] = 0  # a padded row
+    for streaming in (False, True):
+        with torch.inference_mode():
+            expected = reference.estimator(x, mask, mu, t, spks, cond, streaming=streaming)
+            got = ours.estimator(x, mask, mu, t, spks, cond, streaming=streaming)
+        assert expected.abs().max() > 1.0  # not a degenerate comparison
+        assert max_err(got, expected) <= TOLERANCE, streaming
+
+
+def test_equivalence_flow_estimator_reverse_load() -> None:
+    ours = randomize_(Estimator(EstimatorConfig.tiny()), seed=3)
+    reference = official_estimator(EstimatorConfig.tiny()).eval()
+    reference.load_state_dict(ours.state_dict(), strict=True)
+    generator = torch.Generator().manual_seed(4)
+    x, mu, cond = (torch.randn(1, 80, 60, generator=generator) for _ in range(3))
+    spks, t, mask = torch.randn(1, 80, generator=generator), torch.rand(1, generator=generator), torch.ones(1, 1, 60)
+    with torch.inference_mode():
+        got = ours(x, mask, mu, t, spks, cond, streaming=True)
+        expected = reference(x, mask, mu, t, spks, cond, streaming=True)
+    assert max_err(got, expected) <= TOLERANCE
+
+
+def test_equivalence_flow_cfm(cfm_pair) -> None:
+    reference, ours = cfm_pair
+    # The default noise is the official fixed noise (seed 0), drawn without touching the global RNG.
+    assert torch.equal(ours.noise, reference.rand_noise)
+    mu, mask, spks, cond = decoder_inputs(frames=110, prompt=36, seed=5)
+    for streaming in (False, True):
+        with torch.inference_mode():
+            expected, _ = reference(mu, mask, 10, spks=spks, cond=cond, streaming=streaming)
+            got = ours(mu, mask, spks, cond, streaming=streaming)
+        assert expected.abs().max() > 1.0
+        assert max_err(got, expected) <= TOLERANCE, streaming
+    # Explicit noise: the official module's noise buffer, replaced by another tensor.
+    other = torch.randn(1, 80, 150, generator=torch.Generator().manual_seed(6))
+    reference.rand_noise, saved = other, reference.rand_noise
+    try:
+        with torch.inference_mode():
+            expected, _ = reference(mu, mask, 10, spks=spks, cond=cond, streaming=True)
+    finally:
+        reference.rand_noise = saved
+    with torch.inference_mode():
+        got = ours(mu, mask, spks, cond, streaming=True, noise=other)
+    assert max_err(got, expected) <= TOLERANCE
+
+
+def test_flow_cfm_batched_rows_equal_single(cfm_pair) -> None:
+    """Rows of different lengths in one batch (one estimator call per step) equal running each alone."""
+    _, ours = cfm_pair
+    lengths, prompts = [110, 57, 81], [36, 20, 0]
+    rows = [decoder_inputs(n, p, seed=10 + i) for i, (n, p) in enumerate(zip(lengths, prompts))]
+    longest = max(lengths)
+
+    def padded(i: int) -> Tensor:
+        return torch.stack([nn.functional.pad(row[i][0], (0, longest - row[i].shape[-1])) for row in rows])
+
+    mu, mask, cond = padded(0), padded(1), padded(3)
+    spks = torch.cat([row[2] for row in rows])
+    for streaming in (False, True):
+        with torch.inference_mode():
+            batched = ours(mu, mask, spks, cond, streaming=streaming)
+            for i, (row, n) in enumerate(zip(rows, lengths)):
+                alone = ours(row[0], row[1], row[2], row[3], streaming=streaming)
+                assert max_err(batched[i : i + 1, :, :n], alone) <= 1e-5, (streaming, i)
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def test_flow_chunk_mask_equals_official_without_host_sync() -> None:
+    mask_utils = official("cosyvoice.utils.mask")
+    lengths = torch.tensor([7, 0, 3, 5])  # an empty row exercises the "no visible key" rule
+    size = 7
+    pad_mask = ~mask_utils.make_pad_mask(lengths, size)[:, None, :]  # [B, 1, T], True = real
+    positions = torch.arange(size)[None]
+    for chunk in (0, 2, 3, 50):
+        expected = mask_utils.add_optional_chunk_mask(torch.zeros(4, size, 1), pad_mask.clone(), False, False, 0, chunk, -1)
+        expected = expected.expand(-1, size, -1)  # the non-chunked form is [B, 1, T], repeated by the caller
+        got = chunk_attention_mask(pad_mask[:, 0], positions, chunk)
+        assert got.shape == (4, 1, size, size)
+        assert torch.equal(got[:, 0], expected), chunk
+
+    # No data-dependent host read: the mask builds on the meta device (shapes only),
+    # where the official helper's .item() check cannot run.
+    meta_mask = pad_mask.to("meta")
+    got = chunk_attention_mask(meta_mask[:, 0], positions.to("meta"), 50)
+    assert got.shape == (4, 1, size, size) and got.dtype == torch.bool
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        mask_utils.add_optional_chunk_mask(torch.zeros(4, size, 1, device="meta"), meta_mask, False, False, 0, 50, -1)
+
+
+def test_flow_estimator_runs_without_host_sync() -> None:
+    """The whole estimator pass (masks included) runs on the meta device: nothing reads tensor data on the host."""
+    with torch.device("meta"):
+        estimator = Estimator(EstimatorConfig.tiny()).eval()
+        x, mu, cond = (torch.zeros(2, 80, 75) for _ in range(3))
+        out = estimator(x, torch.ones(2, 1, 75), mu, torch.zeros(2), torch.zeros(2, 80), cond, streaming=True)
+    assert out.shape == (2, 80, 75)
+
+
+# ----------------------------------------------------------------------------- chunk-causality
+
+
+def test_chunk_causality_flow_decoder(cfm_pair) -> None:
+    """Appending frames leaves earlier complete 50-frame chunks unchanged (streaming mode), so they can be cached.
+
+    Measured (tiny model, float32): estimator output and final mel of frames in complete
+    chunks differ by <= ~1e-6 (float rounding); frames of the shorter run's partial chunk
+    and, without the chunk mask, all frames differ by O(0.1..1).
+    """
+    _, ours = cfm_pair
+    mu, mask, spks, cond = decoder_inputs(frames=150, prompt=36, seed=20)
+    generator = torch.Generator().manual_seed(21)
+    x, t = torch.randn(1, 80, 150, generator=generator), torch.rand(1, generator=generator)
+
+    def run(frames: int, streaming: bool) -> tuple[Tensor, Tensor]:
+        args = (mu[:, :, :frames], mask[:, :, :frames], spks, cond[:, :, :frames])
+        with torch.inference_mode():
+            velocity = ours.estimator(x[:, :, :frames], args[1], args[0], t, spks, args[3], streaming=streaming)
+            return velocity, ours(*args, streaming=streaming)
+
+    full_velocity, full_mel = run(150, streaming=True)
+    for short, stable in ((100, 100), (120, 100)):  # 2 whole chunks; 2 whole chunks + 20 frames
+        velocity, mel = run(short, streaming=True)
+        assert max_err(velocity[:, :, :stable], full_velocity[:, :, :stable]) <= 1e-5
+        assert max_err(mel[:, :, :stable], full_mel[:, :, :stable]) <= 1e-5
+        if short > stable:  # the partial chunk saw fewer frames of its own chunk
+            assert max_err(mel[:, :, stable:], full_mel[:, :, stable:short]) > 1e-2
+    # Full attention: every frame sees the future.
+    _, full_mel = run(150, streaming=False)
+    _, mel = run(100, streaming=False)
+    assert (mel[:, :, :50] - full_mel[:, :, :50]).abs().max() > 1e-2
+
+
+def test_chunk_causality_flow_decoder_incremental(cfm_pair) -> None:
+    """CFM.forward_chunk over growing prefixes returns the same mel as a full re-run per prefix."""
+    _, ours = cfm_pair
+    total = 210
+    mu, mask, spks, cond = decoder_inputs(frames=total, prompt=36, seed=30)
+    cache = CFMStreamCache()
+    chunk = ours.config.estimator.static_chunk_size
+    ends = [86, 150, 175, 210]  # boundaries on and off the 50-frame grid
+    for end in ends:
+        start = cache.committed[0] if cache.started else 0
+        commit = (end // chunk) * chunk - start
+        with torch.inference_mode():
+            expected = ours(mu[:, :, :end], mask[:, :, :end], spks, cond[:, :, :end], streaming=True)
+            got = ours.forward_chunk(
+                cache, mu[:, :, start:end], mask[:, :, start:end], spks, cond[:, :, start:end],
+                ours.noise[:, :, start:end], [start], [commit],
+            )
+        assert max_err(got, expected[:, :, start:end]) <= 1e-5, end
+        assert cache.committed == [(end // chunk) * chunk]
+
+
+# ----------------------------------------------------------------------------- the whole flow
+
+
+def official_flow(config: FlowConfig) -> nn.Module:
+    encoder = official("cosyvoice.transformer.upsample_encoder").UpsampleConformerEncoder(
+        **dataclasses.asdict(config.encoder)
+    )
+    arguments = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in ("encoder", "decoder")}
+    flow = official("cosyvoice.flow.flow")
+    return flow.CausalMaskedDiffWithXvec(**arguments, encoder=encoder, decoder=official_cfm(config.decoder))
+
+
+@pytest.fixture(scope="module")
+def flow_pair() -> tuple[nn.Module, Flow]:
+    reference = randomize_(official_flow(FlowConfig.tiny()), seed=7)
+    ours = Flow(FlowConfig.tiny()).eval()
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    return reference, ours
+
+
+@dataclasses.dataclass
+class Utterance:
+    prompt_token: Tensor  # [1, P]
+    token: Tensor  # [1, N]
+    prompt_feat: Tensor  # [1, 2P, 80]
+    embedding: Tensor  # [1, 192]
+
+    def args(self, tokens: int | None = None) -> tuple[Tensor, ...]:
+        """Official ``inference`` arguments up to ``embedding``, with the first ``tokens`` new tokens."""
+        n = self.token.shape[1] if tokens is None else tokens
+        p = self.prompt_token.shape[1]
+        return (
+            self.token[:, :n], torch.tensor([n]), self.prompt_token, torch.tensor([p]),
+            self.prompt_feat, torch.tensor([2 * p]), self.embedding,
+        )
+
+
+def utterance(prompt: int, tokens: int, seed: int, vocab: int = 100) -> Utterance:
+    generator = torch.Generator().manual_seed(seed)
+    return Utterance(
+        prompt_token=torch.randint(0, vocab, (1, prompt), generator=generator),
+        token=torch.randint(0, vocab, (1, tokens), generator=generator),
+        prompt_feat=torch.randn(1, 2 * prompt, 80, generator=generator),
+        embedding=torch.randn(1, 192, generator=generator),
+    )
+
+
+def test_equivalence_flow(flow_pair) -> None:
+    reference, ours = flow_pair
+    speech = utterance(prompt=13, tokens=40, seed=40)
+    for streaming in (False, True):
+        for finalize in (False, True):
+            with torch.inference_mode():
+                expected, _ = reference.inference(*speech.args(), streaming, finalize)
+                got = ours.inference(*speech.args(), streaming=streaming, finalize=finalize)
+            assert expected.shape == (1, 80, 2 * (40 - (0 if finalize else 3)))
+            assert expected.abs().max() > 1.0
+            assert max_err(got, expected) <= TOLERANCE, (streaming, finalize)
+
+
+def test_equivalence_flow_empty_prompt(flow_pair) -> None:
+    """No prompt (no prompt tokens, no prompt mel): whole and incremental inference."""
+    reference, ours = flow_pair
+    speech = Utterance(
+        prompt_token=torch.zeros(1, 0, dtype=torch.long),
+        token=torch.randint(0, 100, (1, 60), generator=torch.Generator().manual_seed(42)),
+        prompt_feat=torch.zeros(1, 0, 80),
+        embedding=torch.randn(1, 192, generator=torch.Generator().manual_seed(43)),
+    )
+    with torch.inference_mode():
+        expected, _ = reference.inference(*speech.args(), False, True)
+        got = ours.inference(*speech.args(), streaming=False, finalize=True)
+        assert max_err(got, expected) <= TOLERANCE
+        cache = FlowStreamCache()
+        for (n, final), want in zip(((28, False), (60, True)), official_stream(reference, speech, [25])):
+            mel, _ = ours.inference_chunk(cache, *speech.args(n), finalize=final)
+            assert max_err(mel, want) <= TOLERANCE
+
+
+def test_equivalence_flow_reverse_load() -> None:
+    """Our random state dict loads strictly into the official flow, which then gives our output."""
+    ours = randomize_(Flow(FlowConfig.tiny()), seed=8)
+    reference = official_flow(FlowConfig.tiny()).eval()
+    reference.load_state_dict(ours.state_dict(), strict=True)
+    speech = utterance(prompt=10, tokens=30, seed=41)
+    with torch.inference_mode():
+        expected, _ = reference.inference(*speech.args(), True, True)
+        got = ours.inference(*speech.args(), streaming=True, finalize=True)
+    assert max_err(got, expected) <= TOLERANCE
+
+
+def test_equivalence_flow_batched(flow_pair) -> None:
+    """Rows with different prompt and token lengths in one batch: each equals the official run of that row alone."""
+    reference, ours = flow_pair
+    rows = [utterance(13, 40, seed=50), utterance(7, 22, seed=51), utterance(20, 31, seed=52)]
+
+    def stack(tensors: list[Tensor]) -> Tensor:
+        width = max(t.shape[1] for t in tensors)
+        return torch.cat([nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1])) for t in tensors])
+
+    batch = (
+        stack([r.token for r in rows]), torch.tensor([r.token.shape[1] for r in rows]),
+        stack([r.prompt_token for r in rows]), torch.tensor([r.prompt_token.shape[1] for r in rows]),
+        stack([r.prompt_feat for r in rows]), torch.tensor([r.prompt_feat.shape[1] for r in rows]),
+        torch.cat([r.embedding for r in rows]),
+    )
+    for streaming, finalize in ((True, False), (False, True)):
+        with torch.inference_mode():
+            mel, mel_len = ours.inference_batch(*batch, streaming=streaming, finalize=finalize)
+        for i, row in enumerate(rows):
+            with torch.inference_mode():
+                expected, _ = reference.inference(*row.args(), streaming, finalize)
+            assert int(mel_len[i]) == expected.shape[2]
+            assert max_err(mel[i : i + 1, :, : expected.shape[2]], expected) <= TOLERANCE, (streaming, finalize, i)
+            assert not mel[i, :, expected.shape[2] :].any()
+
+
+def official_stream(reference: nn.Module, speech: Utterance, hops: list[int]) -> list[Tensor]:
+    """The official CosyVoice2 streaming loop: for every hop, re-run the flow on prompt + all
+    tokens so far (+ 3 look-ahead tokens) and keep the frames after the previous hop;
+    finally run once more with finalize=True."""
+    pieces, offset = [], 0
+    for hop in hops:
+        n = offset + hop + 3
+        mel, _ = reference.inference(*speech.args(n), True, False)
+        pieces.append(mel[:, :, 2 * offset :])
+        offset += hop
+    mel, _ = reference.inference(*speech.args(), True, True)
+    pieces.append(mel[:, :, 2 * offset :])
+    return pieces
+
+
+def test_equivalence_flow_incremental(flow_pair) -> None:
+    """``Flow.inference_chunk`` computes only the frames after the last complete chunk and
+    returns exactly what the official full re-run returns, chunk by chunk.
+
+    Measured: max abs diff <= 2.4e-6 for both the official chunking (first hop padded so
+    that prompt + tokens end on a 25-token boundary) and arbitrary hop sizes.
+    """
+    reference, ours = flow_pair
+    speech = utterance(prompt=13, tokens=130, seed=60)
+    aligned = [25 + (-13) % 25, 25, 25, 25]
+    for hops in (aligned, [17, 30, 9, 40]):
+        with torch.inference_mode():
+            expected = official_stream(reference, speech, hops)
+        cache, offset = FlowStreamCache(), 0
+        for i, hop in enumerate(hops + [None]):
+            final = hop is None
+            n = speech.token.shape[1] if final else offset + hop + 3
+            with torch.inference_mode():
+                mel, mel_len = ours.inference_chunk(cache, *speech.args(n), finalize=final)
+            assert mel.shape[2] == int(mel_len[0]) == expected[i].shape[2]
+            assert max_err(mel, expected[i]) <= TOLERANCE, (hops, i)
+            offset += 0 if final else hop
+        # Only whole chunks were ever cached: decoder and encoder agree on where they end.
+        assert cache.decoder.committed[0] % 50 == 0
+        assert cache.decoder.committed[0] == 2 * cache.encoder[0].committed or cache.encoder[0].finished
+
+
+def test_equivalence_flow_incremental_batched(flow_pair) -> None:
+    """Two sessions (different prompts and hop sizes) streamed in one cache: each equals its official stream."""
+    reference, ours = flow_pair
+    sessions = [utterance(13, 90, seed=70), utterance(30, 70, seed=71)]
+    hops = [[37, 25, 20], [20, 30, 10]]
+    with torch.inference_mode():
+        expected = [official_stream(reference, s, h) for s, h in zip(sessions, hops)]
+    cache, offsets = FlowStreamCache(), [0, 0]
+    for step in range(len(hops[0]) + 1):
+        final = step == len(hops[0])
+        counts = [s.token.shape[1] if final else o + h[step] + 3 for s, o, h in zip(sessions, offsets, hops)]
+        parts = [s.args(n) for s, n in zip(sessions, counts)]
+        token = torch.zeros(2, max(counts), dtype=torch.long)
+        for row, n in enumerate(counts):
+            token[row, :n] = parts[row][0][0]
+        prompt_token = torch.zeros(2, 30, dtype=torch.long)
+        prompt_feat = torch.zeros(2, 60, 80)
+        for row, s in enumerate(sessions):
+            prompt_token[row, : s.prompt_token.shape[1]] = s.prompt_token[0]
+            prompt_feat[row, : s.prompt_feat.shape[1]] = s.prompt_feat[0]
+        with torch.inference_mode():
+            mel, mel_len = ours.inference_chunk(
+                cache, token, torch.tensor(counts), prompt_token, torch.tensor([13, 30]), prompt_feat,
+                torch.tensor([26, 60]), torch.cat([s.embedding for s in sessions]), finalize=final,
+            )
+        for row in range(2):
+            want = expected[row][step]
+            assert int(mel_len[row]) == want.shape[2]
+            assert max_err(mel[row : row + 1, :, : want.shape[2]], want) <= TOLERANCE, (step, row)
+        if not final:
+            offsets = [o + h[step] for o, h in zip(offsets, hops)]
+
+
+def test_chunk_causality_flow(flow_pair) -> None:
+    """The official flow, streaming: appending tokens leaves the mel of complete chunks unchanged.
+
+    Prompt 25 tokens (50 frames), then 50 or 62 new tokens encoded (finalize=False, 3 more
+    as look-ahead) vs 87: new frames 0..99 end on a chunk boundary (absolute frame 150).
+    Measured: complete chunks differ by ~1.4e-6 (float rounding); the partial chunk of the
+    62-token run (new frames 100..123) by ~6e-2; without chunk masks (streaming=False)
+    every frame differs, ~0.1..0.2 (mel values up to ~5).
+    """
+    reference, _ = flow_pair
+    speech = utterance(prompt=25, tokens=90, seed=80)
+
+    def run(tokens: int, streaming: bool) -> Tensor:
+        with torch.inference_mode():
+            return reference.inference(*speech.args(tokens), streaming, False)[0]
+
+    longest = run(90, streaming=True)
+    assert max_err(run(53, streaming=True), longest[:, :, :100]) <= 1e-5
+    partial = run(65, streaming=True)
+    assert max_err(partial[:, :, :100], longest[:, :, :100]) <= 1e-5
+    assert (partial[:, :, 100:] - longest[:, :, 100:124]).abs().max() > 1e-2
+    assert (run(53, streaming=False) - run(90, streaming=False)[:, :, :100]).abs().max() > 1e-2
+
+
+def test_flow_full_size_matches_official_keys_and_shapes() -> None:
+    """CosyVoice2-0.5B sizes (cosyvoice2.yaml), built on the meta device: identical state dict keys and shapes."""
+    config = FlowConfig.full()
+    with torch.device("meta"):
+        reference = official_flow(config)
+        ours = Flow(config)
+    expected = {name: tuple(t.shape) for name, t in reference.state_dict().items()}
+    got = {name: tuple(t.shape) for name, t in ours.state_dict().items()}
+    assert got == expected
+    assert sum(p.numel() for p in ours.parameters()) == 112_549_360  # 112.5 M
+    ours.load_state_dict(reference.state_dict(), strict=True, assign=True)
+    reference.load_state_dict(ours.state_dict(), strict=True, assign=True)
