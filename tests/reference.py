@@ -11,6 +11,8 @@ machine without its full training stack:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import importlib.machinery
 import sys
@@ -39,3 +41,35 @@ def official(module: str) -> types.ModuleType:
     """``official("cosyvoice.hifigan.generator")`` -> the reference module."""
     _install_torchaudio_placeholder()
     return importlib.import_module(module)
+
+
+def official_modules(llm_cfg, flow_cfg, hift_cfg):
+    """The official modules, constructed from our configs' (= the yaml's) values."""
+    import torch
+    from omegaconf import DictConfig
+    from transformers import Qwen2ForCausalLM
+
+    llm_mod = official("cosyvoice.llm.llm")
+    common = official("cosyvoice.utils.common")
+    backbone = llm_mod.Qwen2Encoder.__new__(llm_mod.Qwen2Encoder)
+    torch.nn.Module.__init__(backbone)  # from_pretrained would need blank weights on disk
+    backbone.model = Qwen2ForCausalLM(llm_cfg.qwen_config())
+    sampling = functools.partial(common.ras_sampling, **dataclasses.asdict(llm_cfg.sampling))
+    llm = llm_mod.Qwen2LM(llm_cfg.llm_input_size, llm_cfg.llm_output_size, llm_cfg.speech_token_size, backbone,
+                          sampling, llm_cfg.length_normalized_loss, llm_cfg.lsm_weight, list(llm_cfg.mix_ratio))
+
+    encoder = official("cosyvoice.transformer.upsample_encoder").UpsampleConformerEncoder(
+        **dataclasses.asdict(flow_cfg.encoder))
+    dec = flow_cfg.decoder
+    estimator = official("cosyvoice.flow.decoder").CausalConditionalDecoder(**dataclasses.asdict(dec.estimator))
+    cfm = official("cosyvoice.flow.flow_matching").CausalConditionalCFM(
+        dec.in_channels, DictConfig(dataclasses.asdict(dec.cfm_params)), dec.n_spks, dec.spk_emb_dim, estimator)
+    flow_kwargs = {f.name: getattr(flow_cfg, f.name) for f in dataclasses.fields(flow_cfg)}
+    flow_kwargs.update(encoder=encoder, decoder=cfm)
+    flow = official("cosyvoice.flow.flow").CausalMaskedDiffWithXvec(**flow_kwargs)
+
+    hift_kwargs = {f.name: getattr(hift_cfg, f.name) for f in dataclasses.fields(hift_cfg)}
+    hift_kwargs["f0_predictor"] = official("cosyvoice.hifigan.f0_predictor").ConvRNNF0Predictor(
+        **dataclasses.asdict(hift_cfg.f0_predictor))
+    hift = official("cosyvoice.hifigan.generator").HiFTGenerator(**hift_kwargs)
+    return llm, flow, hift

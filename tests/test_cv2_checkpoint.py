@@ -9,7 +9,6 @@ tokens into finite audio.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import json
 import shutil
@@ -35,7 +34,7 @@ from engine.cosyvoice2.yamlconf import (
     load_yaml,
     write_yaml,
 )
-from tests.reference import official
+from tests.reference import official, official_modules
 
 OFFICIAL_YAML = Path(__file__).parent / "data" / "cosyvoice2_official.yaml"
 FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx",
@@ -225,40 +224,9 @@ def test_official_hyperpyyaml_loads_what_we_write(tiny_dir: Path, tmp_path: Path
 # ----------------------------------------------------------------------------- weights
 
 
-def _official_modules(llm_cfg: LLMConfig, flow_cfg: FlowConfig, hift_cfg: HiFTConfig):
-    """The official modules, constructed from our configs' (= the yaml's) values."""
-    from omegaconf import DictConfig
-    from transformers import Qwen2ForCausalLM
-
-    llm_mod = official("cosyvoice.llm.llm")
-    common = official("cosyvoice.utils.common")
-    backbone = llm_mod.Qwen2Encoder.__new__(llm_mod.Qwen2Encoder)
-    torch.nn.Module.__init__(backbone)  # from_pretrained would need blank weights on disk
-    backbone.model = Qwen2ForCausalLM(llm_cfg.qwen_config())
-    sampling = functools.partial(common.ras_sampling, **dataclasses.asdict(llm_cfg.sampling))
-    llm = llm_mod.Qwen2LM(llm_cfg.llm_input_size, llm_cfg.llm_output_size, llm_cfg.speech_token_size, backbone,
-                          sampling, llm_cfg.length_normalized_loss, llm_cfg.lsm_weight, list(llm_cfg.mix_ratio))
-
-    encoder = official("cosyvoice.transformer.upsample_encoder").UpsampleConformerEncoder(
-        **dataclasses.asdict(flow_cfg.encoder))
-    dec = flow_cfg.decoder
-    estimator = official("cosyvoice.flow.decoder").CausalConditionalDecoder(**dataclasses.asdict(dec.estimator))
-    cfm = official("cosyvoice.flow.flow_matching").CausalConditionalCFM(
-        dec.in_channels, DictConfig(dataclasses.asdict(dec.cfm_params)), dec.n_spks, dec.spk_emb_dim, estimator)
-    flow_kwargs = {f.name: getattr(flow_cfg, f.name) for f in dataclasses.fields(flow_cfg)}
-    flow_kwargs.update(encoder=encoder, decoder=cfm)
-    flow = official("cosyvoice.flow.flow").CausalMaskedDiffWithXvec(**flow_kwargs)
-
-    hift_kwargs = {f.name: getattr(hift_cfg, f.name) for f in dataclasses.fields(hift_cfg)}
-    hift_kwargs["f0_predictor"] = official("cosyvoice.hifigan.f0_predictor").ConvRNNF0Predictor(
-        **dataclasses.asdict(hift_cfg.f0_predictor))
-    hift = official("cosyvoice.hifigan.generator").HiFTGenerator(**hift_kwargs)
-    return llm, flow, hift
-
-
 def test_weights_load_strictly_into_official_modules_and_make_finite_audio(tiny_dir: Path):
     configs = load_model_configs(tiny_dir)
-    llm, flow, hift = _official_modules(configs.llm, configs.flow, configs.hift)
+    llm, flow, hift = official_modules(configs.llm, configs.flow, configs.hift)
     llm.load_state_dict(_load(tiny_dir / "llm.pt"), strict=True)
     flow.load_state_dict(_load(tiny_dir / "flow.pt"), strict=True)
     hift_state = _load(tiny_dir / "hift.pt")

@@ -181,7 +181,9 @@ def test_flow_chunk_mask_equals_official_without_host_sync() -> None:
     pad_mask = ~mask_utils.make_pad_mask(lengths, size)[:, None, :]  # [B, 1, T], True = real
     positions = torch.arange(size)[None]
     for chunk in (0, 2, 3, 50):
-        expected = mask_utils.add_optional_chunk_mask(torch.zeros(4, size, 1), pad_mask.clone(), False, False, 0, chunk, -1)
+        expected = mask_utils.add_optional_chunk_mask(
+            torch.zeros(4, size, 1), pad_mask.clone(), False, False, 0, chunk, -1
+        )
         expected = expected.expand(-1, size, -1)  # the non-chunked form is [B, 1, T], repeated by the caller
         got = chunk_attention_mask(pad_mask[:, 0], positions, chunk)
         assert got.shape == (4, 1, size, size)
@@ -267,7 +269,9 @@ def official_flow(config: FlowConfig) -> nn.Module:
     encoder = official("cosyvoice.transformer.upsample_encoder").UpsampleConformerEncoder(
         **dataclasses.asdict(config.encoder)
     )
-    arguments = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in ("encoder", "decoder")}
+    arguments = {
+        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in ("encoder", "decoder")
+    }
     flow = official("cosyvoice.flow.flow")
     return flow.CausalMaskedDiffWithXvec(**arguments, encoder=encoder, decoder=official_cfm(config.decoder))
 

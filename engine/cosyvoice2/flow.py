@@ -200,7 +200,6 @@ class CFMStreamCache:
 
     def __init__(self) -> None:
         self.committed: list[int] = []  # per session: frames whose states are stored
-        self.emitted: list[int] = []  # per session: frames already returned (prompt counted)
         self.capacity = 0  # frames the key/value buffers can hold
         self.keys: list[Tensor] = []  # [step * n_attention + layer] -> [2B, heads, capacity, head_dim]
         self.values: list[Tensor] = []
@@ -220,7 +219,14 @@ class _StepView:
     """
 
     def __init__(
-        self, cache: CFMStreamCache, step: int, start: Tensor, commit: Tensor, key_len: int, n_attention: int, n_conv: int
+        self,
+        cache: CFMStreamCache,
+        step: int,
+        start: Tensor,
+        commit: Tensor,
+        key_len: int,
+        n_attention: int,
+        n_conv: int,
     ) -> None:
         self.cache = cache
         self.start = start
@@ -576,7 +582,6 @@ class CFM(nn.Module):
         rows = 2 * sessions
         if not cache.started:
             cache.committed = [0] * sessions
-            cache.emitted = [0] * sessions
             cache.conv_context = [
                 like.new_zeros(rows, conv.in_channels, conv.context)
                 for _ in range(N_TIMESTEPS)
@@ -757,7 +762,8 @@ class Flow(nn.Module):
         token ``[B, N]`` / token_len ``[B]``; prompt_token ``[B, P]`` / prompt_token_len;
         prompt_feat ``[B, Tp, 80]`` / prompt_feat_len (= 2 x prompt tokens); embedding
         ``[B, 192]``. finalize (one flag, or one per row): where False, the last
-        ``pre_lookahead_len`` tokens are held back as look-ahead. noise: ``[1 or B, 80, >= frames]`` (default: the official fixed noise).
+        ``pre_lookahead_len`` tokens are held back as look-ahead. noise: ``[1 or B, 80,
+        >= frames]`` (default: the official fixed noise).
         Returns mel ``[B, 80, max new frames]`` (float32) and the new frame counts ``[B]``.
         """
         config = self.config

@@ -1,0 +1,86 @@
+"""Load an official CosyVoice2 model directory into our modules.
+
+The directory is what users bring (or what ``tts-gateway make-checkpoint`` writes):
+``cosyvoice2.yaml``, ``llm.pt``, ``flow.pt``, ``hift.pt``, ``campplus.onnx``,
+``speech_tokenizer_v2.onnx`` and ``CosyVoice-BlankEN/``. Every state dict loads strictly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.cosyvoice2.flow import Flow
+from engine.cosyvoice2.frontend import CosyVoice2Frontend
+from engine.cosyvoice2.hift import HiFT
+from engine.cosyvoice2.llm import CosyVoice2LM
+from engine.cosyvoice2.yamlconf import ModelConfigs, load_model_configs
+
+REQUIRED_FILES = (
+    "cosyvoice2.yaml",
+    "llm.pt",
+    "flow.pt",
+    "hift.pt",
+    "campplus.onnx",
+    "speech_tokenizer_v2.onnx",
+    "CosyVoice-BlankEN/config.json",
+)
+
+
+class ModelDirError(ValueError):
+    """The model directory is missing or incomplete; the message says what to fix."""
+
+
+def missing_files(model_dir: str | Path) -> list[str]:
+    root = Path(model_dir)
+    return [name for name in REQUIRED_FILES if not (root / name).is_file()]
+
+
+@dataclass
+class CosyVoice2Models:
+    configs: ModelConfigs
+    llm: CosyVoice2LM
+    flow: Flow
+    hift: HiFT
+    frontend: CosyVoice2Frontend
+
+
+def _state_dict(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def load_models(
+    model_dir: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    llm_dtype: torch.dtype = torch.float32,
+    flow_dtype: torch.dtype = torch.float32,
+    load_llm: bool = True,
+) -> CosyVoice2Models:
+    """All stages of one model directory, on ``device``, in eval mode.
+
+    HiFT stays in float32 (its source excitation integrates phase over thousands of
+    samples, where half precision drifts audibly). ``load_llm=False`` skips the
+    plain-torch LLM when another backend serves that stage.
+    """
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise ModelDirError(f"model directory not found: {root}")
+    missing = missing_files(root)
+    if missing:
+        raise ModelDirError(f"model directory {root} is incomplete; missing: {', '.join(missing)}")
+    configs = load_model_configs(root)
+    llm = (
+        CosyVoice2LM.from_state_dict(configs.llm, _state_dict(root / "llm.pt"), device=device, dtype=llm_dtype)
+        if load_llm
+        else None
+    )
+    flow = Flow(configs.flow)
+    flow.load_state_dict(_state_dict(root / "flow.pt"), strict=True)
+    flow.to(device=device, dtype=flow_dtype).eval()
+    hift = HiFT(configs.hift)
+    hift.load_hift_state_dict(_state_dict(root / "hift.pt"))
+    hift.to(device=device).eval()
+    return CosyVoice2Models(configs, llm, flow, hift, CosyVoice2Frontend(root, configs))

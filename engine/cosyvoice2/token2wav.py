@@ -1,0 +1,193 @@
+"""Streaming token2wav: speech tokens -> 24 kHz audio, chunk by chunk, for many utterances.
+
+Chunking follows the official CosyVoice2 streaming path:
+
+- a chunk is ``hop`` tokens; it is started once ``hop + pre_lookahead`` tokens past the
+  last chunk exist (the look-ahead tokens are context, spoken in the next chunk);
+- the first hop is padded so that prompt + first chunk ends on a 25-token boundary
+  (the flow's chunk-causal attention works in 25-token chunks);
+- hops may grow (``hop * scale`` up to ``max_hop``, as upstream's ``stream_scale_factor``);
+  ``scale = 1`` keeps every hop at 25 tokens, as the reference package does;
+- HiFT keeps the last 8 mel frames and the last 8 x 480 source samples of each chunk as
+  context for the next, and the last 8 x 480 output samples are held back and
+  cross-faded (Hamming window) with the next chunk's first ones; the final chunk
+  flushes everything.
+
+The flow runs in one of two exact modes. ``recompute`` is the official one: every chunk
+re-runs the flow over prompt + all tokens so far, so chunk k costs O(k).
+``incremental`` keeps the flow's per-chunk state (``Flow.inference_chunk``) and computes
+only the new chunk: the same mel within float rounding, at a memory cost per session
+(see engine/cosyvoice2/flow.py). In both, the final chunk is what the official path
+makes it: one flow pass with full attention over prompt + all tokens (the official loop
+calls its last chunk without the streaming flag), so the end of a turn costs one
+utterance-length pass.
+
+This module is synchronous torch code; the engine runs it on its worker thread and
+batches chunks of many utterances (:meth:`Token2Wav.run`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.cosyvoice2.flow import Flow, FlowStreamCache
+from engine.cosyvoice2.hift import HiFT
+
+MEL_CACHE_FRAMES = 8
+
+
+@dataclass(frozen=True)
+class VoicePrompt:
+    """A voice's flow conditioning, on the model's device."""
+
+    speech_tokens: torch.Tensor  # [1, P] int32
+    speech_feat: torch.Tensor  # [1, 2P, 80]
+    embedding: torch.Tensor  # [1, 192]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.speech_tokens.shape[1])
+
+
+@dataclass
+class StreamState:
+    """One utterance's place in the token stream and its vocoder caches."""
+
+    prompt: VoicePrompt
+    tokens: list[int] = field(default_factory=list)
+    tokens_done: bool = False  # the LLM stage has produced its last token
+    offset: int = 0  # tokens already turned into audio
+    hop: int = 0  # current hop (set from the schedule at the first chunk)
+    finished: bool = False
+    flow_cache: FlowStreamCache | None = None
+    hift_mel: torch.Tensor | None = None  # [1, 80, 8]
+    hift_source: torch.Tensor | None = None  # [1, 1, 8 * 480]
+    hift_speech: torch.Tensor | None = None  # [1, 8 * 480]
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    state: StreamState
+    end: int  # tokens given to the flow: all tokens up to here
+    finalize: bool
+    advance: int  # tokens this chunk turns into audio
+
+
+class Token2Wav:
+    def __init__(
+        self,
+        flow: Flow,
+        hift: HiFT,
+        *,
+        hop_len: int = 25,
+        max_hop_len: int = 100,
+        scale: int = 1,
+        incremental: bool = True,
+    ) -> None:
+        if hop_len < 1 or max_hop_len < hop_len or scale < 1:
+            raise ValueError("need 1 <= hop_len <= max_hop_len and scale >= 1")
+        self.flow = flow
+        self.hift = hift
+        self.hop_len = hop_len
+        self.max_hop_len = max_hop_len
+        self.scale = scale
+        self.incremental = incremental
+        self.lookahead = flow.config.pre_lookahead_len
+        self.mel_ratio = flow.config.token_mel_ratio
+        self.samples_per_frame = hift.samples_per_frame
+        self.cache_samples = MEL_CACHE_FRAMES * self.samples_per_frame
+        self._window = torch.from_numpy(np.hamming(2 * self.cache_samples))
+        # The flow's chunk-causal attention works in blocks of this many tokens.
+        self.chunk_tokens = flow.config.encoder.static_chunk_size
+
+    def new_stream(self, prompt: VoicePrompt) -> StreamState:
+        return StreamState(prompt=prompt, hop=self.hop_len, flow_cache=FlowStreamCache() if self.incremental else None)
+
+    def next_job(self, state: StreamState) -> ChunkJob | None:
+        """The chunk this utterance can run now, if any (official streaming rule)."""
+        if state.finished:
+            return None
+        hop = state.hop
+        if state.offset == 0:
+            prompt = state.prompt.tokens
+            hop += math.ceil(prompt / self.chunk_tokens) * self.chunk_tokens - prompt
+        available = len(state.tokens) - state.offset
+        if available >= hop + self.lookahead:
+            return ChunkJob(state, state.offset + hop + self.lookahead, False, hop)
+        if state.tokens_done:
+            if not state.tokens:  # nothing was generated: nothing to say
+                state.finished = True
+                return None
+            return ChunkJob(state, len(state.tokens), True, available)
+        return None
+
+    # ------------------------------------------------------------------ running chunks
+
+    @torch.inference_mode()
+    def run(self, jobs: list[ChunkJob]) -> list[np.ndarray]:
+        """Run chunks of several utterances; returns each one's new audio (float32, 24 kHz)."""
+        mels = [self._flow(job) for job in jobs]
+        return [self._vocode(job, mel) for job, mel in zip(jobs, mels)]
+
+    def _flow(self, job: ChunkJob) -> torch.Tensor:
+        state, prompt = job.state, job.state.prompt
+        device = prompt.speech_feat.device
+        token = torch.tensor([state.tokens[: job.end]], dtype=torch.int32, device=device)
+        args = (
+            token,
+            torch.tensor([token.shape[1]], dtype=torch.int32, device=device),
+            prompt.speech_tokens,
+            torch.tensor([prompt.tokens], dtype=torch.int32, device=device),
+            prompt.speech_feat,
+            torch.tensor([prompt.speech_feat.shape[1]], dtype=torch.int32, device=device),
+            prompt.embedding,
+        )
+        if job.finalize:
+            # The official path speaks the last chunk with full (not chunk-causal) attention
+            # over prompt + all tokens: one pass that costs O(utterance), once.
+            mel = self.flow.inference(*args, streaming=False, finalize=True)
+        elif state.flow_cache is not None:
+            mel, _ = self.flow.inference_chunk(state.flow_cache, *args, finalize=False)
+            return mel
+        else:
+            mel = self.flow.inference(*args, streaming=True, finalize=False)
+        return mel[:, :, state.offset * self.mel_ratio :]
+
+    def _vocode(self, job: ChunkJob, mel: torch.Tensor) -> np.ndarray:
+        state = job.state
+        mel = mel.to(self._hift_dtype)
+        if state.hift_mel is not None:
+            mel = torch.cat([state.hift_mel, mel], dim=2)
+            cache_source = state.hift_source
+        else:
+            cache_source = mel.new_zeros(1, 1, 0)
+        speech, source = self.hift(mel, cache_source)
+        if state.hift_speech is not None:
+            speech = self._cross_fade(speech, state.hift_speech)
+        if job.finalize:
+            state.finished = True
+            state.hift_mel = state.hift_source = state.hift_speech = None
+            state.flow_cache = None  # frees the flow's per-chunk state at once
+        else:
+            state.hift_mel = mel[:, :, -MEL_CACHE_FRAMES:]
+            state.hift_source = source[:, :, -self.cache_samples :]
+            state.hift_speech = speech[:, -self.cache_samples :]
+            speech = speech[:, : -self.cache_samples]
+            state.hop = min(self.max_hop_len, state.hop * self.scale)
+        state.offset += job.advance
+        return speech[0].float().cpu().numpy()
+
+    @property
+    def _hift_dtype(self) -> torch.dtype:
+        return next(self.hift.parameters()).dtype
+
+    def _cross_fade(self, speech: torch.Tensor, previous_tail: torch.Tensor) -> torch.Tensor:
+        """Blend the held-back tail of the last chunk into the start of this one."""
+        n = self.cache_samples
+        window = self._window.to(speech.device)
+        head = speech[:, :n].double() * window[:n] + previous_tail.double() * window[n:]
+        return torch.cat([head.to(speech.dtype), speech[:, n:]], dim=1)
