@@ -16,7 +16,6 @@ import mimetypes
 import signal
 import uuid
 from collections.abc import Iterable
-from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 import orjson

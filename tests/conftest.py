@@ -10,7 +10,6 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-import pytest
 import pytest_asyncio
 
 from engine.piper import PiperEngine

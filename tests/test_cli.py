@@ -12,7 +12,6 @@ import urllib.request
 import wave
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "gateway"]

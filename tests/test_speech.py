@@ -8,7 +8,6 @@ fifty cents"), which also proves "$3." + "50" stayed one amount.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from pocketsphinx import Decoder
 
 from gateway.audio import decode
