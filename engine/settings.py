@@ -41,6 +41,39 @@ class PiperSettings:
 
 @dataclass(frozen=True)
 class CosyVoice2Settings:
-    """Reserved for the CosyVoice2 engine: selecting it is refused until it is installed."""
-
+    # An official CosyVoice2-0.5B directory: cosyvoice2.yaml, llm.pt, flow.pt, hift.pt,
+    # campplus.onnx, speech_tokenizer_v2.onnx, CosyVoice-BlankEN/.
     model_dir: str = ""
+    # Registered zero-shot voices. Empty: <model_dir>/voices.
+    voices_dir: str = ""
+    # Voice name or id used when a client names none. Empty: the first registered voice.
+    default_voice: str = ""
+    device: str = "auto"  # auto (cuda if present), cpu, cuda, cuda:N
+    dtype: str = "float32"  # flow and LLM weights: float32, bfloat16, float16 (HiFT stays float32)
+    llm_backend: str = "torch"  # torch (plain PyTorch; CPU or GPU)
+    # Streaming token2wav (official defaults): chunks of token_hop_len speech tokens
+    # (25 = 1 s of audio), growing by stream_scale_factor per chunk up to token_max_hop_len.
+    token_hop_len: int = 25
+    token_max_hop_len: int = 100
+    stream_scale_factor: int = 1
+    # incremental: keep the flow's per-chunk state, so chunk k costs the same as chunk 1
+    # (exact; memory per session grows with its length). recompute: the official way,
+    # re-run the flow over everything so far for every chunk.
+    flow_mode: str = "incremental"
+    max_batch: int = 16  # token2wav chunks run together
+
+    def __post_init__(self) -> None:
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError("device must be auto, cpu, cuda or cuda:N")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be float32, bfloat16 or float16")
+        if self.llm_backend != "torch":
+            raise ValueError("llm_backend must be 'torch'")
+        if not 1 <= self.token_hop_len <= self.token_max_hop_len:
+            raise ValueError("need 1 <= token_hop_len <= token_max_hop_len")
+        if self.stream_scale_factor < 1:
+            raise ValueError("stream_scale_factor must be >= 1")
+        if self.flow_mode not in ("incremental", "recompute"):
+            raise ValueError("flow_mode must be incremental or recompute")
+        if not 1 <= self.max_batch <= 1024:
+            raise ValueError("max_batch must be between 1 and 1024")

@@ -33,6 +33,26 @@ def main(argv: list[str] | None = None) -> int:
     say.add_argument("--voice", help="voice id (default: the engine's default voice)")
     say.add_argument("--speed", type=float, default=1.0, help="speaking rate, 0.5-2.0")
 
+    make = commands.add_parser(
+        "make-checkpoint", help="write a random-weight CosyVoice2 model directory (tests, benchmarks)", add_help=False
+    )
+    make.add_argument("rest", nargs=argparse.REMAINDER)
+
+    voice = commands.add_parser("voice", help="manage CosyVoice2 zero-shot voices")
+    voice_commands = voice.add_subparsers(dest="voice_command", required=True)
+    add = voice_commands.add_parser("add", help="register a voice from a prompt recording and its transcript")
+    _add_config_args(add)
+    add.add_argument("name", help="a name for the voice")
+    add.add_argument("--wav", required=True, type=Path, help="prompt recording (WAV, 3-30 s of clean speech)")
+    add.add_argument("--text", required=True, help="exactly what is said in the recording")
+    listing = voice_commands.add_parser("list", help="list registered voices")
+    _add_config_args(listing)
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["make-checkpoint"]:  # its own parser: engine/cosyvoice2/checkpoint.py
+        from engine.cosyvoice2.checkpoint import main_make_checkpoint
+
+        return main_make_checkpoint(argv[1:])
     args = parser.parse_args(argv)
     try:
         config = _load(args)
@@ -45,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             _run(_serve(config))
-        else:
+        elif args.command == "say":
             _run(_say(config, args.text, args.output, args.voice, args.speed))
+        else:
+            return _voice(config, args)
     except EngineError as exc:
         print(f"tts-gateway: engine error: {exc}", file=sys.stderr)
         return 1
@@ -112,6 +134,31 @@ async def _say(config: Config, text: str, output: Path, voice: str | None, speed
         wav.setframerate(engine.sample_rate)
         wav.writeframes(float_to_s16(audio).tobytes())
     print(f"wrote {output} ({len(audio) / engine.sample_rate:.2f} s at {engine.sample_rate} Hz)")
+
+
+def _voice(config: Config, args: argparse.Namespace) -> int:
+    settings = config.engine.cosyvoice2
+    if not settings.model_dir:
+        print("tts-gateway: set engine.cosyvoice2.model_dir (config.toml or TTS_GATEWAY__ENGINE__COSYVOICE2__MODEL_DIR)",
+              file=sys.stderr)
+        return 2
+    from engine.cosyvoice2.engine import CosyVoice2Engine
+    from engine.cosyvoice2.frontend import CosyVoice2Frontend
+    from engine.cosyvoice2.voices import VoiceStore
+
+    voices_dir = CosyVoice2Engine(settings).voices_dir
+    store = VoiceStore(voices_dir, lambda: CosyVoice2Frontend(settings.model_dir))
+    if args.voice_command == "list":
+        for info in store.list():
+            print(f"{info.id}  {info.name}  {info.seconds:.1f} s  {info.prompt_text!r}")
+        return 0
+    try:
+        voice_id = store.add(args.name, args.wav.read_bytes(), args.text)
+    except ValueError as exc:  # unusable audio or text, a name already taken: the message says which
+        print(f"tts-gateway: {exc}", file=sys.stderr)
+        return 2
+    print(voice_id)
+    return 0
 
 
 if __name__ == "__main__":

