@@ -122,5 +122,13 @@ class Engine(abc.ABC):
     def open_utterance(self, options: UtteranceOptions) -> Utterance:
         """Raises :class:`UnknownVoice` for a voice this engine does not have."""
 
+    def add_voice(self, name: str, wav_bytes: bytes, prompt_text: str) -> Voice:
+        """Register a voice from a prompt recording. Blocking: call it off the event loop.
+
+        Raises ``ValueError`` (with a message for the user) for an unusable prompt, and
+        ``NotImplementedError`` for engines whose voices are fixed.
+        """
+        raise NotImplementedError(f"the {self.name} engine has fixed voices")
+
     def stats(self) -> EngineStats:
         return EngineStats()

@@ -34,7 +34,8 @@ class ConfigError(Exception):
 @dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"
-    port: int = 8765
+    port: int = 8765  # WebSocket /v1/stream and the GET routes
+    http_port: int = 8766  # routes with a request body (POST /v1/voices); 0 = any free port
     # Static files served at "/". Empty: the web/ folder shipped with the gateway.
     web_dir: str = ""
     # On SIGTERM: stop accepting, let running contexts finish for this long, then close.
@@ -42,8 +43,9 @@ class ServerSettings:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError("port must be between 0 and 65535")
+        for name in ("port", "http_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be between 0 and 65535")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import hmac
 import logging
 import mimetypes
 import signal
@@ -25,7 +24,9 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from engine.base import Engine, EngineError, Utterance, UtteranceOptions
+from gateway.auth import authorized
 from gateway.config import Config
+from gateway.http_api import HttpApi
 from gateway.metrics import Metrics
 from gateway.protocol import (
     Action,
@@ -63,6 +64,7 @@ class Gateway:
         self.draining = False
         self.sessions: set[SessionRunner] = set()
         self.port = config.server.port
+        self.http = HttpApi(engine, config.auth.api_keys, lambda code: self.metrics.errors.labels(code).inc())
         self._server: Server | None = None
         self._web_root = config.server.web_path.resolve()
 
@@ -82,7 +84,9 @@ class Gateway:
             compression=None,  # audio does not compress; deflate would cost CPU per frame
         )
         self.port = self._server.sockets[0].getsockname()[1]  # the real one when config says 0
-        log.info("listening on %s:%d", self.config.server.host, self.port)
+        await self.http.start(self.config.server.host, self.config.server.http_port)
+        log.info("listening on %s:%d (WebSocket, GET routes), %d (POST routes)",
+                 self.config.server.host, self.port, self.http.port)
         if self._owns_engine:
             await self.engine.start()
         self.ready = True
@@ -112,6 +116,7 @@ class Gateway:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        await self.http.stop()
         if self._owns_engine:
             await self.engine.close()
 
@@ -129,20 +134,6 @@ class Gateway:
 
     # ------------------------------------------------------------ HTTP
 
-    def _authorized(self, request: Request, query: dict[str, str]) -> bool:
-        keys = self.config.auth.api_keys
-        if not keys:
-            return True
-        presented = query.get("api_key")
-        header = request.headers.get("Authorization", "")
-        if header.lower().startswith("bearer "):
-            presented = header[7:].strip()
-        if not presented:
-            return False
-        # Compare against every key in constant time, so timing reveals nothing.
-        matches = [hmac.compare_digest(presented.encode(), key.encode()) for key in keys]
-        return any(matches)
-
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         url = urlsplit(request.path)
         query = dict(parse_qsl(url.query))
@@ -153,7 +144,9 @@ class Gateway:
             if self.ready:
                 return _response(connection, 200, b"ready\n", "text/plain; charset=utf-8")
             return _response(connection, 503, b"not ready\n", "text/plain; charset=utf-8")
-        if path in (STREAM_PATH, "/metrics", "/v1/voices") and not self._authorized(request, query):
+        if path in (STREAM_PATH, "/metrics", "/v1/voices") and not authorized(
+            self.config.auth.api_keys, request.headers.get("Authorization", ""), query.get("api_key")
+        ):
             self.metrics.errors.labels("unauthorized").inc()
             return _response(connection, 401, b"missing or invalid API key\n", "text/plain; charset=utf-8")
         if path == STREAM_PATH:

@@ -49,7 +49,7 @@ def test_bad_config_stops_with_a_clear_message(tmp_path):
 
 def test_serve_speaks_to_the_example_agent_and_drains_on_sigterm(tmp_path):
     port = free_port()
-    env = {**os.environ, "TTS_GATEWAY__SERVER__DRAIN_TIMEOUT_S": "5"}
+    env = {**os.environ, "TTS_GATEWAY__SERVER__DRAIN_TIMEOUT_S": "5", "TTS_GATEWAY__SERVER__HTTP_PORT": "0"}
     server = subprocess.Popen(
         [*CLI, "serve", "--port", str(port)], cwd=tmp_path, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

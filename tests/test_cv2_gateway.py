@@ -104,3 +104,58 @@ async def test_two_utterances_share_the_worker(cv2_gateway):
         first, second = tts.context(), tts.context()
         a, b = await until(asyncio.gather(first.speak("One."), second.speak("Two.")), 120)
     assert len(a) > 0 and len(b) > 0
+
+
+async def post_voice(gw, fields: dict, headers: dict | None = None):
+    import aiohttp
+
+    form = aiohttp.FormData()
+    for name, value in fields.items():
+        if name == "audio":
+            form.add_field("audio", value, filename="prompt.wav", content_type="audio/wav")
+        else:
+            form.add_field(name, value)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{gw.http.port}/v1/voices", data=form, headers=headers) as response:
+            return response.status, await response.json()
+
+
+async def test_voice_route_registers_a_voice_sessions_can_use(cv2_gateway):
+    status, body = await post_voice(cv2_gateway, {"name": "second", "text": PROMPT_TEXT, "audio": prompt_wav()})
+    assert status == 201 and body["voice"]["name"] == "second"
+    voice_id = body["voice"]["id"]
+    async with TTSClient.connect(ws_url(cv2_gateway), voice=voice_id) as tts:
+        assert voice_id in [v["id"] for v in tts.ready["voices"]]
+        assert len(await until(tts.context().speak("Hi."), 120)) > 0
+
+
+@pytest.mark.parametrize(
+    "fields, code, fragment",
+    [
+        ({"name": "x", "text": "words"}, "bad_request", "missing field(s): audio"),
+        ({"name": "x", "text": "words", "audio": b"not a wav file"}, "bad_audio", "WAV"),
+        ({"name": "x", "text": "words", "audio": None}, "bad_audio", "silent"),
+        ({"name": "x", "text": "words", "audio": "short"}, "bad_audio", "at least 1 s"),
+    ],
+)
+async def test_voice_route_rejects_bad_prompts_clearly(cv2_gateway, fields, code, fragment):
+    if "audio" in fields and fields["audio"] in (None, "short"):
+        seconds = 3.0 if fields["audio"] is None else 0.3
+        level = 0.0 if fields["audio"] is None else 0.3
+        samples = (level * np.sin(np.arange(int(16000 * seconds)) * 0.05) * 32767).astype(np.int16)
+        buffer = io.BytesIO()
+        with wave.open(buffer, "wb") as wav:
+            wav.setnchannels(1), wav.setsampwidth(2), wav.setframerate(16000)
+            wav.writeframes(samples.tobytes())
+        fields = {**fields, "audio": buffer.getvalue()}
+    status, body = await post_voice(cv2_gateway, fields)
+    assert status == 400 and body["error"]["code"] == code
+    assert fragment.lower() in body["error"]["message"].lower(), body
+
+
+async def test_voice_route_needs_the_api_key(cv2_engine):
+    config = make_config(engine={"name": "cosyvoice2"}, auth={"api_keys": ("k1",)})
+    async with running_gateway(config, cv2_engine) as gw:
+        fields = {"name": "x", "text": "words", "audio": b"RIFF"}
+        assert (await post_voice(gw, fields))[0] == 401
+        assert (await post_voice(gw, fields, {"Authorization": "Bearer k1"}))[0] == 400

@@ -465,3 +465,15 @@ async def test_metrics_are_exposed(gateway):
         assert line in text, line
     [sent] = [float(line.split()[1]) for line in text.splitlines() if line.startswith("tts_audio_sent_seconds_total ")]
     assert 0.5 < sent < 3.0
+
+
+async def test_fixed_voice_engine_refuses_voice_registration(gateway):
+    import aiohttp
+
+    form = aiohttp.FormData()
+    form.add_field("name", "x"), form.add_field("text", "words")
+    form.add_field("audio", b"RIFF....", filename="p.wav", content_type="audio/wav")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{gateway.http.port}/v1/voices", data=form) as response:
+            assert response.status == 501
+            assert (await response.json())["error"]["code"] == "not_supported"
