@@ -56,10 +56,13 @@ class CosyVoice2Settings:
     token_hop_len: int = 25
     token_max_hop_len: int = 100
     stream_scale_factor: int = 1
-    # incremental: keep the flow's per-chunk state, so chunk k costs the same as chunk 1
-    # (exact; memory per session grows with its length). recompute: the official way,
-    # re-run the flow over everything so far for every chunk.
-    flow_mode: str = "incremental"
+    # incremental: keep the flow's per-chunk state, so chunk k costs about what chunk 1
+    # does (exact; but the state is ~4.9 MB per mel frame at full size in float32, ~5 GB
+    # for a 6 s prompt + 16 s of speech). recompute: the official way, re-run the flow
+    # over everything so far for every chunk (no state). auto: incremental on CPU, where
+    # the flow is compute-bound; recompute on GPU, where batch-1 chunks are launch-bound
+    # and memory buys sessions (docs/cosyvoice2.md has the measurements).
+    flow_mode: str = "auto"
     max_batch: int = 16  # token2wav chunks run together
 
     def __post_init__(self) -> None:
@@ -73,7 +76,7 @@ class CosyVoice2Settings:
             raise ValueError("need 1 <= token_hop_len <= token_max_hop_len")
         if self.stream_scale_factor < 1:
             raise ValueError("stream_scale_factor must be >= 1")
-        if self.flow_mode not in ("incremental", "recompute"):
-            raise ValueError("flow_mode must be incremental or recompute")
+        if self.flow_mode not in ("auto", "incremental", "recompute"):
+            raise ValueError("flow_mode must be auto, incremental or recompute")
         if not 1 <= self.max_batch <= 1024:
             raise ValueError("max_batch must be between 1 and 1024")

@@ -93,7 +93,7 @@ class CosyVoice2Engine(Engine):
             hop_len=settings.token_hop_len,
             max_hop_len=settings.token_max_hop_len,
             scale=settings.stream_scale_factor,
-            incremental=settings.flow_mode == "incremental",
+            incremental=settings.flow_mode == "incremental" or (settings.flow_mode == "auto" and device.type == "cpu"),
         )
         self.worker = Token2WavWorker(token2wav, settings.max_batch, asyncio.get_running_loop())
         await self._warm_up()
