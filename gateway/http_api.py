@@ -1,9 +1,14 @@
 """HTTP routes that need a request body, on their own port (aiohttp, same event loop).
 
 websockets' HTTP handling serves the GET routes beside ``/v1/stream``, but it reads no
-request body, so uploads go here: ``POST /v1/voices`` registers a zero-shot voice from a
-prompt recording and its transcript (multipart form: ``name``, ``text``, ``audio``).
-The same API keys apply. Listening on a second port keeps each server on a well-kept
+request body, so these go here:
+
+- ``POST /v1/voices`` registers a zero-shot voice from a prompt recording and its
+  transcript (multipart form: ``name``, ``text``, ``audio``).
+- ``POST /v1/audio/speech`` is OpenAI's speech endpoint: JSON in, 24 kHz 16-bit mono
+  audio (``wav`` or ``pcm``) streamed out as the engine produces it.
+
+The same API keys, limits and metrics apply. Listening on a second port keeps each server on a well-kept
 library's ordinary path instead of splicing two HTTP stacks on one socket.
 """
 
@@ -11,15 +16,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
+from collections.abc import Callable
 
 from aiohttp import web
 
-from engine.base import Engine, EngineError
+from engine.base import Engine, EngineError, UtteranceOptions
+from gateway.audio import StreamEncoder
 from gateway.auth import authorized
+from gateway.config import Config
+from gateway.metrics import Metrics
+from gateway.protocol import SPEED_RANGE, ContextFinished, ErrorCode
 
 log = logging.getLogger("tts_gateway.http")
 
 MAX_UPLOAD_BYTES = 16 * 1024 * 1024  # 30 s of 48 kHz stereo 16-bit fits with room
+
+# OpenAI's speech output: 24 kHz 16-bit mono little-endian.
+SPEECH_RATE = 24000
+SPEECH_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
+OPENAI_SPEED_RANGE = (0.25, 4.0)  # accepted, then clamped to the engine's SPEED_RANGE
+# OpenAI's voice names speak with the engine's default voice, so OpenAI clients work unchanged.
+OPENAI_VOICES = frozenset(
+    ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse")
+)
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
@@ -27,17 +47,21 @@ def _error(status: int, code: str, message: str) -> web.Response:
 
 
 class HttpApi:
-    def __init__(self, engine: Engine, api_keys: tuple[str, ...], count_error) -> None:
+    def __init__(self, engine: Engine, config: Config, metrics: Metrics, ready: Callable[[], bool]) -> None:
         self.engine = engine
-        self.api_keys = api_keys
-        self.count_error = count_error
+        self.ready = ready
+        self.api_keys = config.auth.api_keys
+        self.max_text_chars = config.limits.max_text_chars
+        self.metrics = metrics
         self.app = web.Application(client_max_size=MAX_UPLOAD_BYTES)
         self.app.router.add_post("/v1/voices", self.add_voice)
+        self.app.router.add_post("/v1/audio/speech", self.speech)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
     async def start(self, host: str, port: int) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # A client that goes away cancels its handler at once (and so its utterance).
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -47,10 +71,18 @@ class HttpApi:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    def _refused(self, request: web.Request) -> web.Response | None:
+        if authorized(self.api_keys, request.headers.get("Authorization", ""), request.query.get("api_key")):
+            return None
+        return self._error(401, "unauthorized", "missing or invalid API key")
+
+    def _error(self, status: int, code: str, message: str) -> web.Response:
+        self.metrics.error(code)
+        return _error(status, code, message)
+
     async def add_voice(self, request: web.Request) -> web.Response:
-        if not authorized(self.api_keys, request.headers.get("Authorization", ""), request.query.get("api_key")):
-            self.count_error("unauthorized")
-            return _error(401, "unauthorized", "missing or invalid API key")
+        if refused := self._refused(request):
+            return refused
         try:
             form = await request.post()  # multipart/form-data or urlencoded
         except ValueError as exc:
@@ -76,6 +108,108 @@ class HttpApi:
         except ValueError as exc:  # the engine's message says what is wrong with the prompt
             return _error(400, "bad_audio", str(exc))
         return web.json_response({"voice": voice.as_json()}, status=201)
+
+    async def speech(self, request: web.Request) -> web.StreamResponse:
+        if refused := self._refused(request):
+            return refused
+        try:
+            body = await request.json()
+        except ValueError:
+            return self._error(400, ErrorCode.BAD_MESSAGE, "the body must be JSON")
+        try:
+            text, voice, fmt, speed = self._speech_request(body)
+        except _BadRequest as exc:
+            return self._error(400, exc.code, str(exc))
+        if not self.ready():
+            return self._error(503, "not_ready", "the engine is not ready yet")
+        loop = asyncio.get_running_loop()
+        received_at = loop.time()
+        try:
+            utterance = self.engine.open_utterance(UtteranceOptions(voice=voice, speed=speed))
+        except EngineError as exc:
+            return self._error(500, ErrorCode.INTERNAL, str(exc))
+        utterance.push_text(text)
+        utterance.end_input()
+        self.metrics.context_started()
+        response = web.StreamResponse(headers={"Content-Type": SPEECH_FORMATS[fmt], "Cache-Control": "no-store"})
+        if isinstance(body.get("model"), str):
+            response.headers["X-Model"] = body["model"]
+        encoder = StreamEncoder(self.engine.sample_rate, SPEECH_RATE, "pcm_s16le")
+        outcome, first_audio_at, samples, compute_s = "cancelled", None, 0, 0.0
+        try:
+            await response.prepare(request)
+            if fmt == "wav":
+                await response.write(streaming_wav_header(SPEECH_RATE))
+            async for chunk in utterance:
+                compute_s += chunk.compute_s
+                data, n = encoder.encode(chunk.samples)
+                if n:
+                    first_audio_at = first_audio_at or loop.time()
+                    await response.write(data)
+                    samples += n
+                    self.metrics.audio(n / SPEECH_RATE)
+            data, n = encoder.finish()
+            await response.write(data)
+            samples += n
+            self.metrics.audio(n / SPEECH_RATE)
+            await response.write_eof()
+            outcome = "done"
+        except EngineError as exc:  # the status line is gone: the client sees a cut-short body
+            log.warning("speech request failed: %s", exc)
+            self.metrics.error(ErrorCode.INTERNAL)
+            outcome = "error"
+        except ConnectionError:  # the client went away between two chunks
+            pass
+        finally:  # also on cancellation: the client went away
+            utterance.cancel()
+            self.metrics.context_finished(ContextFinished(
+                context_id="http", outcome=outcome,
+                ttfa_s=None if first_audio_at is None else first_audio_at - received_at,
+                audio_s=samples / SPEECH_RATE, compute_s=compute_s,
+                stall_s=0.0, stalls=0,  # no playback-stall estimate for downloads
+            ))
+        return response
+
+    def _speech_request(self, body) -> tuple[str, str, str, float]:
+        """Validate an OpenAI speech body: (text, engine voice id, format, engine speed)."""
+        if not isinstance(body, dict):
+            raise _BadRequest(ErrorCode.BAD_MESSAGE, "the body must be a JSON object")
+        text = body.get("input")
+        if not isinstance(text, str) or not text.strip():
+            raise _BadRequest(ErrorCode.BAD_MESSAGE, "input must be a non-empty string")
+        if len(text) > self.max_text_chars:
+            raise _BadRequest(ErrorCode.TEXT_TOO_LONG, f"input holds at most {self.max_text_chars} characters")
+        voice = body.get("voice") or "default"
+        if not isinstance(voice, str):
+            raise _BadRequest(ErrorCode.UNKNOWN_VOICE, "voice must be a string")
+        ids = {v.id for v in self.engine.voices()}
+        if voice == "default" or (voice in OPENAI_VOICES and voice not in ids):
+            voice = self.engine.default_voice
+        elif voice not in ids:
+            raise _BadRequest(ErrorCode.UNKNOWN_VOICE, f"unknown voice {voice!r}; GET /v1/voices lists them")
+        fmt = body.get("response_format", "wav")
+        if fmt not in SPEECH_FORMATS:
+            raise _BadRequest(ErrorCode.UNSUPPORTED_FORMAT, f"response_format must be one of {sorted(SPEECH_FORMATS)}")
+        speed = body.get("speed", 1.0)
+        low, high = OPENAI_SPEED_RANGE
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not low <= speed <= high:
+            raise _BadRequest(ErrorCode.BAD_MESSAGE, f"speed must be a number from {low} to {high}")
+        return text, voice, fmt, min(max(float(speed), SPEED_RANGE[0]), SPEED_RANGE[1])
+
+
+class _BadRequest(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def streaming_wav_header(sample_rate: int) -> bytes:
+    """A 16-bit mono WAV header whose sizes say "unknown" (0xFFFFFFFF), for a stream."""
+    unknown = 0xFFFFFFFF
+    return struct.pack(
+        "<4sI4s4sIHHIIHH4sI",
+        b"RIFF", unknown, b"WAVE", b"fmt ", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16, b"data", unknown,
+    )
 
 
 def _field_bytes(value) -> bytes:

@@ -1,6 +1,10 @@
 """Prometheus metrics. Names carry the ``tts_`` prefix and base units (seconds);
 counters end in ``_total``.
 
+Every observation goes through a :class:`Metrics` method, which also feeds the rolling
+per-second windows behind ``GET /v1/stats`` (:mod:`gateway.stats`): one choke point, so
+the dashboard and Prometheus never disagree about what happened.
+
 Each server owns its registry, so several gateways (tests, embedding) never share
 counters. Engine queue depth is read from the engine when Prometheus scrapes, so it is
 never stale.
@@ -15,6 +19,11 @@ from prometheus_client.core import GaugeMetricFamily
 
 from engine.base import EngineStats
 from gateway.protocol import ContextFinished
+from gateway.stats import RollingStats
+
+# Engine stats ``extra`` keys a GPU engine fills in; /v1/stats reports them under "gpu".
+# Exported to Prometheus as tts_<key> by the GPU engine (see deploy/grafana).
+GPU_KEYS = ("gpu_utilization_ratio", "gpu_memory_used_bytes", "gpu_memory_total_bytes", "gpu_temperature_celsius")
 
 # First audio is the product's headline number: fine buckets where it matters.
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -58,17 +67,69 @@ class Metrics:
         self.errors = Counter("tts_errors_total", "Error frames sent, by code.", ["code"], registry=r)
         self.ready = Gauge("tts_engine_ready", "1 once the engine is loaded and warmed.", registry=r)
         r.register(_EngineCollector(engine_name, engine_stats))
+        self._engine_stats = engine_stats
+        self.rolling = RollingStats()
+
+    # ------------------------------------------------------------ observations
+
+    def audio(self, seconds: float) -> None:
+        """Audio handed to a client."""
+        self.audio_sent.inc(seconds)
+        self.rolling.audio_sent(seconds)
+
+    def error(self, code: str) -> None:
+        """An error answered to a client (error frame or HTTP error), by code."""
+        code = str(code)
+        self.errors.labels(code).inc()
+        self.rolling.error(code)
+
+    def context_started(self) -> None:
+        self.contexts_active.inc()
 
     def context_finished(self, event: ContextFinished) -> None:
         self.contexts.labels(event.outcome).inc()
         self.contexts_active.dec()
+        self.rolling.context_finished(event.outcome)
         if event.ttfa_s is not None:
             self.ttfa.observe(event.ttfa_s)
+            self.rolling.ttfa(event.ttfa_s)
         if event.audio_s > 0:
             self.rtf.observe(event.compute_s / event.audio_s)
             self.context_stall.observe(event.stall_s)
             self.stall_seconds.inc(event.stall_s)
             self.stalls.inc(event.stalls)
+            self.rolling.stall(event.stall_s, event.stalls)
+
+    # ------------------------------------------------------------ reading
+
+    def stats(self, window_s: int) -> dict:
+        """The ``GET /v1/stats`` body: rolling series over ``window_s`` and current gauges."""
+        rolling = self.rolling.window(window_s)
+        totals = rolling["totals"]
+        engine = self._engine_stats()
+        gauge = self.registry.get_sample_value
+        gpu = {key: engine.extra[key] for key in GPU_KEYS if key in engine.extra}
+        return {
+            "now": rolling["now"],
+            "window_s": window_s,
+            "series": rolling["series"],
+            "current": {
+                "sessions": int(gauge("tts_active_sessions") or 0),
+                "contexts": int(gauge("tts_active_contexts") or 0),
+                "engine_queue_depth": engine.queued,
+                "engine_running": engine.running,
+                "engine_utterances": engine.utterances,
+                "ttfa_p50_ms": totals["ttfa_p50_ms"],
+                "ttfa_p95_ms": totals["ttfa_p95_ms"],
+                "ttfa_count": totals["ttfa_count"],
+                "audio_s": totals["audio_s"],
+                "stall_s": totals["stall_s"],
+                "stalls": totals["stalls"],
+                "errors_by_code": totals["errors_by_code"],
+                "contexts_by_outcome": totals["contexts_by_outcome"],
+            },
+            "gpu": gpu or None,
+        }
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -28,6 +28,7 @@ from gateway.auth import authorized
 from gateway.config import Config
 from gateway.http_api import HttpApi
 from gateway.metrics import Metrics
+from gateway.stats import parse_window
 from gateway.protocol import (
     Action,
     CancelUtterance,
@@ -49,6 +50,8 @@ STREAM_PATH = "/v1/stream"
 # A cut-off client gets this long to take its error frame and close before the
 # connection is aborted.
 CUT_OFF_GRACE_S = 2.0
+# Pages served under a path of their own; any other path is a file under web/.
+STATIC_PAGES = {"": "index.html", "/": "index.html", "/dashboard": "dashboard.html"}
 
 
 class Gateway:
@@ -64,7 +67,7 @@ class Gateway:
         self.draining = False
         self.sessions: set[SessionRunner] = set()
         self.port = config.server.port
-        self.http = HttpApi(engine, config.auth.api_keys, lambda code: self.metrics.errors.labels(code).inc())
+        self.http = HttpApi(engine, config, self.metrics, lambda: self.ready)
         self._server: Server | None = None
         self._web_root = config.server.web_path.resolve()
 
@@ -144,10 +147,10 @@ class Gateway:
             if self.ready:
                 return _response(connection, 200, b"ready\n", "text/plain; charset=utf-8")
             return _response(connection, 503, b"not ready\n", "text/plain; charset=utf-8")
-        if path in (STREAM_PATH, "/metrics", "/v1/voices") and not authorized(
+        if path in (STREAM_PATH, "/metrics", "/v1/stats", "/v1/voices") and not authorized(
             self.config.auth.api_keys, request.headers.get("Authorization", ""), query.get("api_key")
         ):
-            self.metrics.errors.labels("unauthorized").inc()
+            self.metrics.error("unauthorized")
             return _response(connection, 401, b"missing or invalid API key\n", "text/plain; charset=utf-8")
         if path == STREAM_PATH:
             if not self.ready:
@@ -155,6 +158,13 @@ class Gateway:
             return None  # go on with the WebSocket handshake
         if path == "/metrics":
             return _response(connection, 200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+        if path == "/v1/stats":
+            try:
+                window = parse_window(query.get("window"))
+            except ValueError as exc:
+                body = orjson.dumps({"error": {"code": "bad_request", "message": str(exc)}})
+                return _response(connection, 400, body, "application/json")
+            return _response(connection, 200, orjson.dumps(self.metrics.stats(window)), "application/json")
         if path == "/v1/voices":
             body = orjson.dumps(
                 {"voices": [v.as_json() for v in self.engine.voices()], "default": self.engine.default_voice}
@@ -163,7 +173,7 @@ class Gateway:
         return self._static(connection, path)
 
     def _static(self, connection: ServerConnection, path: str) -> Response:
-        relative = "index.html" if path in ("", "/") else path.lstrip("/")
+        relative = STATIC_PAGES.get(path) or path.lstrip("/")
         target = (self._web_root / relative).resolve()
         if not target.is_relative_to(self._web_root) or not target.is_file():
             return _response(connection, 404, b"not found\n", "text/plain; charset=utf-8")
@@ -334,9 +344,9 @@ class SessionRunner:
                 self._cut_off_slow_reader(pending)
                 return
             self._last_activity = self._loop.time()
-            self.gateway.metrics.audio_sent.inc(frame["duration_ms"] / 1000.0)
+            self.gateway.metrics.audio(frame["duration_ms"] / 1000.0)
         elif kind == "error":
-            self.gateway.metrics.errors.labels(frame["code"]).inc()
+            self.gateway.metrics.error(frame["code"])
         self.outbox.put(data, text=True)
 
     def _cut_off_slow_reader(self, pending: collections.deque) -> None:
@@ -359,7 +369,7 @@ class SessionRunner:
         except EngineError as exc:
             self.apply(self.session.utterance_failed(key, str(exc)))
             return
-        self.gateway.metrics.contexts_active.inc()
+        self.gateway.metrics.context_started()
         self._utterances[key] = utterance
         self._pumps[key] = asyncio.create_task(self._pump(key, utterance))
 

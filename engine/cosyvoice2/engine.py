@@ -319,9 +319,9 @@ class Token2WavWorker:
         return handle
 
     def remove(self, handle: StreamHandle) -> None:
+        """Forget a cancelled utterance; its state (and flow cache) is freed once no batch holds it."""
         with self.lock:
             self.handles.discard(handle)
-            handle.state.flow_cache = None  # free the flow's per-chunk state at once
 
     def counts(self) -> tuple[int, int]:
         with self.lock:

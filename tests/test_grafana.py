@@ -1,0 +1,70 @@
+"""deploy/: the Grafana dashboard queries only metrics the gateway exposes; prometheus.yml parses."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from websockets.asyncio.client import connect
+
+from gateway.client import TTSClient
+
+from .conftest import until, ws_url
+from .test_server import http_get, recv_json
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+# Not exposed yet: the GPU engine will export these (the dashboard's GPU panels say so).
+GPU_METRICS = frozenset({"tts_gpu_utilization_ratio", "tts_gpu_memory_used_bytes", "tts_gpu_temperature_celsius"})
+
+METRIC_NAME = re.compile(r"\btts_[a-zA-Z0-9_]+")
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads((DEPLOY / "grafana" / "tts-gateway.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    return [target["expr"] for panel in panels for target in panel["targets"]]
+
+
+def exposed_names(text: str) -> set[str]:
+    return {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+async def test_every_dashboard_metric_is_exposed(gateway):
+    async with TTSClient.connect(ws_url(gateway)) as tts:
+        await until(tts.context().speak("Counting this one."), 30)
+    async with connect(ws_url(gateway)) as ws:  # labelled series appear once they have a sample
+        await recv_json(ws)
+        await ws.send("{oops")
+        assert (await recv_json(ws))["code"] == "bad_message"
+    status, body, _ = await http_get(f"http://127.0.0.1:{gateway.port}/metrics")
+    assert status == 200
+    exposed = exposed_names(body.decode())
+    assert {"tts_time_to_first_audio_seconds_bucket", "tts_errors_total", "tts_engine_queue_depth"} <= exposed
+    exprs = dashboard_exprs()
+    used = set()
+    for expr in exprs:
+        names = set(METRIC_NAME.findall(expr))
+        assert names, f"no tts_ metric in {expr!r}"
+        used |= names
+    assert used - exposed == GPU_METRICS, "unknown metric names in the dashboard"
+    assert not GPU_METRICS & exposed, "the GPU metrics are exposed now: drop them from GPU_METRICS"
+
+
+def test_dashboard_marks_the_gpu_panels():
+    dashboard = json.loads((DEPLOY / "grafana" / "tts-gateway.json").read_text())
+    for panel in dashboard["panels"]:
+        exprs = " ".join(t["expr"] for t in panel.get("targets", []))
+        if set(METRIC_NAME.findall(exprs)) & GPU_METRICS:
+            assert "GPU engine" in panel["description"], panel["title"]
+
+
+def test_prometheus_config_scrapes_the_gateway():
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    [job] = config["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"][0]["targets"] == ["127.0.0.1:8765"]
