@@ -13,7 +13,6 @@ import re
 import shutil
 from pathlib import Path
 
-import pytest
 import pytest_asyncio
 
 from .conftest import make_config, running_gateway
@@ -23,6 +22,7 @@ import playwright.async_api as playwright_api  # noqa: E402  (scripts/test.sh in
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "screenshots" / "client.png"
+DASHBOARD_SCREENSHOT = SCREENSHOT.with_name("dashboard.png")
 ARGS = [
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -178,3 +178,38 @@ async def test_api_key_field(browser, piper_engine):
             assert await page.evaluate("window.ttsState.connected") is True
         finally:
             await context.close()
+
+
+async def test_dashboard_charts_update_under_load(browser, gateway):
+    """/dashboard polls /v1/stats; under a few spoken contexts its charts get new data."""
+    from gateway.client import TTSClient
+
+    from .conftest import ws_url
+
+    context = await browser.new_context(viewport={"width": 1200, "height": 900})
+    page = await context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        await page.goto(f"http://127.0.0.1:{gateway.port}/dashboard")
+        await page.wait_for_function("window.dashboardState && window.dashboardState.updates >= 1", timeout=10_000)
+
+        async def agent(i: int) -> None:
+            async with TTSClient.connect(ws_url(gateway)) as tts:
+                await tts.context().speak(f"Agent {i} says hello to the dashboard.")
+
+        await asyncio.gather(*(agent(i) for i in range(3)))
+        await page.wait_for_function(
+            "window.dashboardState.lastStats && window.dashboardState.lastStats.current.ttfa_count >= 3",
+            timeout=15_000,
+        )
+        before = await page.evaluate("window.dashboardState.updates")
+        await page.wait_for_function(f"window.dashboardState.updates > {before + 1}", timeout=10_000)
+        stats = await page.evaluate("window.dashboardState.lastStats")
+        assert stats["current"]["audio_s"] > 1.0
+        assert any(v is not None for v in stats["series"]["ttfa_p50_ms"])
+        DASHBOARD_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        await page.screenshot(path=str(DASHBOARD_SCREENSHOT))
+    finally:
+        await context.close()
+    assert not errors, errors
