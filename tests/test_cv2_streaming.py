@@ -115,3 +115,28 @@ def test_equivalence_streaming(tiny_dir, models, voice, tokens, incremental):
     audio = np.concatenate(ours)
     assert len(audio) == len(tokens) * 2 * 480  # every token spoken, nothing duplicated at borders
     assert np.isfinite(audio).all() and np.abs(audio).max() > 1e-3
+
+
+def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tokens):
+    """Non-final chunks of different utterances (different prompts, lengths, offsets) in one
+    flow call give each utterance the mel it gets alone."""
+    shorter = models.frontend.prepare(voiced(1.4, 24000), 24000, "Short.")
+    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
+
+    def streams():
+        made = []
+        for prompt, n, skip in ((voice, 137, 1), (shorter, 90, 0), (voice, 120, 2)):
+            state = token2wav.new_stream(VoicePrompt(prompt.speech_tokens, prompt.speech_feat, prompt.embedding))
+            state.tokens, state.tokens_done = list(tokens[:n]), True
+            for _ in range(skip):  # different chunk indices
+                token2wav.run([token2wav.next_job(state)])
+            made.append(state)
+        return made
+
+    alone = [token2wav._flow(token2wav.next_job(state)) for state in streams()]
+    jobs = [token2wav.next_job(state) for state in streams()]
+    together = token2wav._flows(jobs)
+    assert not any(job.finalize for job in jobs)
+    for a, b in zip(alone, together):
+        assert a.shape == b.shape
+        assert float((a - b).abs().max()) <= 1e-4

@@ -131,11 +131,13 @@ class Token2Wav:
     def run(self, jobs: list[ChunkJob]) -> list[np.ndarray]:
         """Run chunks of several utterances; returns each one's new audio (float32, 24 kHz).
 
-        The flow runs per utterance (each has its own prompt and chunk state); HiFT runs
-        once for every group of chunks of the same shape, which in steady state is all
-        of them (cached 8 frames + one hop).
+        In recompute mode the flow runs once for all non-final chunks (rows padded to the
+        longest; each row equals running it alone); incremental and final chunks run per
+        utterance (each holds its own chunk state, or needs full attention). HiFT runs once
+        for every group of chunks of the same shape, which in steady state is all of them
+        (cached 8 frames + one hop).
         """
-        inputs = [self._hift_input(job, self._flow(job)) for job in jobs]
+        inputs = [self._hift_input(job, mel) for job, mel in zip(jobs, self._flows(jobs))]
         groups: dict[tuple, list[int]] = {}
         for i, (mel, cache_source) in enumerate(inputs):
             groups.setdefault((mel.shape[2], cache_source.shape[2]), []).append(i)
@@ -148,6 +150,36 @@ class Token2Wav:
             for k, i in enumerate(rows):
                 speech[i], source[i] = wav[k : k + 1], src[k : k + 1]
         return [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
+
+    def _flows(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
+        together = [i for i, job in enumerate(jobs) if not job.finalize and job.state.flow_cache is None]
+        mels: dict[int, torch.Tensor] = {}
+        if len(together) > 1:
+            mels.update(zip(together, self._flow_batched([jobs[i] for i in together])))
+        return [mels[i] if i in mels else self._flow(job) for i, job in enumerate(jobs)]
+
+    def _flow_batched(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
+        """Non-final recompute chunks of several utterances in one flow call."""
+        prompts = [job.state.prompt for job in jobs]
+        device = prompts[0].speech_feat.device
+
+        def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            lengths = torch.tensor([len(row) for row in rows], dtype=torch.int32, device=device)
+            return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), lengths
+
+        token, token_len = padded(
+            [torch.tensor(job.state.tokens[: job.end], dtype=torch.int32, device=device) for job in jobs]
+        )
+        prompt_token, prompt_token_len = padded([p.speech_tokens[0] for p in prompts])
+        prompt_feat, prompt_feat_len = padded([p.speech_feat[0] for p in prompts])
+        embedding = torch.cat([p.embedding for p in prompts])
+        mel, new_len = self.flow.inference_batch(
+            token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding,
+            streaming=True, finalize=False,
+        )
+        return [
+            mel[i : i + 1, :, job.state.offset * self.mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
+        ]
 
     def _flow(self, job: ChunkJob) -> torch.Tensor:
         state, prompt = job.state, job.state.prompt
