@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     make.add_argument("rest", nargs=argparse.REMAINDER)
 
+    bench = commands.add_parser(
+        "bench", help="load-test a running gateway with simulated agents (see docs/benchmarks.md)", add_help=False
+    )
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+
     voice = commands.add_parser("voice", help="manage CosyVoice2 zero-shot voices")
     voice_commands = voice.add_subparsers(dest="voice_command", required=True)
     add = voice_commands.add_parser("add", help="register a voice from a prompt recording and its transcript")
@@ -53,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.cosyvoice2.checkpoint import main_make_checkpoint
 
         return main_make_checkpoint(argv[1:])
+    if argv[:1] == ["bench"]:  # its own parser, and no config: it is a client of a running gateway
+        from gateway.loadgen import main as main_bench
+
+        return main_bench(argv[1:])
     args = parser.parse_args(argv)
     try:
         config = _load(args)

@@ -1,0 +1,62 @@
+"""The load generator (`tts-gateway bench`) against a real gateway on the Piper voice.
+
+These check that the tool works (records, summary, files), not how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import gateway.loadgen as loadgen
+from tests.conftest import ws_url
+
+SUMMARY_KEYS = {"contexts", "outcomes", "ttfa_ms", "stall_free_fraction", "stalls", "stall_ms", "rtf_p50",
+                "audio_s", "errors", "errors_by_code"}
+
+
+def test_corpus_loads_with_line_breaks():
+    english, chinese = loadgen.load_corpus("en"), loadgen.load_corpus("zh")
+    assert len(english) >= 25 and len(chinese) >= 15
+    assert any("\n- " in reply for reply in english)  # markdown lists survive the one-line-per-reply file
+    assert len(loadgen.load_corpus("mix")) == len(english) + len(chinese)
+
+
+async def test_llm_run_writes_json_markdown_and_plots(gateway, tmp_path):
+    result = await loadgen.run(
+        ws_url(gateway), sessions=2, workload="llm", duration=6, json_path=tmp_path / "out.json",
+        markdown=tmp_path / "out.md", plots=tmp_path / "plots",
+    )
+    records = result["records"]
+    assert records and {r["agent"] for r in records} == {0, 1}
+    assert all(r["ttfa_ms"] > 0 for r in records if r["ttfa_ms"] is not None)
+    assert any(r["outcome"] == "done" and r["rtf"] > 0 and r["audio_ms"] > 0 for r in records)
+    assert SUMMARY_KEYS <= result["summary"].keys()
+    assert result["summary"]["errors"] == 0
+    assert {"p50", "p95", "p99"} <= result["summary"]["ttfa_ms"].keys()
+    assert json.loads((tmp_path / "out.json").read_text())["config"]["workload"] == "llm"
+    assert "| sessions |" in (tmp_path / "out.md").read_text()
+    pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+    assert pngs == ["stall_free_llm.png", "ttfa_llm.png"]
+    assert all((tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG" for name in pngs)
+
+
+async def test_barge_in_cancels(gateway):
+    result = await loadgen.run(ws_url(gateway), sessions=2, workload="barge-in", duration=5, seed=1)
+    assert result["summary"]["outcomes"].get("cancelled", 0) >= 1
+    assert result["summary"]["errors"] == 0
+
+
+async def test_ramp_reports_a_capacity(gateway):
+    result = await loadgen.run(ws_url(gateway), ramp=[1, 2], workload="full", duration=3)
+    assert [level["sessions"] for level in result["levels"]] == [1, 2]
+    assert result["stall_free_capacity"] in (1, 2, None)
+    assert {r["sessions"] for r in result["records"]} == {1, 2}
+
+
+def test_bench_help():
+    result = subprocess.run([sys.executable, "-m", "gateway", "bench", "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--workload" in result.stdout and "--ramp" in result.stdout
