@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+import pytest
 import pytest_asyncio
 
 from engine.piper import PiperEngine
@@ -24,6 +25,19 @@ def make_config(**sections: dict) -> Config:
     for section, values in sections.items():
         config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})
     return dataclasses.replace(config, server=dataclasses.replace(config.server, port=0, http_port=0))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """One intra-op torch thread for the whole run. The test models are tiny: threads gain
+    nothing, and on a 2-core machine they spin against the gateway's own workers (measured
+    10-40x slower with two)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -42,16 +42,6 @@ FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "sp
          "CosyVoice-BlankEN/tokenizer.json", "CosyVoice-BlankEN/tokenizer_config.json")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a shared 2-core machine, oversubscribed torch threads make
-    small models run 10-40x slower than one thread does."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     return ckpt.make_checkpoint(tmp_path_factory.mktemp("cv2") / "tiny", "tiny", seed=0)

@@ -29,16 +29,6 @@ from tests.reference import official
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tiny ops gain nothing from intra-op threads; on a shared 2-core machine the
-    threads' spin-waits made this file 10x slower. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def randomize_(module: nn.Module, seed: int) -> nn.Module:
     """Every parameter random and non-trivial, scaled so activations stay O(1)."""
     generator = torch.Generator().manual_seed(seed)

@@ -114,15 +114,6 @@ def max_diff(a: Tensor, b: Tensor) -> float:
     return (a - b).abs().max().item() if a.numel() else 0.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is as fast, and does not fight the other test runs for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny_flow() -> tuple[nn.Module, TokenEncoder]:
     config = FlowEncoderConfig.tiny()

@@ -76,16 +76,6 @@ def voiced(seconds: float, rate: int, f0: float = 140.0, seed: int = 0, level: f
     return (level * x / np.abs(x).max()).astype(np.float32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a shared 2-core machine, oversubscribed torch threads make
-    small models run 10-40x slower than one thread does."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def speech() -> tuple[np.ndarray, int]:
     """About 3 s of real English speech from the bundled Piper voice, at its 22.05 kHz."""

@@ -14,7 +14,6 @@ import wave
 import numpy as np
 import pytest
 import pytest_asyncio
-import torch
 
 from engine.cosyvoice2.checkpoint import make_checkpoint
 from engine.cosyvoice2.engine import CosyVoice2Engine
@@ -41,8 +40,6 @@ def prompt_wav() -> bytes:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def cv2_engine(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     model_dir = make_checkpoint(tmp_path_factory.mktemp("cv2") / "model", "tiny", seed=0)
     settings = CosyVoice2Settings(model_dir=str(model_dir), device="cpu")
     from engine.cosyvoice2.frontend import CosyVoice2Frontend
@@ -53,7 +50,6 @@ async def cv2_engine(tmp_path_factory):
     await engine.start()
     yield engine
     await engine.close()
-    torch.set_num_threads(threads)
 
 
 @pytest_asyncio.fixture(loop_scope="session")

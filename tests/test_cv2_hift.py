@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,6 @@ from tests.reference import official
 TOLERANCE = 1e-4
 TINY = HiFTConfig.tiny()
 FRAMES = 12  # mel frames per test chunk: 12 * 480 samples
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread() -> Iterator[None]:
-    """The tiny models gain nothing from threads; one avoids OpenMP spinning on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def build_official(config: HiFTConfig) -> nn.Module:

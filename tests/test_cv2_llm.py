@@ -56,15 +56,6 @@ S = TINY.speech_token_size
 EOS, UNUSED, FILL = S, S + 1, S + 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread() -> Iterator[None]:
-    """The tiny models gain nothing from threads; one avoids OpenMP spinning on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---------------------------------------------------------------------------------------
 # Building both sides
 

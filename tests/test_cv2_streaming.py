@@ -20,14 +20,6 @@ from engine.cosyvoice2.token2wav import Token2Wav, VoicePrompt
 from tests.reference import official, official_modules
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("cv2") / "model", "tiny", seed=0)
