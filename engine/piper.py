@@ -40,6 +40,7 @@ from engine.base import (
     UtteranceOptions,
     Voice,
 )
+from engine.scheduling import PlaybackClock
 from engine.settings import PiperSettings
 from engine.text import Segmenter, TextNormalizer
 
@@ -156,7 +157,8 @@ class PiperEngine(Engine):
             ready = [u for u in self._utterances if u.schedulable and u not in self._running]
             if not ready:
                 return
-            utterance = min(ready, key=lambda u: u.playback_deadline)
+            now = time.monotonic()
+            utterance = min(ready, key=lambda u: u.clock.deadline(now))
             job = _Job(utterance, utterance.fragments.popleft(), onnxruntime.RunOptions())
             self._running[utterance] = job
             future = self._loop.run_in_executor(
@@ -242,9 +244,7 @@ class PiperUtterance(Utterance):
         self._input_ended = False
         self.cancelled = False
         self._finished = False
-        self._ready_since: float | None = None
-        self._first_audio_at: float | None = None
-        self._audio_s = 0.0
+        self.clock = PlaybackClock()
 
     # ------------------------------------------------------------ input
 
@@ -277,8 +277,7 @@ class PiperUtterance(Utterance):
         if not fragments:
             return
         self.fragments.extend(fragments)
-        if self._ready_since is None:
-            self._ready_since = time.monotonic()
+        self.clock.ready(time.monotonic())
         self._engine._dispatch()
 
     # ------------------------------------------------------------ scheduling state
@@ -287,18 +286,9 @@ class PiperUtterance(Utterance):
     def schedulable(self) -> bool:
         return bool(self.fragments) and not self.cancelled and self._pending_chunks < _OUTPUT_CHUNKS
 
-    @property
-    def playback_deadline(self) -> float:
-        """When this utterance's listener runs out of audio (monotonic seconds)."""
-        if self._first_audio_at is None:
-            return self._ready_since if self._ready_since is not None else time.monotonic()
-        return self._first_audio_at + self._audio_s
-
     def _deliver(self, chunks: list[AudioChunk]) -> None:
         for chunk in chunks:
-            if self._first_audio_at is None:
-                self._first_audio_at = time.monotonic()
-            self._audio_s += len(chunk.samples) / self._engine.sample_rate
+            self.clock.produced(len(chunk.samples) / self._engine.sample_rate, time.monotonic())
             self._pending_chunks += 1
             self._output.put_nowait(chunk)
         self._maybe_finish()

@@ -62,8 +62,8 @@ async def test_the_listener_closest_to_running_dry_goes_first():
             # a: has been playing for 1 s with 30 s of audio buffered; b: 2 s buffered;
             # c: no audio yet. Most urgent first: c (due now), then b, then a.
             now = time.monotonic()
-            handles["a"].first_audio_at, handles["a"].audio_s = now - 1, 30.0
-            handles["b"].first_audio_at, handles["b"].audio_s = now - 1, 2.0
+            handles["a"].clock.produced(30.0, now - 1)
+            handles["b"].clock.produced(2.0, now - 1)
             worker.wake.notify()
         for name in "abc":
             await until(queues[name].get())

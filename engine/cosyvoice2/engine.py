@@ -39,6 +39,7 @@ from engine.cosyvoice2.lm_stage import LMStage, LMStream, TorchLMStage
 from engine.cosyvoice2.model import CosyVoice2Models, load_models
 from engine.cosyvoice2.token2wav import StreamState, Token2Wav, VoicePrompt
 from engine.cosyvoice2.voices import UnknownVoiceError, VoiceStore
+from engine.scheduling import PlaybackClock
 from engine.settings import CosyVoice2Settings
 from engine.text import TextNormalizer
 
@@ -268,9 +269,7 @@ class StreamHandle:
         self.state = state
         self.output = output
         self.pending = 0  # chunks delivered, not yet taken by the consumer
-        self.ready_since: float | None = None
-        self.first_audio_at: float | None = None
-        self.audio_s = 0.0
+        self.clock = PlaybackClock()
 
     # Called on the event loop's thread.
     def push_tokens(self, tokens: list[int]) -> None:
@@ -287,14 +286,6 @@ class StreamHandle:
         with self.worker.lock:
             self.pending -= 1
             self.worker.wake.notify()
-
-    def deadline(self, now: float) -> float:
-        """When this utterance's listener runs out of audio (earlier = more urgent)."""
-        if self.first_audio_at is None:
-            if self.ready_since is None:
-                self.ready_since = now
-            return self.ready_since
-        return self.first_audio_at + self.audio_s
 
 
 class Token2WavWorker:
@@ -344,7 +335,7 @@ class Token2WavWorker:
                 continue
             job = self.token2wav.next_job(handle.state)
             if job is not None:
-                ready.append((handle.deadline(now), id(handle), handle, job))
+                ready.append((handle.clock.deadline(now), id(handle), handle, job))
             elif handle.state.finished:
                 self._finish(handle)
         ready.sort(key=lambda item: item[:2])
@@ -383,9 +374,7 @@ class Token2WavWorker:
                         self.loop.call_soon_threadsafe(handle.output.put_nowait, error)
                         continue
                     samples = audio[i]
-                    if handle.first_audio_at is None:
-                        handle.first_audio_at = now
-                    handle.audio_s += len(samples) / self.token2wav.hift.config.sampling_rate
+                    handle.clock.produced(len(samples) / self.token2wav.hift.config.sampling_rate, now)
                     handle.pending += 1
                     self.loop.call_soon_threadsafe(handle.output.put_nowait, (samples, compute_s))
                     if job.finalize:
