@@ -14,5 +14,5 @@ pip -e '.[test,cosyvoice2,bench]'
 pip -r tests/requirements-reference.txt
 pip --no-deps cosyvoice-minicpmo==0.1.0
 # Debian's Chromium for the browser-client tests (tests/test_browser.py); CI runs as root.
-command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 exec .venv/bin/python -m pytest "$@"
