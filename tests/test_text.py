@@ -424,9 +424,9 @@ def test_first_fragment_cut_at_word_boundary_when_long():
 
 
 def test_long_sentence_cut_at_clause_then_word():
-    text = "Ok. " + "alpha beta, " * 10 + "gamma delta " * 10 + "end."
+    text = "Ok then. " + "alpha beta, " * 10 + "gamma delta " * 10 + "end."
     fragments = segment_all(text, max_chars=80)
-    assert fragments[0] == "Ok."
+    assert fragments[0] == "Ok then."
     assert fragments[1] == "alpha beta, " * 5 + "alpha beta,"  # last clause within 80 chars
     assert all(len(fragment) <= 80 for fragment in fragments)
     assert squeeze("".join(fragments)) == squeeze(text)
@@ -465,12 +465,20 @@ def test_chinese_first_fragment_clause():
 
 
 def test_closing_quotes_stay_with_their_sentence():
-    text = '"Really?!" she asked. 「好。」然后'
-    assert segment_all(text) == ['"Really?!"', "she asked.", "「好。」", "然后"]
+    text = '"Really now?!" she asked. 「好。」然后'
+    assert segment_all(text) == ['"Really now?!"', "she asked.", "「好。」", "然后"]
+
+
+def test_a_one_word_opener_joins_the_next_fragment():
+    """"Done!" alone would play out (~0.5 s) before the next sentence is ready: a stall."""
+    fragments = segment_all("Done! Your reminder is set for tomorrow morning at seven.")
+    assert fragments[0].startswith("Done! Your")
+    assert segment_all("Hello there! How are you today?")[0] == "Hello there!"
+    assert segment_all("好的。我来帮你。")[0] == "好的。"  # two CJK characters are two words
 
 
 def test_punctuation_only_text_is_never_a_fragment():
-    assert segment_all("Hi! ... ! Bye.") == ["Hi!...!", "Bye."]
+    assert segment_all("Hi there! ... ! Bye.") == ["Hi there!...!", "Bye."]
     assert segment_all(" . , ! ") == []
     assert segment_all("") == []
 

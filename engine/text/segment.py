@@ -3,7 +3,9 @@
 The TTS engines speak one fragment at a time, and a fragment sounds best as a
 whole sentence.  But the user hears nothing until the first fragment is
 synthesised, so the first fragment of an utterance is kept short: it may end
-at a clause boundary (, ; : — ，、：) once it holds a few words, or at a word
+at a sentence end once it holds two words (a one-word opener such as "Sure!"
+would play out before the next fragment is ready, so it joins that one), at a
+clause boundary (, ; : — ，、：) once it holds a few words, or at a word
 boundary once it grows past ``first_max_chars``.  Later fragments end only at
 sentence ends (. ! ? … 。！？；), and a sentence that runs past ``max_chars``
 is cut at its last clause boundary, else its last word boundary.
@@ -30,6 +32,8 @@ _CJK_SENTENCE_END = frozenset("。！？；")
 _CLAUSE = frozenset(",;:—")
 _CJK_CLAUSE = frozenset("，、：")
 _CLOSERS = frozenset("\"'”’)]」』》）】")
+# The first fragment may end at a sentence end only from this many words on.
+FIRST_SENTENCE_MIN_WORDS = 2
 
 
 def _count_words(text: str) -> int:
@@ -118,7 +122,11 @@ class Segmenter:
                 if j == n:
                     return n if final else None
                 if buf[j].isspace() or any(c in _CJK_SENTENCE_END for c in buf[i:j]):
-                    return j
+                    # A one-word opener ("Sure!", "Done.") is too short to speak alone: it
+                    # plays out before the next fragment can be ready. It joins the next one.
+                    if not (first and _count_words(buf[:j]) < FIRST_SENTENCE_MIN_WORDS):
+                        return j
+                    last_clause = j
                 i = j  # "3.5", "a.b": not a sentence end
                 continue
             if ch in _CLAUSE or ch in _CJK_CLAUSE:
