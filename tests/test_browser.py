@@ -108,7 +108,10 @@ async def test_stop_cancels_and_clears_playback(page):
     await page.click("#stop")
 
     cancelled = await wait_for(page, "c1", "c.status === 'cancelled'", timeout=10)
-    assert await page.locator("tr[data-context='c1'] .status").inner_text() == "cancelled"
+    # The table is redrawn on the page's next frame: wait for it rather than race it.
+    await page.wait_for_function(
+        "document.querySelector(\"tr[data-context='c1'] .status\")?.innerText === 'cancelled'", timeout=5_000
+    )
     await asyncio.sleep(0.2)  # the worklet's last report after the clear
     before = await ctx(page, "c1")
     await asyncio.sleep(1.0)

@@ -651,3 +651,18 @@ def test_backend_budget_token_goes_into_the_next_round(state: dict[str, Tensor])
     with torch.no_grad():
         expected = model(model.embed(torch.tensor([sequence])))[0, -1]
     assert (logits - expected).abs().max().item() <= TOLERANCE
+
+
+def test_serving_masks_classes_a_round_cannot_take():
+    """A model that favours fill in the final round: the reference (and our exact mode)
+    raise; the serving mode gives fill no probability there and the turn ends normally."""
+    model = CosyVoice2LM(LLMConfig.tiny()).eval()
+    with torch.no_grad():
+        model.llm_decoder.bias.zero_()
+        model.llm_decoder.bias[FILL] = 50.0  # fill always wins
+        model.llm_decoder.bias[EOS] = 40.0  # then eos
+    exact = TorchLMBackend(model, greedy_sampling)
+    with pytest.raises(RuntimeError, match="cannot occur"):
+        list(exact.generate_bistream([[1, 2, 3]], prompt_text=[4], prompt_speech=[]))
+    serving = TorchLMBackend(model, greedy_sampling, mask_impossible=True)
+    assert list(serving.generate_bistream([[1, 2, 3]], prompt_text=[4], prompt_speech=[])) == []

@@ -478,7 +478,12 @@ class TorchLMBackend:
 
     MAX_EOS_REDRAWS = 100
 
-    def __init__(self, model: CosyVoice2LM, sampler: Sampler | None = None) -> None:
+    def __init__(self, model: CosyVoice2LM, sampler: Sampler | None = None, *, mask_impossible: bool = False) -> None:
+        """``mask_impossible``: give no probability to special classes a round cannot take
+        (fill in the final round, the unused class anywhere). The reference raises when it
+        samples one; a trained model practically never does, but serving should not fail a
+        turn on it. Off, decoding is exactly the reference's."""
+        self.mask_impossible = mask_impossible
         self.model = model
         self.vocab = model.vocab
         self.sampler = sampler if sampler is not None else make_sampler(model.config.sampling)
@@ -531,6 +536,14 @@ class TorchLMBackend:
         emitted = 0
         while chunk.max_tokens is None or emitted < chunk.max_tokens:
             logits = self.append(feed)
+            if self.mask_impossible:
+                impossible = [
+                    special
+                    for special in range(vocab.speech_token_size, vocab.num_speech_classes)
+                    if special != vocab.eos_class and special not in chunk.stop
+                ]
+                logits = logits.clone()  # the model's output is an inference tensor
+                logits[impossible] = float("-inf")
             allow_eos = vocab.eos_class in chunk.stop and emitted >= chunk.min_tokens
             speech_class = self.sample(logits, history, allow_eos=allow_eos)
             if speech_class in chunk.stop:

@@ -123,7 +123,7 @@ class _TorchStream(LMStream):
     def _run(self) -> None:
         error: BaseException | None = None
         try:
-            backend = TorchLMBackend(self._stage.model)
+            backend = TorchLMBackend(self._stage.model, mask_impossible=True)
             tokens = backend.generate_bistream(
                 self._pieces(), self._prompt_text, self._prompt_speech, first_round_budget=True
             )
