@@ -73,3 +73,21 @@ def official_modules(llm_cfg, flow_cfg, hift_cfg):
         **dataclasses.asdict(hift_cfg.f0_predictor))
     hift = official("cosyvoice.hifigan.generator").HiFTGenerator(**hift_kwargs)
     return llm, flow, hift
+
+
+def randomize(module, seed: int, spread: float):
+    """Every parameter random and non-trivial, scaled so activations stay O(1): matrices
+    ~ N(0, 1/fan_in), norm gains ~ 1 + N(0, spread^2), biases ~ N(0, spread^2). In eval mode."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if param.dim() >= 2:
+                param.copy_(noise / param[0].numel() ** 0.5)
+            elif name.endswith("weight"):
+                param.copy_(1 + spread * noise)
+            else:
+                param.copy_(spread * noise)
+    return module.eval()

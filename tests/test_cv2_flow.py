@@ -24,24 +24,13 @@ from engine.cosyvoice2.flow import (
     FlowStreamCache,
     chunk_attention_mask,
 )
-from tests.reference import official
+from tests.reference import official, randomize
 
 TOLERANCE = 1e-4
 
 
 def randomize_(module: nn.Module, seed: int) -> nn.Module:
-    """Every parameter random and non-trivial, scaled so activations stay O(1)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if param.dim() >= 2:
-                param.copy_(noise / param[0].numel() ** 0.5)
-            elif name.endswith("weight"):  # norm gains
-                param.copy_(1 + 0.1 * noise)
-            else:
-                param.copy_(0.1 * noise)
-    return module.eval()
+    return randomize(module, seed, spread=0.1)
 
 
 def official_estimator(config: EstimatorConfig) -> nn.Module:

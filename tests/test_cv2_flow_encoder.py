@@ -29,6 +29,7 @@ from engine.cosyvoice2.flow_encoder import (
     encode_tokens,
 )
 from tests.reference import official
+from tests.reference import randomize as reference_randomize
 
 TOL = 1e-4
 VOCAB = 6561
@@ -36,18 +37,7 @@ CHUNK = 25  # tokens; FlowEncoderConfig.tiny() keeps the real chunk size
 
 
 def randomize(module: nn.Module, seed: int) -> nn.Module:
-    """Every parameter random: matrices ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.2^2), biases ~ N(0, 0.2^2)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if param.dim() >= 2:
-                param.copy_(noise / param[0].numel() ** 0.5)
-            elif name.endswith("weight"):
-                param.copy_(1 + 0.2 * noise)
-            else:
-                param.copy_(0.2 * noise)
-    return module.eval()
+    return reference_randomize(module, seed, spread=0.2)
 
 
 def official_encoder(config: FlowEncoderConfig) -> nn.Module:
