@@ -23,10 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.token2wav_chunk_cost import voiced_prompt  # noqa: E402
 from engine.cosyvoice2.checkpoint import make_checkpoint  # noqa: E402
-from engine.cosyvoice2.model import load_models, missing_files  # noqa: E402
+from engine.cosyvoice2.model import DTYPES, load_models, missing_files  # noqa: E402
 from engine.cosyvoice2.token2wav import Token2Wav, VoicePrompt  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def sync(device: torch.device) -> None:

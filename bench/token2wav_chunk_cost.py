@@ -40,13 +40,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.cosyvoice2.checkpoint import make_checkpoint  # noqa: E402
-from engine.cosyvoice2.model import load_models, missing_files  # noqa: E402
+from engine.cosyvoice2.model import DTYPES, load_models, missing_files  # noqa: E402
 from engine.cosyvoice2.token2wav import ChunkJob, StreamState, Token2Wav, VoicePrompt  # noqa: E402
 
 SAMPLE_RATE = 24000
 SPEECH_TOKEN_VOCAB = 6561
 MODES = ("recompute", "incremental")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP32_TOLERANCE = 1e-3
 EDGE_CHUNKS = 4  # cost(last 4 chunks) / cost(chunks 1-4)
 

@@ -74,14 +74,22 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(digest[:8], "little"))
 
 
-def _save_onnx(model, path: Path) -> None:
+def _save_onnx(graph, doc: str, path: str | os.PathLike) -> Path:
+    """Wrap a stand-in graph in a checked model and write it atomically."""
     import onnx
+    from onnx import helper
 
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
+                              producer_name="tts-gateway make-checkpoint")
+    model.ir_version = ONNX_IR_VERSION
+    model.doc_string = doc
     onnx.checker.check_model(model, full_check=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
     tmp.write_bytes(model.SerializeToString())
-    os.replace(tmp, path)
+    os.replace(tmp, out)
+    return out
 
 
 def build_speech_tokenizer_onnx(path: str | os.PathLike, seed: int = 0) -> Path:
@@ -94,7 +102,6 @@ def build_speech_tokenizer_onnx(path: str | os.PathLike, seed: int = 0) -> Path:
     dimensions with a fixed random matrix and quantises each to {-1, 0, 1}; the token
     is the base-3 number those 8 digits spell (the real tokenizer's FSQ layout).
     """
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = _rng(seed, "speech_tokenizer_v2")
@@ -141,14 +148,7 @@ def build_speech_tokenizer_onnx(path: str | os.PathLike, seed: int = 0) -> Path:
         [helper.make_tensor_value_info(SPEECH_TOKENIZER_OUTPUT, TensorProto.INT64, ["batch", "tokens"])],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
-                              producer_name="tts-gateway make-checkpoint")
-    model.ir_version = ONNX_IR_VERSION
-    model.doc_string = "Random stand-in for the CosyVoice2 speech tokenizer (not a trained model)."
-    out = Path(path)
-    _save_onnx(model, out)
-    del onnx
-    return out
+    return _save_onnx(graph, "Random stand-in for the CosyVoice2 speech tokenizer (not a trained model).", path)
 
 
 def build_campplus_onnx(path: str | os.PathLike, seed: int = 0, hidden: int = 256) -> Path:
@@ -193,13 +193,7 @@ def build_campplus_onnx(path: str | os.PathLike, seed: int = 0, hidden: int = 25
         [helper.make_tensor_value_info(CAMPPLUS_OUTPUT, TensorProto.FLOAT, ["batch", SPEAKER_DIM])],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
-                              producer_name="tts-gateway make-checkpoint")
-    model.ir_version = ONNX_IR_VERSION
-    model.doc_string = "Random stand-in for the CAM++ speaker encoder (not a trained model)."
-    out = Path(path)
-    _save_onnx(model, out)
-    return out
+    return _save_onnx(graph, "Random stand-in for the CAM++ speaker encoder (not a trained model).", path)
 
 
 # ---------------------------------------------------------------------------

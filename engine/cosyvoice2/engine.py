@@ -36,7 +36,7 @@ from engine.base import (
     Voice,
 )
 from engine.cosyvoice2.lm_stage import LMStage, LMStream, TorchLMStage
-from engine.cosyvoice2.model import CosyVoice2Models, load_models
+from engine.cosyvoice2.model import DTYPES, CosyVoice2Models, load_models
 from engine.cosyvoice2.token2wav import StreamState, Token2Wav, VoicePrompt
 from engine.cosyvoice2.voices import UnknownVoiceError, VoiceStore
 from engine.scheduling import PlaybackClock
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 
 _OUTPUT_CHUNKS = 4  # chunks an utterance may hold before its consumer takes them
 _END = object()
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CosyVoice2Engine(Engine):
@@ -72,7 +71,7 @@ class CosyVoice2Engine(Engine):
         if settings.llm_backend != "torch":
             raise EngineError(f"llm_backend {settings.llm_backend!r} is not available in this build; use 'torch'")
         device = _device(settings.device)
-        dtype = _DTYPES[settings.dtype]
+        dtype = DTYPES[settings.dtype]
         try:
             self.models = await asyncio.to_thread(
                 load_models, settings.model_dir, device=device, llm_dtype=dtype, flow_dtype=dtype
@@ -144,7 +143,7 @@ class CosyVoice2Engine(Engine):
         voice_id = self.voice_store.add(name, wav_bytes, prompt_text)
         return self.voice_store.info(voice_id).to_voice()
 
-    def _prompt(self, voice: str) -> tuple[str, VoicePrompt, list[int], list[int]]:
+    def _prompt(self, voice: str) -> tuple[VoicePrompt, list[int], list[int]]:
         assert self.voice_store is not None and self.models is not None
         try:
             info = self.voice_store.info(voice)
@@ -161,14 +160,14 @@ class CosyVoice2Engine(Engine):
                 prepared.embedding.to(device, dtype),
             )
             self._prompts[info.id] = prompt
-        return info.id, prompt, prepared.prompt_text_ids[0].tolist(), prepared.speech_tokens[0].tolist()
+        return prompt, prepared.prompt_text_ids[0].tolist(), prepared.speech_tokens[0].tolist()
 
     # ------------------------------------------------------------ utterances
 
     def open_utterance(self, options: UtteranceOptions) -> CosyVoice2Utterance:
         if self.worker is None or self.lm is None or self.models is None:
             raise EngineError("engine is not started")
-        _voice_id, prompt, prompt_text, prompt_speech = self._prompt(options.voice)
+        prompt, prompt_text, prompt_speech = self._prompt(options.voice)
         utterance = CosyVoice2Utterance(self, prompt, prompt_text, prompt_speech, options.speed)
         self._utterances.add(utterance)
         return utterance

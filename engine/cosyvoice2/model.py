@@ -29,6 +29,10 @@ REQUIRED_FILES = (
 )
 
 
+# Precisions a user can ask for by name (config, benchmarks).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class ModelDirError(ValueError):
     """The model directory is missing or incomplete; the message says what to fix."""
 
