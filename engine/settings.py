@@ -7,7 +7,7 @@ turns a ``ValueError`` here into a message that names the offending key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,46 @@ class PiperSettings:
 
 
 @dataclass(frozen=True)
+class VLLMSettings:
+    """``[engine.cosyvoice2.vllm]``: the LLM stage on vLLM (``llm_backend = "vllm"``).
+
+    The defaults suit an 80-141 GB card; docs/cosyvoice2.md gives values for a 24-32 GB one.
+    """
+
+    # Share of the card's memory vLLM may take (weights + KV cache + graphs). The rest is
+    # the token2wav stage's: keep this + token2wav_memory_gb within the card.
+    gpu_memory_utilization: float = 0.35
+    # Memory the token2wav stage needs (flow + HiFT at max_batch); checked against the
+    # card at start-up so that the two stages cannot starve each other.
+    token2wav_memory_gb: float = 16.0
+    max_num_seqs: int = 256  # concurrent utterances decoded in one batch
+    max_num_batched_tokens: int = 8192  # tokens per engine step (prefill chunks + decodes)
+    max_model_len: int = 4096  # prompt + speech tokens of one utterance
+    enforce_eager: bool = False  # True: no CUDA graphs (faster start, slower steps)
+    enable_prefix_caching: bool = True  # voice prompts are a shared prefix
+    dtype: str = "bfloat16"  # the LM's weights on vLLM: bfloat16, float16, float32
+    # Batch sizes run once before /readyz says ready: vLLM compiles a sampler kernel per
+    # new batch shape, which otherwise stalls first audio by seconds during serving.
+    warmup_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+    def __post_init__(self) -> None:
+        if not 0.05 <= self.gpu_memory_utilization <= 0.95:
+            raise ValueError("gpu_memory_utilization must be between 0.05 and 0.95")
+        if self.token2wav_memory_gb < 0:
+            raise ValueError("token2wav_memory_gb must be >= 0")
+        if not 1 <= self.max_num_seqs <= 4096:
+            raise ValueError("max_num_seqs must be between 1 and 4096")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.max_model_len < 256:
+            raise ValueError("max_model_len must be >= 256")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be float32, bfloat16 or float16")
+        if any(not 1 <= n <= self.max_num_seqs for n in self.warmup_batch_sizes):
+            raise ValueError("warmup_batch_sizes must lie between 1 and max_num_seqs")
+
+
+@dataclass(frozen=True)
 class CosyVoice2Settings:
     # An official CosyVoice2-0.5B directory: cosyvoice2.yaml, llm.pt, flow.pt, hift.pt,
     # campplus.onnx, speech_tokenizer_v2.onnx, CosyVoice-BlankEN/.
@@ -50,7 +90,9 @@ class CosyVoice2Settings:
     default_voice: str = ""
     device: str = "auto"  # auto (cuda if present), cpu, cuda, cuda:N
     dtype: str = "float32"  # flow and LLM weights: float32, bfloat16, float16 (HiFT stays float32)
-    llm_backend: str = "torch"  # torch (plain PyTorch; CPU or GPU)
+    # torch: plain PyTorch, one thread per utterance (CPU, tests, small deployments).
+    # vllm: continuous batching across utterances on a GPU ([engine.cosyvoice2.vllm]).
+    llm_backend: str = "torch"
     # Streaming token2wav (official defaults): chunks of token_hop_len speech tokens
     # (25 = 1 s of audio), growing by stream_scale_factor per chunk up to token_max_hop_len.
     token_hop_len: int = 25
@@ -64,14 +106,15 @@ class CosyVoice2Settings:
     # and memory buys sessions (docs/cosyvoice2.md has the measurements).
     flow_mode: str = "auto"
     max_batch: int = 16  # token2wav chunks run together
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
 
     def __post_init__(self) -> None:
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError("device must be auto, cpu, cuda or cuda:N")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError("dtype must be float32, bfloat16 or float16")
-        if self.llm_backend != "torch":
-            raise ValueError("llm_backend must be 'torch'")
+        if self.llm_backend not in ("torch", "vllm"):
+            raise ValueError("llm_backend must be 'torch' or 'vllm'")
         if not 1 <= self.token_hop_len <= self.token_max_hop_len:
             raise ValueError("need 1 <= token_hop_len <= token_max_hop_len")
         if self.stream_scale_factor < 1:
