@@ -43,6 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
 
+    doctor = commands.add_parser(
+        "doctor", help="check this machine and config for CosyVoice2 / vLLM / GPU problems, with fixes"
+    )
+    _add_config_args(doctor)
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
+
     voice = commands.add_parser("voice", help="manage CosyVoice2 zero-shot voices")
     voice_commands = voice.add_subparsers(dest="voice_command", required=True)
     add = voice_commands.add_parser("add", help="register a voice from a prompt recording and its transcript")
@@ -72,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        if args.command == "doctor":
+            from gateway.doctor import run_doctor
+
+            return run_doctor(config, as_json=args.json)
         if args.command == "serve":
             _run(_serve(config))
         elif args.command == "say":

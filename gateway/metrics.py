@@ -7,7 +7,8 @@ the dashboard and Prometheus never disagree about what happened.
 
 Each server owns its registry, so several gateways (tests, embedding) never share
 counters. Engine queue depth is read from the engine when Prometheus scrapes, so it is
-never stale.
+never stale. GPU gauges come from NVML through :class:`gateway.gpu_metrics.GpuSampler`,
+which the server starts and stops.
 """
 
 from __future__ import annotations
@@ -18,12 +19,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from engine.base import EngineStats
+from gateway.gpu_metrics import GpuSampler
 from gateway.protocol import ContextFinished
 from gateway.stats import RollingStats
-
-# Engine stats ``extra`` keys a GPU engine fills in; /v1/stats reports them under "gpu".
-# Exported to Prometheus as tts_<key> by the GPU engine (see deploy/grafana).
-GPU_KEYS = ("gpu_utilization_ratio", "gpu_memory_used_bytes", "gpu_memory_total_bytes", "gpu_temperature_celsius")
 
 # First audio is the product's headline number: fine buckets where it matters.
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -69,6 +67,7 @@ class Metrics:
         r.register(_EngineCollector(engine_name, engine_stats))
         self._engine_stats = engine_stats
         self.rolling = RollingStats()
+        self.gpu = GpuSampler(r)
 
     # ------------------------------------------------------------ observations
 
@@ -108,7 +107,6 @@ class Metrics:
         totals = rolling["totals"]
         engine = self._engine_stats()
         gauge = self.registry.get_sample_value
-        gpu = {key: engine.extra[key] for key in GPU_KEYS if key in engine.extra}
         return {
             "now": rolling["now"],
             "window_s": window_s,
@@ -128,7 +126,7 @@ class Metrics:
                 "errors_by_code": totals["errors_by_code"],
                 "contexts_by_outcome": totals["contexts_by_outcome"],
             },
-            "gpu": gpu or None,
+            "gpu": self.gpu.metrics.summary() if self.gpu.metrics else None,
         }
 
     def render(self) -> bytes:

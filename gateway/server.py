@@ -88,6 +88,7 @@ class Gateway:
         )
         self.port = self._server.sockets[0].getsockname()[1]  # the real one when config says 0
         await self.http.start(self.config.server.host, self.config.server.http_port)
+        await self.metrics.gpu.start()
         log.info("listening on %s:%d (WebSocket, GET routes), %d (POST routes)",
                  self.config.server.host, self.port, self.http.port)
         if self._owns_engine:
@@ -120,6 +121,7 @@ class Gateway:
             self._server.close()
             await self._server.wait_closed()
         await self.http.stop()
+        await self.metrics.gpu.stop()
         if self._owns_engine:
             await self.engine.close()
 

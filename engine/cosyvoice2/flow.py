@@ -27,7 +27,8 @@ Attention masks are built with tensor ops only. The official helper checks for
 all-masked rows with ``.item()``, a host sync that stalls the GPU and breaks CUDA-graph
 capture; here the same rule (a query row that sees no key sees every key instead) is a
 tensor ``|``. Masks are boolean ``[B, 1, Tq, Tk]``, shared by all heads, which SDPA
-takes as they are.
+takes as they are. So a whole solve can be captured as one CUDA graph
+(``flow_graphs.py``, used through ``CFM.graphs``).
 
 Chunk-causality and incremental streaming
 ----------------------------------------
@@ -74,7 +75,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,9 @@ from engine.cosyvoice2.flow_encoder import (
     encode_tokens,
     project_speaker,
 )
+
+if TYPE_CHECKING:
+    from engine.cosyvoice2.flow_graphs import FlowGraphs
 
 # The official flow always integrates with 10 Euler steps.
 N_TIMESTEPS = 10
@@ -511,6 +515,8 @@ class CFM(nn.Module):
         noise = torch.randn(1, config.estimator.out_channels, NOISE_FRAMES, generator=generator)
         # Not a parameter of the checkpoint: kept out of the state dict, moved with .to().
         self.register_buffer("noise", noise, persistent=False)
+        # CUDA graphs of whole solves (flow_graphs.FlowGraphs), set by the engine after capture.
+        self.graphs: FlowGraphs | None = None
 
     def time_grid(self, n_timesteps: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         t_span = torch.linspace(0, 1, n_timesteps + 1, device=device, dtype=dtype)
@@ -567,9 +573,15 @@ class CFM(nn.Module):
         """Mel ``[B, 80, T]`` for mu/cond ``[B, 80, T]``, mask ``[B, 1, T]``, spks ``[B, 80]``.
 
         noise: ``[1 or B, 80, >= T]``, sliced to its first T frames (default: ``self.noise``).
+        With ``graphs`` set, a CUDA call with the default noise and step count replays a
+        captured graph of the whole solve when one exists for its shape bucket.
         """
         frames = mu.shape[2]
         if noise is None:
+            if self.graphs is not None and n_timesteps == N_TIMESTEPS and mu.is_cuda:
+                mel = self.graphs.run(mu, mask, spks, cond, streaming)
+                if mel is not None:
+                    return mel
             noise = self.noise
         x = noise[:, :, :frames].to(mu.dtype).expand(mu.shape[0], -1, -1)
         return self.solve(x, mask, mu, spks, cond, streaming, n_timesteps)

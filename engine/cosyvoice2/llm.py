@@ -402,6 +402,11 @@ class BistreamPlanner:
         self._finished = False
 
     @property
+    def round_open(self) -> bool:
+        """A round was planned and :meth:`round_done` has not reported it yet."""
+        return self._open is not None
+
+    @property
     def pending_text(self) -> int:
         """Text tokens received but not planned yet."""
         return len(self._text)

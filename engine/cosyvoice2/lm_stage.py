@@ -114,11 +114,14 @@ class _TorchStream(LMStream):
         self._text.put(_END)
 
     def _pieces(self) -> Iterator[list[int]]:
+        """The text one token at a time, as the official frontend feeds it: a round starts
+        as soon as its 5 text tokens are there, however the text was split into pieces."""
         while True:
             piece = self._text.get()
             if piece is _END or self._cancelled.is_set():
                 return
-            yield piece
+            for token in piece:
+                yield [token]
 
     def _run(self) -> None:
         error: BaseException | None = None

@@ -105,3 +105,40 @@ def make_sampler(config: SamplingConfig, generator: torch.Generator | None = Non
         tau_r=config.tau_r,
         generator=generator,
     )
+
+
+def ras_log_probs(
+    logits: torch.Tensor,
+    recent: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    min_repeats: torch.Tensor,
+) -> torch.Tensor:
+    """The distribution ``ras_sampling`` draws from, batched, as log-probabilities.
+
+    For a backend that samples once from a distribution (vLLM) instead of drawing twice:
+    with ``pn`` the nucleus distribution (renormalised), ``p`` the full one and ``R`` the
+    classes repeated at least ``min_repeats`` times in the window, ``ras_sampling`` returns
+    a nucleus pick that is not in ``R``, or else a fresh draw from ``p``; so each class c
+    has probability ``pn(c) * [c not in R] + pn(R) * p(c)``. Sampling that once is the
+    same random process.
+
+    logits ``[B, C]`` (any scale; masked classes at -inf); recent ``[B, W]`` the last
+    decoded classes, -1 where there are fewer; top_p ``[B]``, top_k ``[B]`` (int),
+    min_repeats ``[B]`` (``win_size * tau_r``). Returns ``[B, C]`` float32, -inf where the
+    probability is 0.
+    """
+    probs = logits.float().softmax(dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    keep_sorted = (mass_before < top_p[:, None]) & (rank[None, :] < top_k[:, None])
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    nucleus = probs * keep
+    nucleus = nucleus / nucleus.sum(dim=-1, keepdim=True)
+    # counts of each class in the window (-1 padding goes to a spare column, dropped)
+    counts = torch.zeros(probs.shape[0], probs.shape[1] + 1, device=probs.device)
+    counts.scatter_add_(-1, torch.where(recent < 0, probs.shape[1], recent), torch.ones_like(recent, dtype=counts.dtype))
+    repeated = counts[:, :-1] >= min_repeats[:, None]
+    redraw_mass = (nucleus * repeated).sum(dim=-1, keepdim=True)
+    return (nucleus * ~repeated + redraw_mass * probs).log()

@@ -1,0 +1,305 @@
+"""CUDA graphs of the flow decoder's whole ODE solve, for fixed shape buckets.
+
+At small batch the flow estimator is launch-bound: one call issues a few thousand small
+kernels, so it costs ~35-40 ms eager on an H200 whatever the batch, and a chunk makes 10
+of them (measured at full size, bf16: one estimator call ~4.9 ms under graph replay for
+1 stream x 356 frames, 12 ms for 8 streams, 36 ms for 32, 134 ms for 128). A graph here
+holds all of ``CFM.solve`` (10 Euler steps, each one estimator call on the doubled CFG
+batch), so a replay is one launch.
+
+Shapes are bucketed: a graph is keyed by (batch bucket, frame bucket, streaming flag).
+A call is padded up to its bucket, exactly:
+
+- frames are padded on the right with zeros and mask 0. The estimator never lets a
+  real frame see a padding frame: every convolution is causal (left padding), the
+  attention masks keys by the mask (chunk-causal or full), and everything else is per
+  frame; padding frames' velocity is masked to 0. The starting noise of the real
+  frames is the same prefix of the fixed noise tensor either way. So the real frames'
+  mel equals the unpadded solve's within float rounding;
+- the batch is padded with copies of row 0, not zero rows: a row with no real frame
+  takes the "sees every key" attention rule, harmless, but a copy of real data keeps
+  every row an ordinary one. Rows are independent; the copies are cut off.
+
+``solve_padded`` is that padded solve run eagerly: the CPU tests (tests/test_cv2_flow_graphs.py)
+prove it equals the unpadded solve. The graphs run the very same computation, captured;
+that a replay equals the eager solve is checked only on a GPU, by bench/flow_graphs.py
+(graph vs eager error, same dtype), not by the test suite.
+
+Memory: all graphs share one private memory pool. Their inputs and output live in one
+set of static buffers sized for the largest bucket, outside the pool and shared by all
+graphs too. Sharing is safe because replays never overlap (they all run on the
+token2wav worker thread, on one stream) and nothing stays live in the pool between
+replays: the result is copied out of the shared output buffer right after each replay,
+before any other replay can overwrite it. ``FlowGraphs.reserved_bytes`` is the growth
+of ``torch.cuda.memory_reserved`` since construction (pool + static buffers), for the
+engine to check against its memory budget.
+
+A graph bakes in the addresses of the weights and of ``CFM.noise``: capture after the
+model has its final device and dtype, and do not move it afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.cosyvoice2.flow import CFM
+
+log = logging.getLogger(__name__)
+
+# Eager runs of a shape before its capture: they do the libraries' lazy per-shape and
+# per-stream set-up (cuBLAS workspaces, kernel selection) outside the graph.
+WARMUP_RUNS = 1
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int  # rows of the padded solve (before CFG doubling)
+    frames: int
+    streaming: bool
+
+
+@dataclass(frozen=True)
+class FlowBuckets:
+    """The shapes graphs can exist for: batch buckets, and frame buckets of every multiple of
+    ``frame_step`` frames up to ``max_frames`` (rounded up)."""
+
+    batches: tuple[int, ...]
+    frame_step: int
+    max_frames: int
+
+    def __post_init__(self) -> None:
+        if not self.batches or any(b < 1 for b in self.batches) or list(self.batches) != sorted(set(self.batches)):
+            raise ValueError(f"batch buckets must be increasing positive integers, got {self.batches}")
+        if self.frame_step < 1 or self.max_frames < self.frame_step:
+            raise ValueError(f"need 1 <= frame_step <= max_frames, got {self.frame_step}, {self.max_frames}")
+
+    @classmethod
+    def up_to(cls, max_batch: int, max_frames: int, frame_step: int = 50) -> FlowBuckets:
+        """Batch buckets 1, 2, 4, ... (powers of two below ``max_batch``) and ``max_batch``.
+
+        The default frame step is one attention chunk of the flow (25 tokens = 50 frames).
+        """
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        powers = [2**i for i in range(max_batch.bit_length()) if 2**i < max_batch]
+        return cls(tuple(powers + [max_batch]), frame_step, max_frames)
+
+    @property
+    def max_batch(self) -> int:
+        return self.batches[-1]
+
+    @property
+    def max_frame_bucket(self) -> int:
+        return self.frame_bucket(self.max_frames)
+
+    def frame_bucket(self, frames: int) -> int:
+        return max(1, math.ceil(frames / self.frame_step)) * self.frame_step
+
+    def frame_buckets(self) -> list[int]:
+        """Every frame bucket, shortest first."""
+        return list(range(self.frame_step, self.max_frame_bucket + 1, self.frame_step))
+
+    def key(self, batch: int, frames: int, streaming: bool) -> GraphKey:
+        """The bucket a call of this shape pads to; outside ``covers`` when it is too large."""
+        batch_bucket = next((b for b in self.batches if b >= batch), batch)
+        return GraphKey(batch_bucket, self.frame_bucket(frames), streaming)
+
+    def covers(self, key: GraphKey) -> bool:
+        return key.batch in self.batches and key.frames <= self.max_frame_bucket
+
+
+def pad_inputs(
+    mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, batch: int, frames: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``CFM.forward`` inputs padded to ``batch`` rows and ``frames`` frames.
+
+    Frames: zeros on the right, mask 0. Rows: copies of row 0.
+    """
+    rows, _, length = mu.shape
+    if rows > batch or length > frames:
+        raise ValueError(f"cannot pad {rows} rows x {length} frames down to {batch} x {frames}")
+
+    def padded(x: Tensor) -> Tensor:
+        if x.dim() == 3:
+            x = torch.nn.functional.pad(x, (0, frames - length))
+        if batch > rows:
+            x = torch.cat([x, x[:1].expand(batch - rows, *x.shape[1:])])
+        return x
+
+    return padded(mu), padded(mask), padded(spks), padded(cond)
+
+
+def solve_padded(
+    cfm: CFM, buckets: FlowBuckets, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: bool
+) -> Tensor:
+    """``cfm(mu, mask, spks, cond, streaming)`` (default noise and steps) computed on the
+    inputs padded to their bucket, eagerly; returns the unpadded rows and frames."""
+    rows, _, length = mu.shape
+    key = buckets.key(rows, length, streaming)
+    if not buckets.covers(key):
+        raise ValueError(f"{rows} rows x {length} frames is outside the buckets {buckets}")
+    padded = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
+    # An explicit noise tensor keeps CFM.forward off its graphs: this is the eager solve.
+    return cfm(*padded, streaming, noise=cfm.noise)[:rows, :, :length]
+
+
+class _CapturedSolve:
+    """One graph and the views of the shared static buffers it reads and writes."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: tuple[Tensor, ...], mel: Tensor) -> None:
+        self.graph = graph
+        self.inputs = inputs  # mu, mask, spks, cond at the padded shape
+        self.mel = mel  # float32 [batch, 80, frames]
+
+    def replay(self, padded_inputs: tuple[Tensor, ...]) -> None:
+        for static, value in zip(self.inputs, padded_inputs):
+            static.copy_(value)
+        self.graph.replay()
+
+
+class FlowGraphs:
+    """CUDA graphs of ``CFM`` solves (default noise, 10 steps) for the shapes of ``buckets``.
+
+    Construct on the model's final device and dtype, ``capture`` ahead of serving, then
+    set ``cfm.graphs = graphs``: ``CFM.forward`` (so ``Flow.inference`` / ``inference_batch``)
+    then replays a graph whenever one exists for the call's bucket, and otherwise runs
+    eagerly, logging each missing bucket once. With ``capture_missing`` a missing
+    bucket inside ``buckets`` is captured on first use instead (a pause of one warm-up
+    solve plus one capture, on the serving path).
+
+    Not thread-safe: capture and run from one thread at a time (the token2wav worker).
+    """
+
+    def __init__(self, cfm: CFM, buckets: FlowBuckets, *, capture_missing: bool = False) -> None:
+        weight = next(cfm.parameters())
+        if weight.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the flow on a CUDA device, it is on {weight.device}")
+        self.cfm = cfm
+        self.buckets = buckets
+        self.capture_missing = capture_missing
+        self.device = weight.device
+        self.dtype = weight.dtype
+        self.graphs: dict[GraphKey, _CapturedSolve] = {}
+        self.capture_seconds = 0.0
+        self._reported_missing: set[GraphKey] = set()
+        self._pool = torch.cuda.graph_pool_handle()
+        # Warm-up and capture run on this stream: the per-stream library state the
+        # warm-up sets up is then the one the capture uses.
+        self._stream = torch.cuda.Stream(self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self._reserved_at_start = torch.cuda.memory_reserved(self.device)
+        # Static buffers for the largest bucket; each graph views a prefix of them.
+        elements = buckets.max_batch * cfm.config.estimator.out_channels * buckets.max_frame_bucket
+        self._static_mu = torch.zeros(elements, device=self.device, dtype=self.dtype)
+        self._static_cond = torch.zeros(elements, device=self.device, dtype=self.dtype)
+        self._static_mel = torch.zeros(elements, device=self.device, dtype=torch.float32)
+        self._static_mask = torch.zeros(
+            buckets.max_batch * buckets.max_frame_bucket, device=self.device, dtype=self.dtype
+        )
+        self._static_spks = torch.zeros(
+            buckets.max_batch * cfm.config.spk_emb_dim, device=self.device, dtype=self.dtype
+        )
+        self.reserved_bytes = self._measure_reserved()
+
+    # ------------------------------------------------------------------ capture
+
+    @torch.inference_mode()
+    def capture(self, batches: Iterable[int], frames: Iterable[int], streaming_flags: Iterable[bool]) -> None:
+        """Captures a graph for every bucket of ``batches`` x ``frames`` x ``streaming_flags``
+        (each value rounded up to its bucket) that has none yet; updates ``reserved_bytes``."""
+        keys = {self.buckets.key(b, f, s) for b in batches for f in frames for s in streaming_flags}
+        outside = [key for key in keys if not self.buckets.covers(key)]
+        if outside:
+            raise ValueError(f"shapes outside the buckets {self.buckets}: {sorted(outside, key=_order)}")
+        started = time.perf_counter()
+        # Largest first: smaller graphs then fit in the pool blocks the larger ones freed.
+        for key in sorted(keys - self.graphs.keys(), key=_order, reverse=True):
+            self.graphs[key] = self._capture(key)
+        self.capture_seconds += time.perf_counter() - started
+        self.reserved_bytes = self._measure_reserved()
+
+    def _static_views(self, key: GraphKey) -> tuple[tuple[Tensor, ...], Tensor]:
+        channels = self.cfm.config.estimator.out_channels
+
+        def view(buffer: Tensor, *shape: int) -> Tensor:
+            return buffer[: math.prod(shape)].view(*shape)
+
+        inputs = (
+            view(self._static_mu, key.batch, channels, key.frames),
+            view(self._static_mask, key.batch, 1, key.frames),
+            view(self._static_spks, key.batch, self.cfm.config.spk_emb_dim),
+            view(self._static_cond, key.batch, channels, key.frames),
+        )
+        return inputs, view(self._static_mel, key.batch, channels, key.frames)
+
+    def _capture(self, key: GraphKey) -> _CapturedSolve:
+        inputs, mel = self._static_views(key)
+        mu, mask, spks, cond = inputs
+        # Any valid inputs will do: the graph records kernels, not values.
+        mu.zero_()
+        cond.zero_()
+        spks.zero_()
+        mask.fill_(1)
+
+        def solve() -> None:
+            # An explicit noise tensor keeps CFM.forward off the graphs (eager solve);
+            # it is the default noise, so the graph computes the default solve.
+            mel.copy_(self.cfm(mu, mask, spks, cond, key.streaming, noise=self.cfm.noise))
+
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for _ in range(WARMUP_RUNS):
+                solve()
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (the LM stage) may use CUDA while a graph is
+        # captured lazily; only this thread's calls must be capture-safe.
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            solve()
+        return _CapturedSolve(graph, inputs, mel)
+
+    def _measure_reserved(self) -> int:
+        # Drops the ordinary allocator's cached blocks (warm-up runs) so that what stays
+        # reserved beyond the start is the graphs' pool and the static buffers.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device) - self._reserved_at_start
+
+    # ------------------------------------------------------------------ serving
+
+    @torch.inference_mode()
+    def run(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: bool) -> Tensor | None:
+        """The solve by graph replay (float32 ``[B, 80, T]``, a fresh tensor), or None when
+        this shape has no graph (the caller then runs it eagerly)."""
+        if mu.dtype != self.dtype or mu.device != self.device:
+            raise ValueError(
+                f"graphs were captured for {self.dtype} on {self.device}, called with {mu.dtype} on {mu.device}"
+            )
+        rows, _, length = mu.shape
+        key = self.buckets.key(rows, length, streaming)
+        captured = self.graphs.get(key)
+        if captured is None:
+            if self.capture_missing and self.buckets.covers(key):
+                log.info("capturing a flow CUDA graph on first use: %s", key)
+                self.capture([key.batch], [key.frames], [key.streaming])
+                captured = self.graphs[key]
+            else:
+                if key not in self._reported_missing:
+                    self._reported_missing.add(key)
+                    log.info("no flow CUDA graph for %s (%d rows x %d frames): running eagerly", key, rows, length)
+                return None
+        captured.replay(pad_inputs(mu, mask, spks, cond, key.batch, key.frames))
+        # The output buffer is shared by all graphs: copy it out before any other replay.
+        return captured.mel[:rows, :, :length].clone()
+
+
+def _order(key: GraphKey) -> tuple[int, int, bool]:
+    return key.batch, key.frames, key.streaming

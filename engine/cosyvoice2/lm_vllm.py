@@ -1,0 +1,317 @@
+"""The LLM stage on vLLM: every utterance is one streaming-input request of one AsyncLLM.
+
+vLLM batches all utterances' decoding steps continuously on the GPU. Per utterance:
+
+- the :class:`~engine.cosyvoice2.llm.BistreamPlanner` turns arriving text into rounds;
+- each round is one ``StreamingInput`` (:mod:`engine.cosyvoice2.vllm_rounds` has the
+  translation), given to vLLM only once the previous round has ended, because the planner
+  needs the speech tokens of one round to plan the next;
+- speech tokens are handed to the engine as vLLM returns them;
+- cancel (client cancel, disconnect, barge-in) cancels the request's task, which aborts
+  the vLLM request at once and frees its KV cache.
+
+The voice prompt (sos, prompt text and prompt speech, interleaved) opens every request of
+that voice, so vLLM's prefix cache serves it after the first utterance; the hit rate is
+exported (``tts_llm_prefix_cache_*``).
+
+vLLM is imported where it is used, so that CPU tests can drive this module with an
+engine that follows vLLM's streaming-input rules on the plain-torch model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.cosyvoice2.llm import BistreamPlanner, Chunk, LLMConfig, offline_chunk
+from engine.cosyvoice2.lm_stage import MAX_SPEECH_PER_TEXT_TOKEN, LMStage, LMStream
+from engine.cosyvoice2.sampling import SamplingConfig
+from engine.cosyvoice2.vllm_rounds import RoundRequest, RoundTracker, round_request
+from engine.settings import VLLMSettings
+
+log = logging.getLogger(__name__)
+
+LOGITS_PROCESSOR = "engine.cosyvoice2.vllm_model:CosyVoice2LogitsProcessor"
+
+
+@dataclass
+class LLMStageCounters:
+    """What vLLM reports each step, kept for the gateway's metrics."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which found there
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    steps: int = 0
+
+
+def _stat_logger(counters: LLMStageCounters):
+    """A vLLM stat-logger factory that writes into ``counters`` (runs on the event loop)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Logger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                counters.running = scheduler_stats.num_running_reqs
+                counters.waiting = scheduler_stats.num_waiting_reqs
+                counters.kv_cache_usage = scheduler_stats.kv_cache_usage
+                counters.prefix_queries += scheduler_stats.prefix_cache_stats.queries
+                counters.prefix_hits += scheduler_stats.prefix_cache_stats.hits
+                counters.steps += 1
+            if iteration_stats is not None:
+                counters.generated_tokens += iteration_stats.num_generation_tokens
+                counters.prompt_tokens += iteration_stats.num_prompt_tokens
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _Logger
+
+
+def engine_args(settings: VLLMSettings, model_path: str, *, seed: int = 0):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=model_path,
+        skip_tokenizer_init=True,  # prompts are unified token ids
+        dtype=settings.dtype,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        enforce_eager=settings.enforce_eager,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        logits_processors=[LOGITS_PROCESSOR],
+        seed=seed,
+        disable_log_stats=False,
+    )
+
+
+def start_engine(settings: VLLMSettings, model_path: str, counters: LLMStageCounters):
+    """An AsyncLLM serving the converted LM at ``model_path``."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from engine.cosyvoice2.vllm_plugin import register
+
+    register()  # this process; vLLM's own processes run the entry point
+    return AsyncLLM.from_engine_args(engine_args(settings, model_path), stat_loggers=[_stat_logger(counters)])
+
+
+def streaming_input(request: RoundRequest, *, greedy: bool):
+    """The ``StreamingInput`` of one round."""
+    from vllm import SamplingParams
+    from vllm.engine.protocol import StreamingInput
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(
+        max_tokens=request.max_tokens,
+        # The logits processor leaves the exact ras distribution: sample it as it is.
+        temperature=0.0 if greedy else 1.0,
+        top_p=1.0,
+        top_k=0,
+        ignore_eos=True,
+        stop_token_ids=request.stop_token_ids,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+        extra_args=request.rule.to_extra_args(),
+    )
+    return StreamingInput(prompt=TokensPrompt(prompt_token_ids=request.prompt_token_ids), sampling_params=params)
+
+
+def request_params():
+    """The request-level params vLLM validates a streaming request with (each round brings its own)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=1, output_kind=RequestOutputKind.DELTA, detokenize=False)
+
+
+class VLLMLMStage(LMStage):
+    """Decodes every utterance on one AsyncLLM."""
+
+    def __init__(self, engine, llm_config: LLMConfig, settings: VLLMSettings, counters: LLMStageCounters):
+        self.engine = engine
+        self.config = llm_config
+        self.vocab = llm_config.vocab
+        self.settings = settings
+        self.counters = counters
+        self.sampling: SamplingConfig | None = llm_config.sampling
+        self._streams: set[VLLMStream] = set()
+        self._ids = itertools.count()
+
+    def open(self, prompt_text_ids, prompt_speech_tokens, on_tokens, on_done) -> LMStream:
+        stream = VLLMStream(self, list(prompt_text_ids), list(prompt_speech_tokens), on_tokens, on_done)
+        self._streams.add(stream)
+        return stream
+
+    def running(self) -> int:
+        return len(self._streams)
+
+    def request_id(self) -> str:
+        return f"cv2-{next(self._ids)}"
+
+    async def close(self) -> None:
+        for stream in list(self._streams):
+            stream.cancel()
+        self.engine.shutdown()
+
+    # ------------------------------------------------------------ whole requests (tests, warm-up)
+
+    async def run_rounds(self, rounds: Sequence[Chunk], *, greedy: bool = False) -> list[int]:
+        """Decode fixed rounds as one streaming request (no text arriving); returns the speech tokens."""
+        stream = _RoundRunner(self, greedy)
+        return await stream.run(iter(rounds))
+
+    async def generate_offline(self, text_ids: Sequence[int], prompt_text=(), prompt_speech=(), *, greedy=False):
+        return await self.run_rounds([offline_chunk(self.vocab, text_ids, prompt_text, prompt_speech)], greedy=greedy)
+
+
+class _RoundRunner:
+    """Runs rounds on one vLLM streaming request, each after the previous one has ended.
+
+    ``next_round`` is awaited for every round (it may wait for text); it gets the speech
+    tokens of the round before, returns the next round, or None to end the request
+    (after a final round, the request ends by itself).
+    """
+
+    def __init__(self, stage: VLLMLMStage, greedy: bool, on_tokens: Callable[[list[int]], None] | None = None):
+        self.stage = stage
+        self.greedy = greedy
+        self.on_tokens = on_tokens
+        self.tokens: list[int] = []
+        self.history: list[int] = []
+        self.context = 0  # positions in the request's context
+        self.text_tokens = 0  # text tokens received (bounds the final round)
+        self._tracker: RoundTracker | None = None
+        self._round_over = asyncio.Event()
+
+    async def run(self, rounds) -> list[int]:
+        async def next_round(_emitted):
+            return next(rounds, None)
+
+        await self.drive(next_round)
+        return self.tokens
+
+    async def drive(self, next_round) -> None:
+        stage = self.stage
+        outputs = stage.engine.generate(self._inputs(next_round), request_params(), stage.request_id())
+        async for output in outputs:
+            completion = output.outputs[0]
+            tracker = self._tracker
+            if tracker is None:
+                raise RuntimeError("the LLM returned tokens before a round was given")
+            new = tracker.feed(completion.token_ids)
+            self.context += len(completion.token_ids)
+            if new:
+                self.tokens += new
+                if self.on_tokens is not None:
+                    self.on_tokens(new)
+            if completion.finish_reason is not None or tracker.done:
+                if not tracker.done and tracker.chunk.final:
+                    log.warning("speech token limit reached without eos; ending the utterance")
+                tracker.done = True
+                self.context -= 1  # the round's last sampled token does not stay in the context
+                self._round_over.set()
+            if output.finished:
+                return
+
+    async def _inputs(self, next_round):
+        emitted: list[int] = []
+        while True:
+            chunk = await next_round(emitted)
+            if chunk is None:
+                return
+            request = round_request(chunk, self.stage.vocab, None if self.greedy else self.stage.sampling,
+                                    self.history, self._final_budget(chunk))
+            self.context += len(request.prompt_token_ids)
+            self._tracker = RoundTracker(chunk, self.stage.vocab)
+            self._round_over.clear()
+            yield streaming_input(request, greedy=self.greedy)
+            if chunk.final:
+                return
+            await self._round_over.wait()
+            emitted = self._tracker.emitted
+            self.history = self._tracker.history_after(self.history)
+
+    def _final_budget(self, chunk: Chunk) -> int:
+        """max_tokens of a round without a budget: the safety bound, within the model's length."""
+        room = self.stage.settings.max_model_len - self.context - len(chunk.ids) - 1
+        if room < 1:
+            raise RuntimeError(f"the utterance does not fit max_model_len={self.stage.settings.max_model_len}")
+        text = max(self.text_tokens, 1)
+        return max(1, min(room, MAX_SPEECH_PER_TEXT_TOKEN * text))
+
+
+class VLLMStream(LMStream):
+    """One utterance: text pieces in (event loop thread), speech tokens out through ``on_tokens``."""
+
+    def __init__(self, stage: VLLMLMStage, prompt_text, prompt_speech, on_tokens, on_done) -> None:
+        self._stage = stage
+        self._planner = BistreamPlanner(
+            stage.vocab, prompt_text, prompt_speech, stage.config.mix_ratio, first_round_budget=True
+        )
+        self._runner = _RoundRunner(stage, greedy=False, on_tokens=on_tokens)
+        self._text: collections.deque[int] = collections.deque()
+        self._text_ended = False
+        self._text_arrived = asyncio.Event()
+        self._on_done = on_done
+        self._cancelled = False
+        self.opened_at = time.monotonic()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def push_text_ids(self, ids: Sequence[int]) -> None:
+        if ids:
+            self._runner.text_tokens += len(ids)
+            self._text.extend(ids)
+            self._text_arrived.set()
+
+    def end_text(self) -> None:
+        self._text_ended = True
+        self._text_arrived.set()
+
+    def cancel(self) -> None:
+        if not self._cancelled:
+            self._cancelled = True
+            self._task.cancel()
+            self._stage._streams.discard(self)
+
+    async def _next_round(self, emitted: list[int]) -> Chunk | None:
+        planner = self._planner
+        if planner.round_open:
+            planner.round_done(emitted)
+        while True:
+            # One token at a time, as the official frontend feeds it: a round starts as soon
+            # as its 5 text tokens are there, however the text was split into pieces.
+            while self._text:
+                chunk = planner.push_text([self._text.popleft()])
+                if chunk is not None:
+                    return chunk
+            if self._text_ended:
+                return planner.finish()
+            self._text_arrived.clear()
+            await self._text_arrived.wait()
+
+    async def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            await self._runner.drive(self._next_round)
+        except asyncio.CancelledError:
+            return  # generate() aborted the vLLM request on its way out
+        except Exception as exc:  # reported to the utterance, which raises it as EngineError
+            log.exception("speech token generation failed")
+            error = exc
+        self._stage._streams.discard(self)
+        if not self._cancelled:
+            self._on_done(error)

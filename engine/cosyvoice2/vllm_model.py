@@ -1,0 +1,155 @@
+"""The CosyVoice2 LM as a vLLM model, and its per-request logits processor (imports vLLM).
+
+Registered with vLLM in each of its processes by :mod:`engine.cosyvoice2.vllm_plugin`;
+loads a directory written by :mod:`engine.cosyvoice2.vllm_convert`.
+
+:class:`CosyVoice2ForVLLM` is vLLM's own Qwen2 backbone (so it gets vLLM's attention
+kernels, prefix caching, torch.compile and CUDA graphs) over one unified vocabulary: the
+embedding table holds text, special and speech rows, and the head (``speech_head``, the
+official ``llm_decoder``) scores the speech classes only. Logits are returned over the
+whole unified vocabulary with every non-speech id at -inf, because vLLM samples token ids
+of the vocabulary it was given.
+
+:class:`CosyVoice2LogitsProcessor` applies each request's :class:`RoundRule` inside vLLM's
+sampler: which special classes the round may take, and repetition-aware sampling as the
+exact distribution of the official two-draw procedure
+(:func:`engine.cosyvoice2.sampling.ras_log_probs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.models.qwen2 import Qwen2Model
+from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
+from vllm.sequence import IntermediateTensors
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from engine.cosyvoice2.llm import UnifiedVocab
+from engine.cosyvoice2.sampling import ras_log_probs
+from engine.cosyvoice2.vllm_rounds import RoundRule
+
+
+def _vocab(hf_config) -> UnifiedVocab:
+    layout = hf_config.cosyvoice2
+    return UnifiedVocab(int(layout["text_vocab_size"]), int(layout["speech_token_size"]))
+
+
+class CosyVoice2ForVLLM(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.vocab = _vocab(config)
+        if config.vocab_size != self.vocab.size:
+            raise ValueError(f"vocab_size {config.vocab_size} is not the unified size {self.vocab.size}")
+        self.model = Qwen2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.speech_head = nn.Linear(config.hidden_size, self.vocab.num_speech_classes, bias=True)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        speech = self.speech_head(hidden_states)
+        logits = speech.new_full((hidden_states.shape[0], self.vocab.size), float("-inf"))
+        offset = self.vocab.speech_offset
+        logits[:, offset : offset + self.vocab.num_speech_classes] = speech
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return AutoWeightsLoader(self).load_weights(weights)
+
+
+class CosyVoice2LogitsProcessor(LogitsProcessor):
+    """Applies each request's :class:`RoundRule` (requests without one are left alone)."""
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        RoundRule.from_extra_args(sampling_params.extra_args)  # raises ValueError if malformed
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
+        self.vocab = _vocab(vllm_config.model_config.hf_config)
+        self.device = device
+        # batch row -> (rule, the request's live output-token list for this round)
+        self.rows: dict[int, tuple[RoundRule, list[int]]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # masking special classes changes greedy picks too
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for index, params, _prompt, output_ids in batch_update.added:
+            rule = RoundRule.from_extra_args(params.extra_args) if params is not None else None
+            if rule is None:
+                self.rows.pop(index, None)
+            else:
+                self.rows[index] = (rule, output_ids)
+        for a, b, direction in batch_update.moved:
+            row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
+            if row_a is not None:
+                self.rows[b] = row_a
+            if direction == MoveDirectionality.SWAP and row_b is not None:
+                self.rows[a] = row_b
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.rows:
+            return logits
+        vocab = self.vocab
+        first_special = vocab.speech(vocab.speech_token_size)
+        n_special = vocab.num_speech_classes - vocab.speech_token_size
+        rows = sorted(i for i in self.rows if i < logits.shape[0])
+        # Special classes a row may not take now: one small host-built mask, one copy.
+        closed = torch.ones(len(rows), n_special, dtype=torch.bool)
+        for k, i in enumerate(rows):
+            rule, output_ids = self.rows[i]
+            for unified in rule.allowed_specials(len(output_ids)):
+                closed[k, unified - first_special] = False
+        index = torch.tensor(rows, device=logits.device)
+        specials = logits[index, first_special : first_special + n_special]
+        logits[index, first_special : first_special + n_special] = specials.masked_fill(
+            closed.to(logits.device, non_blocking=True), float("-inf")
+        )
+        ras_rows = [(k, i) for k, i in enumerate(rows) if self.rows[i][0].ras is not None]
+        if ras_rows:
+            self._apply_ras(logits, [i for _, i in ras_rows])
+        return logits
+
+    def _apply_ras(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        vocab = self.vocab
+        start, end = vocab.speech_offset, vocab.speech_offset + vocab.num_speech_classes
+        windows, top_p, top_k, min_repeats = [], [], [], []
+        width = max(self.rows[i][0].ras[2] for i in rows)
+        for i in rows:
+            rule, output_ids = self.rows[i]
+            p, k, win, tau = rule.ras
+            recent = rule.recent(vocab, output_ids)
+            windows.append(recent + [-1] * (width - len(recent)))
+            top_p.append(p)
+            top_k.append(k)
+            min_repeats.append(win * tau)
+        device = logits.device
+        index = torch.tensor(rows, device=device)
+        logits[index, start:end] = ras_log_probs(
+            logits[index, start:end],
+            torch.tensor(windows, dtype=torch.long).to(device, non_blocking=True),
+            torch.tensor(top_p).to(device, non_blocking=True),
+            torch.tensor(top_k).to(device, non_blocking=True),
+            torch.tensor(min_repeats).to(device, non_blocking=True),
+        ).to(logits.dtype)
+        return logits

@@ -1,0 +1,17 @@
+"""The ``cosyvoice2`` entry point of vLLM's ``vllm.general_plugins`` group.
+
+vLLM runs every general plugin in each of its processes (the front end and the engine
+core it spawns), so the architecture is known wherever a model is built. Registration is
+by name, so this imports neither the model nor CUDA.
+"""
+
+from __future__ import annotations
+
+from engine.cosyvoice2.vllm_convert import ARCHITECTURE
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, "engine.cosyvoice2.vllm_model:CosyVoice2ForVLLM")
