@@ -68,7 +68,9 @@ class EngineStats:
     queued: int = 0  # units of work ready but not yet started
     running: int = 0  # units of work in progress
     utterances: int = 0  # open utterances
+    # Engine-specific gauges and running totals, exported as tts_<name> / tts_<name>_total.
     extra: dict[str, float] = field(default_factory=dict)
+    totals: dict[str, float] = field(default_factory=dict)
 
 
 class Utterance(abc.ABC):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.base import EngineStats
 from gateway.gpu_metrics import GpuSampler
@@ -148,3 +148,25 @@ class _EngineCollector:
             family = GaugeMetricFamily(name, doc, labels=["engine"])
             family.add_metric([self._engine], value)
             yield family
+        # Engine-specific series (e.g. the LLM stage's): named by the engine, documented in docs/.
+        for key, value in sorted(stats.extra.items()):
+            family = GaugeMetricFamily(f"tts_{key}", _ENGINE_DOCS.get(key, "Engine-specific gauge."), labels=["engine"])
+            family.add_metric([self._engine], value)
+            yield family
+        for key, value in sorted(stats.totals.items()):
+            family = CounterMetricFamily(f"tts_{key}", _ENGINE_DOCS.get(key, "Engine-specific total."), labels=["engine"])
+            family.add_metric([self._engine], value)
+            yield family
+
+
+_ENGINE_DOCS = {
+    "llm_streams": "Utterances the LLM stage is decoding.",
+    "llm_running_requests": "LLM requests in the running batch (the decode batch size).",
+    "llm_waiting_requests": "LLM requests waiting to be scheduled.",
+    "llm_kv_cache_usage_ratio": "Share of the LLM's KV cache in use (0..1).",
+    "llm_generated_tokens": "Speech tokens the LLM stage sampled.",
+    "llm_prompt_tokens": "Prompt tokens the LLM stage took in (voice prompts and text).",
+    "llm_prefix_cache_queried_tokens": "Prompt tokens looked up in the LLM's prefix cache.",
+    "llm_prefix_cache_hit_tokens": "Prompt tokens found in the LLM's prefix cache (hit rate = hit / queried).",
+    "llm_steps": "LLM engine steps.",
+}

@@ -68,16 +68,26 @@ class CosyVoice2Engine(Engine):
         settings = self.settings
         if not settings.model_dir:
             raise EngineError("engine.cosyvoice2.model_dir is not set: point it at a CosyVoice2-0.5B model directory")
-        if settings.llm_backend != "torch":
-            raise EngineError(f"llm_backend {settings.llm_backend!r} is not available in this build; use 'torch'")
         device = _device(settings.device)
         dtype = DTYPES[settings.dtype]
+        if settings.llm_backend == "vllm":
+            if device.type != "cuda":
+                raise EngineError("llm_backend = 'vllm' needs a CUDA GPU; use llm_backend = 'torch' on this machine")
+            # vLLM first: it sizes its KV cache from the memory it finds free.
+            self.lm = await _start_vllm_stage(settings)
         try:
             self.models = await asyncio.to_thread(
-                load_models, settings.model_dir, device=device, llm_dtype=dtype, flow_dtype=dtype
+                load_models,
+                settings.model_dir,
+                device=device,
+                llm_dtype=dtype,
+                flow_dtype=dtype,
+                load_llm=settings.llm_backend == "torch",
             )
         except (OSError, ValueError) as exc:
             raise EngineError(f"cannot load the CosyVoice2 model: {exc}") from exc
+        if self.lm is None:
+            self.lm = TorchLMStage(self.models.llm)
         self.sample_rate = self.models.configs.sample_rate
         self.voice_store = VoiceStore(self.voices_dir, self.models.frontend)
         if not self.voice_store.list():
@@ -86,7 +96,6 @@ class CosyVoice2Engine(Engine):
                 "`tts-gateway voice add NAME --wav PROMPT.wav --text TRANSCRIPT`"
             )
         log.info("voices: %s (default %s)", ", ".join(v.name for v in self.voices()), self.default_voice)
-        self.lm = TorchLMStage(self.models.llm)
         token2wav = Token2Wav(
             self.models.flow,
             self.models.hift,
@@ -175,10 +184,8 @@ class CosyVoice2Engine(Engine):
     def stats(self) -> EngineStats:
         worker = self.worker
         queued, running = worker.counts() if worker is not None else (0, 0)
-        lm_running = self.lm.running() if self.lm is not None else 0
-        return EngineStats(
-            queued=queued, running=running, utterances=len(self._utterances), extra={"lm_streams": float(lm_running)}
-        )
+        gauges, totals = self.lm.metrics() if self.lm is not None else ({}, {})
+        return EngineStats(queued=queued, running=running, utterances=len(self._utterances), extra=gauges, totals=totals)
 
 
 class CosyVoice2Utterance(Utterance):
@@ -252,6 +259,24 @@ def _change_speed(samples: np.ndarray, speed: float) -> np.ndarray:
     n = max(1, int(round(len(samples) / speed)))
     positions = np.linspace(0, len(samples) - 1, n)
     return np.interp(positions, np.arange(len(samples)), samples).astype(np.float32)
+
+
+async def _start_vllm_stage(settings: CosyVoice2Settings) -> LMStage:
+    """Convert the LM for vLLM (cached beside the model), start it and warm every batch shape."""
+    from engine.cosyvoice2.lm_vllm import VLLMLMStage
+    from engine.cosyvoice2.model import ModelDirError, missing_files
+    from engine.cosyvoice2.vllm_convert import convert
+    from engine.cosyvoice2.yamlconf import load_model_configs
+
+    missing = missing_files(settings.model_dir)
+    if missing:
+        raise EngineError(str(ModelDirError(f"model directory {settings.model_dir} is incomplete; missing: {', '.join(missing)}")))
+    configs = await asyncio.to_thread(load_model_configs, settings.model_dir)
+    try:
+        path = await asyncio.to_thread(convert, settings.model_dir, configs.llm)
+    except (OSError, ValueError, KeyError) as exc:
+        raise EngineError(f"cannot convert llm.pt for vLLM: {exc}") from exc
+    return await VLLMLMStage.start(settings.vllm, str(path), configs.llm)
 
 
 def _device(name: str) -> torch.device:

@@ -151,6 +151,55 @@ class VLLMLMStage(LMStage):
         self._streams: set[VLLMStream] = set()
         self._ids = itertools.count()
 
+    @classmethod
+    async def start(cls, settings: VLLMSettings, model_path: str, llm_config: LLMConfig) -> VLLMLMStage:
+        counters = LLMStageCounters()
+        engine = start_engine(settings, model_path, counters)
+        stage = cls(engine, llm_config, settings, counters)
+        try:
+            await stage.warm_up(settings.warmup_batch_sizes)
+        except BaseException:
+            engine.shutdown()
+            raise
+        return stage
+
+    async def warm_up(self, batch_sizes: Sequence[int]) -> None:
+        """Run each batch size once (a bistream round, then a final round) before serving.
+
+        New batch shapes can make vLLM compile kernels; seconds of that inside a live turn
+        is a stall, so it happens here, before the gateway reports ready.
+        """
+        vocab = self.vocab
+        text = [i % vocab.text_vocab_size for i in range(100, 110)]
+
+        def rounds() -> list[Chunk]:
+            return [
+                Chunk(ids=(vocab.sos_eos, *text[:5]), stop=frozenset({vocab.fill_class}), max_tokens=15),
+                Chunk(ids=(*text[5:], vocab.task_id), stop=frozenset({vocab.eos_class}), max_tokens=40, final=True),
+            ]
+
+        for n in sorted(set(batch_sizes)):
+            started = time.perf_counter()
+            await asyncio.gather(*(self.run_rounds(rounds()) for _ in range(n)))
+            log.info("vLLM warm-up: %d concurrent utterances in %.2f s", n, time.perf_counter() - started)
+
+    def metrics(self) -> tuple[dict[str, float], dict[str, float]]:
+        c = self.counters
+        gauges = {
+            "llm_streams": float(self.running()),
+            "llm_running_requests": float(c.running),
+            "llm_waiting_requests": float(c.waiting),
+            "llm_kv_cache_usage_ratio": c.kv_cache_usage,
+        }
+        totals = {
+            "llm_generated_tokens": float(c.generated_tokens),
+            "llm_prompt_tokens": float(c.prompt_tokens),
+            "llm_prefix_cache_queried_tokens": float(c.prefix_queries),
+            "llm_prefix_cache_hit_tokens": float(c.prefix_hits),
+            "llm_steps": float(c.steps),
+        }
+        return gauges, totals
+
     def open(self, prompt_text_ids, prompt_speech_tokens, on_tokens, on_done) -> LMStream:
         stream = VLLMStream(self, list(prompt_text_ids), list(prompt_speech_tokens), on_tokens, on_done)
         self._streams.add(stream)

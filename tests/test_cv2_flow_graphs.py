@@ -1,0 +1,166 @@
+"""Shape bucketing of the flow solve for CUDA graphs (engine/cosyvoice2/flow_graphs.py), on CPU.
+
+These tests prove that padding a solve to its bucket is exact (the padded eager solve
+equals the unpadded one) and that the captured region has no host reads. They do not
+run CUDA graphs: that a graph replay equals the eager solve is checked on a GPU by
+bench/flow_graphs.py, whose CPU path (no graphs) is smoke-tested here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import Tensor
+
+from bench import flow_graphs as bench_flow_graphs
+from engine.cosyvoice2.flow import CFM, CFMConfig
+from engine.cosyvoice2.flow_graphs import FlowBuckets, GraphKey, pad_inputs, solve_padded
+from tests.reference import randomize
+
+LENGTHS = [110, 57, 81]  # 3 rows -> batch bucket 4; 110 frames -> frame bucket 150
+PROMPTS = [36, 20, 0]
+
+
+@pytest.fixture(scope="module")
+def cfm() -> CFM:
+    return randomize(CFM(CFMConfig.tiny()), seed=1, spread=0.1)
+
+
+def batch_inputs(lengths: list[int], prompts: list[int], seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mu, mask, spks, cond of rows with different lengths, zero-padded to the longest (as Flow builds them)."""
+    generator = torch.Generator().manual_seed(seed)
+    longest = max(lengths)
+    mask = (torch.arange(longest) < torch.tensor(lengths)[:, None])[:, None, :].float()
+    mu = torch.randn(len(lengths), 80, longest, generator=generator) * mask
+    cond = torch.zeros(len(lengths), 80, longest)
+    for row, prompt in enumerate(prompts):
+        cond[row, :, :prompt] = torch.randn(80, prompt, generator=generator)
+    spks = torch.randn(len(lengths), 80, generator=generator)
+    return mu, mask, spks, cond
+
+
+def max_err(a: Tensor, b: Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def test_flow_buckets() -> None:
+    buckets = FlowBuckets.up_to(max_batch=24, max_frames=420, frame_step=50)
+    assert buckets.batches == (1, 2, 4, 8, 16, 24)
+    assert FlowBuckets.up_to(max_batch=16, max_frames=50).batches == (1, 2, 4, 8, 16)
+    assert buckets.max_frame_bucket == 450
+    assert buckets.frame_buckets() == [50, 100, 150, 200, 250, 300, 350, 400, 450]
+    assert buckets.key(3, 110, True) == GraphKey(4, 150, True)
+    assert buckets.key(1, 50, False) == GraphKey(1, 50, False)
+    assert buckets.key(17, 1, True) == GraphKey(24, 50, True)
+    assert buckets.covers(buckets.key(24, 450, True))
+    assert not buckets.covers(buckets.key(25, 100, True))  # more rows than the largest bucket
+    assert not buckets.covers(buckets.key(8, 451, True))  # longer than the largest frame bucket
+    with pytest.raises(ValueError):
+        FlowBuckets((1, 4, 2), 50, 100)
+
+
+def test_pad_inputs_repeats_a_real_row_and_masks_padding_frames() -> None:
+    mu, mask, spks, cond = batch_inputs(LENGTHS, PROMPTS, seed=2)
+    padded = pad_inputs(mu, mask, spks, cond, batch=5, frames=150)
+    assert [tuple(t.shape) for t in padded] == [(5, 80, 150), (5, 1, 150), (5, 80), (5, 80, 150)]
+    for original, extended in zip((mu, mask, spks, cond), padded):
+        if original.dim() == 3:
+            assert torch.equal(extended[:3, :, :110], original)
+            assert not extended[:3, :, 110:].any()  # padding frames: zeros, mask 0
+            assert torch.equal(extended[3:, :, :110], original[:1].expand(2, -1, -1))
+        else:
+            assert torch.equal(extended[:3], original)
+            assert torch.equal(extended[3:], original[:1].expand(2, -1))
+    with pytest.raises(ValueError):
+        pad_inputs(mu, mask, spks, cond, batch=2, frames=150)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_padded_solve_equals_unpadded(cfm, streaming) -> None:
+    """The solve padded to its bucket (4 rows x 150 frames) equals the unpadded batched solve
+    and each row solved alone (float32, max abs diff <= 1e-5; mel values up to ~5)."""
+    mu, mask, spks, cond = batch_inputs(LENGTHS, PROMPTS, seed=3)
+    buckets = FlowBuckets.up_to(max_batch=8, max_frames=300)
+    with torch.inference_mode():
+        padded = solve_padded(cfm, buckets, mu, mask, spks, cond, streaming)
+        unpadded = cfm(mu, mask, spks, cond, streaming)
+        assert unpadded.abs().max() > 1.0  # not a degenerate comparison
+        assert max_err(padded, unpadded) <= 1e-5
+        for row, length in enumerate(LENGTHS):
+            alone = cfm(mu[row : row + 1, :, :length], mask[row : row + 1, :, :length], spks[row : row + 1],
+                        cond[row : row + 1, :, :length], streaming)
+            assert max_err(padded[row : row + 1, :, :length], alone) <= 1e-5, row
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_real_frames_do_not_see_padding_frames(cfm, streaming) -> None:
+    """Padding frames (mask 0) may hold anything: the real frames' mel does not change.
+
+    Stronger than zero padding: causal convolutions, key-masked attention and per-frame
+    layers keep every real frame independent of the frames after a row's end.
+    """
+    mu, mask, spks, cond = batch_inputs([57], [20], seed=4)
+    generator = torch.Generator().manual_seed(5)
+    frames = 150
+    junk_mu, junk_cond = (10 * torch.randn(1, 80, frames, generator=generator) for _ in range(2))
+    junk_mu[:, :, :57], junk_cond[:, :, :57] = mu, cond
+    padded_mask = torch.nn.functional.pad(mask, (0, frames - 57))
+    with torch.inference_mode():
+        clean = cfm(mu, mask, spks, cond, streaming)
+        with_junk = cfm(junk_mu, padded_mask, spks, junk_cond, streaming)
+    assert max_err(with_junk[:, :, :57], clean) <= 1e-5
+
+
+def test_cfm_solve_runs_without_host_sync() -> None:
+    """The region a graph captures (CFM.forward with the default noise: time grid, 10 Euler
+    steps, CFG, masks) runs on the meta device, so it reads no tensor data on the host
+    (no .item(), .tolist(), nonzero or data-dependent shapes)."""
+    cfm = CFM(CFMConfig.tiny()).to("meta").eval()
+    mu, cond = torch.zeros(4, 80, 150, device="meta"), torch.zeros(4, 80, 150, device="meta")
+    for streaming in (True, False):
+        mel = cfm(mu, torch.ones(4, 1, 150, device="meta"), torch.zeros(4, 80, device="meta"), cond, streaming,
+                  noise=cfm.noise)
+        assert mel.shape == (4, 80, 150) and mel.dtype == torch.float32
+
+
+def test_cfm_without_graphs_on_cpu_is_the_eager_solve(cfm) -> None:
+    """graphs is None by default; graphs set on a CPU model are never consulted (CUDA only)."""
+    assert cfm.graphs is None
+    mu, mask, spks, cond = batch_inputs([60], [10], seed=6)
+
+    class Untouchable:
+        def run(self, *args):
+            raise AssertionError("graphs consulted for a CPU call")
+
+    with torch.inference_mode():
+        expected = cfm(mu, mask, spks, cond, True)
+        cfm.graphs = Untouchable()
+        try:
+            got = cfm(mu, mask, spks, cond, True)
+        finally:
+            cfm.graphs = None
+    assert torch.equal(got, expected)
+
+
+def test_bench_flow_graphs_smoke_cpu(tmp_path, capsys) -> None:
+    """bench/flow_graphs.py runs on CPU (tiny model, bf16 vs float32), skipping graphs with a note."""
+    out = tmp_path / "flow_graphs.json"
+    report = bench_flow_graphs.main(
+        ["--size", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--batches", "1,3,4", "--frames", "60",
+         "--repeats", "1", "--json", str(out)]
+    )
+    assert bench_flow_graphs.NO_CUDA_NOTE in capsys.readouterr().out
+    assert json.loads(out.read_text()) == report
+    assert report["note"] == bench_flow_graphs.NO_CUDA_NOTE
+    assert [row["batch"] for row in report["results"]] == [1, 3, 4]
+    for row in report["results"]:
+        assert "graph_ms" not in row
+        assert row["eager_ms"] > 0
+        assert row["bucket"] == [1 if row["batch"] == 1 else 4, 100]  # batch buckets 1, 2, 4
+        assert row["fp32_max_abs"] > 0.1
+        assert 0 < row["eager_vs_fp32_rel"] < 0.1  # bf16 rounding, not a broken solve
+        # padding changes matmul shapes, hence bf16 rounding: small, but not necessarily 0
+        assert row["padded_eager_vs_eager_max_abs"] < 0.1 * row["fp32_max_abs"]
