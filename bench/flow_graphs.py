@@ -7,8 +7,8 @@ work per solve does not depend on the weights), and for every batch size:
 - captures the solve's graph (``FlowGraphs``; bucket = the batch bucket >= B and
   ``--frames`` rounded up to a ``--frame-step`` multiple), reporting capture time and
   the graph memory (``FlowGraphs.reserved_bytes``: pool + static buffers, cumulative);
-- times one solve eagerly and by graph replay (median of ``--repeats``, synchronised;
-  the replay time includes padding the inputs into the static buffers and copying the
+- times one solve eagerly and by graph replay (median of ``--repeats`` rounds, each
+  running both, synchronised; the replay time includes padding the inputs into the static buffers and copying the
   result out, i.e. what ``CFM.forward`` costs the engine);
 - checks the replay: max abs difference vs the eager solve in the same dtype, and vs
   the padded eager solve (same shapes as the graph, so the same kernels); and the
@@ -54,16 +54,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_ms(solve: Callable[[], Tensor], repeats: int, device: torch.device) -> float:
-    solve()  # warm-up
-    times = []
+def median_ms(solves: dict[str, Callable[[], Tensor]], repeats: int, device: torch.device) -> dict[str, float]:
+    """Median ms of each solve; one round runs each once, so slow drifts (clocks, heat) hit all alike."""
+    for solve in solves.values():
+        solve()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in solves}
     for _ in range(repeats):
-        sync(device)
-        started = time.perf_counter()
-        solve()
-        sync(device)
-        times.append(time.perf_counter() - started)
-    return round(statistics.median(times) * 1000, 2)
+        for name, solve in solves.items():
+            sync(device)
+            started = time.perf_counter()
+            solve()
+            sync(device)
+            times[name].append(time.perf_counter() - started)
+    return {name: round(statistics.median(t) * 1000, 2) for name, t in times.items()}
 
 
 @contextmanager
@@ -77,8 +80,8 @@ def exact_float32() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, conv
 
 
-def decoder_inputs(batch: int, frames: int, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """mu, mask, spks, cond (float32, CPU) and the row lengths; cond holds a 'prompt mel' in the first third."""
+def decoder_inputs(batch: int, frames: int, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mu, mask, spks, cond (float32, CPU), rows of different lengths; cond: a "prompt mel" in the first third."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([max(1, frames - (7 * row) % 50) for row in range(batch)])
     valid = (torch.arange(frames) < lengths[:, None])[:, None, :].float()
@@ -86,7 +89,7 @@ def decoder_inputs(batch: int, frames: int, seed: int) -> tuple[Tensor, Tensor, 
     cond = torch.randn(batch, 80, frames, generator=generator) * valid
     cond[:, :, frames // 3 :] = 0
     spks = torch.randn(batch, 80, generator=generator)
-    return mu, valid, spks, cond, lengths
+    return mu, valid, spks, cond
 
 
 def max_abs(a: Tensor, b: Tensor, valid: Tensor) -> float:
@@ -135,20 +138,26 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "capture_s": round(time.perf_counter() - started, 2),
                 "graph_memory_mb_after": round(graphs.reserved_bytes / 2**20, 1),
             }
+        cfm.graphs = graphs
 
     results = []
     for batch in batches:
-        mu, mask, spks, cond, lengths = (t.to(device) for t in decoder_inputs(batch, args.frames, args.seed + batch))
+        mu, mask, spks, cond = (t.to(device) for t in decoder_inputs(batch, args.frames, args.seed + batch))
         low = [t.to(dtype) for t in (mu, mask, spks, cond)]
         with torch.inference_mode():
-            cfm.graphs = None
 
             def eager() -> Tensor:
+                # An explicit noise tensor (the default one) keeps CFM.forward off the graphs.
+                return cfm(*low, streaming, noise=cfm.noise)
+
+            def replay() -> Tensor:
                 return cfm(*low, streaming)
 
-            eager_ms = median_ms(eager, args.repeats, device)
+            solves = {"eager": eager} if graphs is None else {"eager": eager, "graph": replay}
+            timed = median_ms(solves, args.repeats, device)
             eager_mel = eager()
             padded_mel = solve_padded(cfm, buckets, *low, streaming)
+            graph_mel = None if graphs is None else replay()
             if dtype == torch.float32:
                 fp32_mel = eager_mel
             else:
@@ -159,24 +168,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         row = {
             "batch": batch,
             "bucket": [key.batch, key.frames],
-            "eager_ms": eager_ms,
+            "eager_ms": timed["eager"],
             "padded_eager_vs_eager_max_abs": max_abs(padded_mel, eager_mel, mask),
             "fp32_max_abs": round(scale, 3),
             "eager_vs_fp32_rel": max_abs(eager_mel, fp32_mel, mask) / scale,
         }
-        if graphs is not None:
-            with torch.inference_mode():
-                cfm.graphs = graphs
-
-                def replay() -> Tensor:
-                    return cfm(*low, streaming)
-
-                graph_ms = median_ms(replay, args.repeats, device)
-                graph_mel = replay()
-                cfm.graphs = None
+        if graph_mel is not None:
             row.update(
-                graph_ms=graph_ms,
-                speedup=round(eager_ms / graph_ms, 2),
+                graph_ms=timed["graph"],
+                speedup=round(timed["eager"] / timed["graph"], 2),
                 graph_vs_eager_max_abs=max_abs(graph_mel, eager_mel, mask),
                 graph_vs_padded_eager_max_abs=max_abs(graph_mel, padded_mel, mask),
                 graph_vs_fp32_rel=max_abs(graph_mel, fp32_mel, mask) / scale,

@@ -89,7 +89,8 @@ def check_torch(probe: Probe, config: Config) -> Finding:
                        "pip install -e '.[cosyvoice2]' (on a CPU machine first: pip install torch==2.13.0)")
     if torch.version.cuda is None:
         if _vllm_selected(config):
-            return Finding("torch", "fail", f"torch {torch.__version__} is a CPU-only build; llm_backend = vllm needs CUDA",
+            return Finding("torch", "fail",
+                           f"torch {torch.__version__} is a CPU-only build; llm_backend = vllm needs CUDA",
                            "install a CUDA build of torch, the version vllm pins (pip install -e '.[vllm]')")
         return Finding("torch", "ok", f"torch {torch.__version__}, CPU-only build")
     return Finding("torch", "ok", f"torch {torch.__version__}, built for CUDA {torch.version.cuda}")
@@ -177,7 +178,8 @@ def check_vllm_torch(config: Config) -> Finding:
         return Finding("vllm_torch", status, f"vllm {vllm_version} needs torch{wanted}; torch is not installed",
                        f"pip install 'torch{wanted}'")
     if all(r.specifier.contains(torch_version, prereleases=True) for r in pins):
-        return Finding("vllm_torch", "ok", f"vllm {vllm_version} wants torch{wanted}; torch {torch_version} is installed")
+        return Finding("vllm_torch", "ok",
+                       f"vllm {vllm_version} wants torch{wanted}; torch {torch_version} is installed")
     return Finding("vllm_torch", status,
                    f"vllm {vllm_version} was built against torch{wanted} but torch {torch_version} is installed: "
                    "its kernels fail to load (undefined symbol) or crash",
@@ -201,7 +203,8 @@ def check_model_dir(config: Config) -> Finding:
             return Finding("model_dir", "fail", "engine.cosyvoice2.model_dir is not set",
                            "set it to the CosyVoice2-0.5B directory (config.toml or "
                            "TTS_GATEWAY__ENGINE__COSYVOICE2__MODEL_DIR)")
-        return Finding("model_dir", "skip", "engine.cosyvoice2.model_dir is not set (the cosyvoice2 engine is not selected)")
+        return Finding("model_dir", "skip",
+                       "engine.cosyvoice2.model_dir is not set (the cosyvoice2 engine is not selected)")
     root = Path(settings.model_dir)
     fix = f"put the complete official CosyVoice2-0.5B directory at {root}, or point engine.cosyvoice2.model_dir at it"
     if not root.is_dir():
@@ -224,13 +227,14 @@ def check_voices(config: Config) -> Finding:
             names.append(str(json.loads(manifest.read_text(encoding="utf-8"))["name"]))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             unreadable.append(f"{manifest.parent.name} ({type(exc).__name__}: {exc})")
-    if unreadable:
+    note = ""
+    if unreadable:  # the engine skips these voices too
         log.warning("unreadable voice manifests in %s: %s", directory, "; ".join(unreadable))
+        note = f"; unreadable: {', '.join(unreadable)}"
     if names:
-        shown = f"{len(names)} voice(s) in {directory}: {', '.join(names)}"
-        return Finding("voices", "ok", shown + (f"; unreadable: {', '.join(unreadable)}" if unreadable else ""))
+        return Finding("voices", "ok", f"{len(names)} voice(s) in {directory}: {', '.join(names)}{note}")
     return Finding("voices", "fail" if _cosyvoice2_selected(config) else "warn",
-                   f"no voices registered in {directory}" + (f" (unreadable: {', '.join(unreadable)})" if unreadable else ""),
+                   f"no voices registered in {directory}{note}",
                    "tts-gateway voice add NAME --wav PROMPT.wav --text TRANSCRIPT")
 
 
@@ -243,14 +247,15 @@ def check_vram(probe: Probe, config: Config) -> Finding:
     index = int(settings.device.partition(":")[2] or 0)  # auto, cuda -> GPU 0; cuda:N -> N
     count = probe.torch.cuda.device_count()
     if index >= count:
-        return Finding("vram", "fail", f"engine.cosyvoice2.device is {settings.device} but {count} GPU(s) are visible",
+        return Finding("vram", "fail" if _cosyvoice2_selected(config) else "warn",
+                       f"engine.cosyvoice2.device is {settings.device} but {count} GPU(s) are visible",
                        f"set engine.cosyvoice2.device to cuda:0..cuda:{count - 1} (or check CUDA_VISIBLE_DEVICES)")
     free, total = probe.torch.cuda.mem_get_info(index)
     vllm = settings.vllm
     needed = vllm.gpu_memory_utilization * total + vllm.token2wav_memory_gb * GB
-    shown = (f"GPU {index}: {free / GB:.1f} GB free of {total / GB:.1f} GB; the vllm backend needs {needed / GB:.1f} GB "
-             f"(gpu_memory_utilization {vllm.gpu_memory_utilization} x {total / GB:.1f} GB "
-             f"+ token2wav_memory_gb {vllm.token2wav_memory_gb})")
+    shown = (f"GPU {index}: {free / GB:.1f} GB free of {total / GB:.1f} GB; "
+             f"the vllm backend needs {needed / GB:.1f} GB (gpu_memory_utilization {vllm.gpu_memory_utilization} "
+             f"x {total / GB:.1f} GB + token2wav_memory_gb {vllm.token2wav_memory_gb})")
     if free >= needed:
         return Finding("vram", "ok", shown)
     return Finding("vram", "fail" if _vllm_selected(config) else "warn", shown,

@@ -17,7 +17,9 @@ from gateway.config import load_config
 from gateway.doctor import Probe
 
 CLI = [sys.executable, "-m", "gateway"]
-CHECKS = ("python", "torch", "gpu", "driver", "vllm", "vllm_torch", "vllm_plugin", "model_dir", "voices", "vram", "nvml")
+CHECKS = (
+    "python", "torch", "gpu", "driver", "vllm", "vllm_torch", "vllm_plugin", "model_dir", "voices", "vram", "nvml",
+)
 GB = 10**9
 
 
@@ -186,7 +188,7 @@ def test_free_vram_below_the_budget_fails_with_the_vllm_backend():
 
 
 def test_device_index_beyond_the_visible_gpus_fails():
-    finding = doctor.check_vram(probe(), config_with(engine__cosyvoice2__device="cuda:3"))
+    finding = doctor.check_vram(probe(), config_with(engine__name="cosyvoice2", engine__cosyvoice2__device="cuda:3"))
     assert finding.status == "fail" and "cuda:3" in finding.detail
 
 
@@ -215,6 +217,7 @@ def test_vllm_built_for_another_torch_is_reported(monkeypatch):
 
 def test_vllm_plugin_entry_point_found(monkeypatch):
     plugin = importlib.metadata.EntryPoint("cosyvoice2", "engine.cosyvoice2.vllm_plugin:register", doctor.PLUGIN_GROUP)
-    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [plugin] if group == doctor.PLUGIN_GROUP else [])
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group: [plugin] if group == doctor.PLUGIN_GROUP else [])
     finding = doctor.check_vllm_plugin(config_with())
     assert finding.status == "ok" and "vllm_plugin:register" in finding.detail

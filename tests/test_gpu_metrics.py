@@ -113,7 +113,8 @@ async def test_the_sampler_follows_the_card(monkeypatch):
 
 
 async def test_old_bindings_and_unsupported_fields(monkeypatch, caplog):
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(old_bindings=True, event_reasons=0x8, unsupported=("power",)))
+    nvml = fake_pynvml(old_bindings=True, event_reasons=0x8, unsupported=("power",))
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
     metrics = new_metrics()
     with caplog.at_level(logging.INFO, logger="tts_gateway.gpu"):
         await metrics.gpu.start()

@@ -148,6 +148,7 @@ class VLLMLMStage(LMStage):
         self.settings = settings
         self.counters = counters
         self.sampling: SamplingConfig | None = llm_config.sampling
+        self.greedy = False  # True: argmax instead of ras (equality checks against the torch backend)
         self._streams: set[VLLMStream] = set()
         self._ids = itertools.count()
 
@@ -282,8 +283,11 @@ class _RoundRunner:
             chunk = await next_round(emitted)
             if chunk is None:
                 return
-            request = round_request(chunk, self.stage.vocab, None if self.greedy else self.stage.sampling,
-                                    self.history, self._final_budget(chunk))
+            request = round_request(
+                chunk, self.stage.vocab, None if self.greedy else self.stage.sampling, self.history,
+                self._final_budget(chunk),
+            )
+            self._check_room(request)
             self.context += len(request.prompt_token_ids)
             self._tracker = RoundTracker(chunk, self.stage.vocab)
             self._round_over.clear()
@@ -296,11 +300,16 @@ class _RoundRunner:
 
     def _final_budget(self, chunk: Chunk) -> int:
         """max_tokens of a round without a budget: the safety bound, within the model's length."""
-        room = self.stage.settings.max_model_len - self.context - len(chunk.ids) - 1
-        if room < 1:
-            raise RuntimeError(f"the utterance does not fit max_model_len={self.stage.settings.max_model_len}")
-        text = max(self.text_tokens, 1)
-        return max(1, min(room, MAX_SPEECH_PER_TEXT_TOKEN * text))
+        room = self.stage.settings.max_model_len - self.context - len(chunk.ids)
+        return max(1, min(room, MAX_SPEECH_PER_TEXT_TOKEN * max(self.text_tokens, 1)))
+
+    def _check_room(self, request: RoundRequest) -> None:
+        limit = self.stage.settings.max_model_len
+        if self.context + len(request.prompt_token_ids) + request.max_tokens > limit:
+            raise RuntimeError(
+                f"the utterance does not fit max_model_len={limit} tokens of voice prompt, text and speech; "
+                "split the text into shorter contexts or raise max_model_len"
+            )
 
 
 class VLLMStream(LMStream):
@@ -311,7 +320,7 @@ class VLLMStream(LMStream):
         self._planner = BistreamPlanner(
             stage.vocab, prompt_text, prompt_speech, stage.config.mix_ratio, first_round_budget=True
         )
-        self._runner = _RoundRunner(stage, greedy=False, on_tokens=on_tokens)
+        self._runner = _RoundRunner(stage, greedy=stage.greedy, on_tokens=on_tokens)
         self._text: collections.deque[int] = collections.deque()
         self._text_ended = False
         self._text_arrived = asyncio.Event()
