@@ -55,15 +55,9 @@ def random_model(seed: int, fill_bias: float = 0.0, eos_bias: float = 2.0) -> Co
     return model
 
 
-class MaskingTorchBackend(TorchLMBackend):
-    """The torch backend with a suppressed eos masked instead of redrawn: what a backend that
-    samples once must do, and the only sound choice with greedy picks (a redraw repeats)."""
-
-    def sample(self, logits, history, *, allow_eos):
-        if not allow_eos:
-            logits = logits.clone()
-            logits[EOS] = float("-inf")
-        return super().sample(logits, history, allow_eos=allow_eos)
+def masking_backend(model: CosyVoice2LM) -> TorchLMBackend:
+    """The torch backend as a backend that samples once must run: greedy, eos masked where suppressed."""
+    return TorchLMBackend(model, greedy_sampling, mask_impossible=True, redraw_suppressed_eos=False)
 
 
 # ----------------------------------------------------------------------------- the converter
@@ -286,7 +280,7 @@ TEXT = [int(t) for t in torch.randint(0, 1024, (23,), generator=torch.Generator(
 async def test_bistream_through_streaming_input_equals_the_torch_backend(plain_inputs, fill_bias, round_end) -> None:
     model = random_model(seed=2, fill_bias=fill_bias)
     torch_tokens = list(
-        MaskingTorchBackend(model, greedy_sampling, mask_impossible=True).generate_bistream(
+        masking_backend(model).generate_bistream(
             [[t] for t in TEXT], PROMPT_TEXT, PROMPT_SPEECH, first_round_budget=True
         )
     )
@@ -302,7 +296,7 @@ async def test_bistream_through_streaming_input_equals_the_torch_backend(plain_i
 
 async def test_offline_through_streaming_input_equals_the_torch_backend(plain_inputs) -> None:
     model = random_model(seed=5)
-    expected = list(MaskingTorchBackend(model, greedy_sampling, mask_impossible=True).generate_offline(
+    expected = list(masking_backend(model).generate_offline(
         TEXT[:6], PROMPT_TEXT, PROMPT_SPEECH))
     stage = stage_on(StreamingInputEngine(model), greedy=True)
     assert await stage.generate_offline(TEXT[:6], PROMPT_TEXT, PROMPT_SPEECH, greedy=True) == expected

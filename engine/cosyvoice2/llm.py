@@ -483,12 +483,23 @@ class TorchLMBackend:
 
     MAX_EOS_REDRAWS = 100
 
-    def __init__(self, model: CosyVoice2LM, sampler: Sampler | None = None, *, mask_impossible: bool = False) -> None:
+    def __init__(
+        self,
+        model: CosyVoice2LM,
+        sampler: Sampler | None = None,
+        *,
+        mask_impossible: bool = False,
+        redraw_suppressed_eos: bool = True,
+    ) -> None:
         """``mask_impossible``: give no probability to special classes a round cannot take
         (fill in the final round, the unused class anywhere). The reference raises when it
         samples one; a trained model practically never does, but serving should not fail a
-        turn on it. Off, decoding is exactly the reference's."""
+        turn on it. Off, decoding is exactly the reference's.
+
+        ``redraw_suppressed_eos=False``: mask eos where it is suppressed instead of redrawing,
+        as a backend that samples once (vLLM) does; with greedy picks a redraw would repeat."""
         self.mask_impossible = mask_impossible
+        self.redraw_suppressed_eos = redraw_suppressed_eos
         self.model = model
         self.vocab = model.vocab
         self.sampler = sampler if sampler is not None else make_sampler(model.config.sampling)
@@ -527,6 +538,9 @@ class TorchLMBackend:
 
     def sample(self, logits: torch.Tensor, history: list[int], *, allow_eos: bool) -> int:
         """One draw of the sampler; a suppressed eos is redrawn, as the reference does."""
+        if not allow_eos and not self.redraw_suppressed_eos:
+            logits = logits.clone()
+            logits[self.vocab.eos_class] = float("-inf")
         scores = logits.log_softmax(dim=-1)
         for _ in range(self.MAX_EOS_REDRAWS + 1):
             speech_class = self.sampler(scores, history)

@@ -1,0 +1,218 @@
+"""The GPU proof of the CosyVoice2 + vLLM gateway, in one run (bench/gpu_check.sh calls it).
+
+1. makes the full-size random checkpoint and registers a voice from a real speech prompt;
+2. checks greedy token equality, vLLM vs the plain-torch backend (bench/vllm_equality.py);
+3. starts the real gateway (``tts-gateway serve``) with cosyvoice2 + vLLM;
+4. drives 1, 16, 64, 128, 256 concurrent sessions through the WebSocket with the product's
+   load generator, text streamed as deltas;
+5. reports TTFA p50/p95, stall-free sessions, GPU memory and the LLM stage's counters.
+
+Everything lands in ``--out`` (gpu_check.json, plus logs) phase by phase, so a run cut
+short still reports what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gateway import loadgen  # noqa: E402
+
+PROMPT_TEXT = "This is the voice of the prompt, spoken clearly and slowly."
+
+
+class Report:
+    def __init__(self, out: Path) -> None:
+        self.path = out / "gpu_check.json"
+        self.data: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    def put(self, key: str, value) -> None:
+        self.data[key] = value
+        self.path.write_text(json.dumps(self.data, indent=1))
+        print(f"[gpu_check] {key}: {json.dumps(value)[:600]}", flush=True)
+
+
+def gpu_memory() -> dict:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used,memory.total,utilization.gpu,temperature.gpu,clocks.sm",
+         "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True,
+    ).stdout.strip().split(", ")
+    return {"used_mib": int(out[0]), "total_mib": int(out[1]), "util_pct": int(out[2]),
+            "temp_c": int(out[3]), "sm_mhz": int(out[4])}
+
+
+def prepare_model(model_dir: Path, prompt_wav: Path, report: Report) -> None:
+    from engine.cosyvoice2.checkpoint import make_checkpoint
+    from engine.cosyvoice2.frontend import CosyVoice2Frontend
+    from engine.cosyvoice2.voices import VoiceStore
+
+    started = time.perf_counter()
+    if not (model_dir / "README.md").is_file():  # make_checkpoint writes README.md last
+        make_checkpoint(model_dir, "full", 0)
+    store = VoiceStore(model_dir / "voices", CosyVoice2Frontend(model_dir))
+    if not store.list():
+        store.add("narrator", prompt_wav.read_bytes(), PROMPT_TEXT)
+    report.put("checkpoint", {"seconds": round(time.perf_counter() - started, 1), "voices": len(store.list())})
+
+
+def write_config(path: Path, model_dir: Path, args) -> None:
+    path.write_text(f"""
+[server]
+host = "127.0.0.1"
+port = {args.port}
+http_port = {args.port + 1}
+log_level = "info"
+
+[limits]
+max_sessions = 1024
+idle_timeout_s = 600
+
+[engine]
+name = "cosyvoice2"
+
+[engine.cosyvoice2]
+model_dir = "{model_dir}"
+device = "cuda"
+dtype = "{args.flow_dtype}"
+llm_backend = "vllm"
+flow_mode = "recompute"
+max_batch = {args.max_batch}
+
+[engine.cosyvoice2.vllm]
+gpu_memory_utilization = {args.gpu_memory_utilization}
+max_num_seqs = 256
+enforce_eager = {str(args.enforce_eager).lower()}
+""")
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with {proc.returncode} while starting")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return time.perf_counter() - started
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"the gateway was not ready after {timeout:.0f} s")
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    wanted = ("tts_llm_", "tts_engine_", "tts_gpu_")
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^(tts_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if match and match.group(1).startswith(wanted):
+            values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(3))
+    return values
+
+
+async def drive(args, report: Report) -> None:
+    http = f"http://127.0.0.1:{args.port}"
+    url = f"ws://127.0.0.1:{args.port}/v1/stream"
+    levels = []
+    for sessions in args.sessions:
+        before = scrape(f"{http}/metrics")
+        result = await loadgen.run(url, sessions=sessions, workload=args.workload, duration=args.duration,
+                                   tokens_per_second=args.tokens_per_second, ttfa_p95_ms=args.ttfa_p95_ms,
+                                   seed=sessions)
+        after = scrape(f"{http}/metrics")
+        queried = after.get("tts_llm_prefix_cache_queried_tokens_total", 0) - before.get(
+            "tts_llm_prefix_cache_queried_tokens_total", 0)
+        hits = after.get("tts_llm_prefix_cache_hit_tokens_total", 0) - before.get(
+            "tts_llm_prefix_cache_hit_tokens_total", 0)
+        summary = result["summary"]
+        level = {
+            "sessions": sessions,
+            "summary": summary,
+            "stall_free": loadgen.stall_free(summary, args.ttfa_p95_ms),
+            "gpu": gpu_memory(),
+            "prefix_cache_hit_ratio": round(hits / queried, 3) if queried else None,
+            "llm_generated_tokens": after.get("tts_llm_generated_tokens_total", 0)
+            - before.get("tts_llm_generated_tokens_total", 0),
+        }
+        levels.append(level)
+        report.put("levels", levels)
+        passing = [lv["sessions"] for lv in levels if lv["stall_free"]]
+        report.put("stall_free_capacity", max(passing) if passing else None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check")))
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/cv2-full"))
+    parser.add_argument("--prompt-wav", type=Path, default=ROOT / ".gpu" / "prompt.wav")
+    parser.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 128, 256])
+    parser.add_argument("--workload", default="llm", choices=loadgen.WORKLOADS)
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds per level")
+    parser.add_argument("--tokens-per-second", type=float, default=30.0)
+    parser.add_argument("--ttfa-p95-ms", type=float, default=400.0)
+    parser.add_argument("--flow-dtype", default="bfloat16")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--skip-equality", action="store_true")
+    parser.add_argument("--equality-timeout", type=float, default=240)
+    parser.add_argument("--ready-timeout", type=float, default=420)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = Report(args.out)
+    import torch
+
+    report.put("machine", {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                           "python": sys.version.split()[0], "gpu_memory": gpu_memory()})
+    prepare_model(args.model_dir, args.prompt_wav, report)
+
+    status = 0
+    if not args.skip_equality:
+        started = time.perf_counter()
+        with open(args.out / "equality.log", "w") as log:
+            try:
+                code = subprocess.run(
+                    [sys.executable, str(ROOT / "bench" / "vllm_equality.py"), "--model-dir", str(args.model_dir),
+                     "--json", str(args.out / "equality.json")], stdout=log, stderr=subprocess.STDOUT,
+                    timeout=args.equality_timeout,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        equality = json.loads((args.out / "equality.json").read_text()) if (args.out / "equality.json").exists() else {}
+        equality.update(exit=code, seconds=round(time.perf_counter() - started, 1))
+        report.put("equality", equality)
+        status = 0 if code == 0 else 1
+
+    config = args.out / "gateway.toml"
+    write_config(config, args.model_dir, args)
+    with open(args.out / "gateway.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            ready_s = wait_ready(f"http://127.0.0.1:{args.port}/readyz", proc, args.ready_timeout)
+            report.put("gateway_ready", {"seconds": round(ready_s, 1), "gpu": gpu_memory()})
+            asyncio.run(drive(args, report))
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The H200 proof of the CosyVoice2 + vLLM gateway: one device run after the vLLM bundle is
+# installed (see ../shared/device/build-vllm-bundle.sh for the three staging calls).
+#
+# On the dev machine, once:   bash bench/gpu_prepare.sh      (wheels + prompt wav into .gpu/, .whl/)
+# Device call:  carry [".whl", ".gpu"], command:
+#   . /root/vllm-env.sh && bash bench/gpu_check.sh [gpu_check.py options]
+# Writes $OUT/gpu_check.json (phase by phase), equality.json, gateway.log, equality.log.
+set -uo pipefail
+: "${OUT:?set OUT to the output folder}"
+export PYTHONUNBUFFERED=1
+# Packages the GPU image lacks (websockets, orjson, soxr), then this repo itself, so that
+# vLLM's processes find the cosyvoice2 plugin entry point.
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv > "$OUT/gpu.txt"
+timeout 570 python3 bench/gpu_check.py --out "$OUT" "$@" 2>&1 | tail -c 200000 > "$OUT/check.log"
+status=${PIPESTATUS[0]}
+tail -40 "$OUT/check.log"
+exit "$status"

