@@ -97,6 +97,12 @@ class CosyVoice2Settings:
     # (25 = 1 s of audio), growing by stream_scale_factor per chunk up to token_max_hop_len.
     token_hop_len: int = 25
     token_max_hop_len: int = 100
+    # The first chunk is the shortest hop of at least this many tokens that ends prompt +
+    # chunk on a 25-token boundary (the flow's attention chunk), so its frames are final.
+    # 25 is the official first chunk (25 + the padding to the boundary); a smaller value
+    # speaks the first audio sooner, as soon as the boundary allows (a GPU deployment's
+    # lever for time to first audio).
+    token_first_hop_len: int = 25
     stream_scale_factor: int = 1
     # incremental: keep the flow's per-chunk state, so chunk k costs about what chunk 1
     # does (exact; but the state is ~4.9 MB per mel frame at full size in float32, ~5 GB
@@ -106,6 +112,14 @@ class CosyVoice2Settings:
     # and memory buys sessions (docs/cosyvoice2.md has the measurements).
     flow_mode: str = "auto"
     max_batch: int = 16  # token2wav chunks run together
+    # GPU: CUDA graphs of the flow solve, captured before the gateway reports ready (a
+    # batch-1 chunk drops from ~280 ms eager to ~50 ms). Batches up to graph_max_batch
+    # (padded to 1, 2, 4, ...), contexts up to graph_max_frames (prompt + speech so far,
+    # 50 frames per second, padded to graph_frame_step); larger calls run eagerly, where
+    # a full batch is compute-bound anyway. 0 turns graphs off.
+    graph_max_batch: int = 16
+    graph_max_frames: int = 1200
+    graph_frame_step: int = 100
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
 
     def __post_init__(self) -> None:
@@ -117,9 +131,15 @@ class CosyVoice2Settings:
             raise ValueError("llm_backend must be 'torch' or 'vllm'")
         if not 1 <= self.token_hop_len <= self.token_max_hop_len:
             raise ValueError("need 1 <= token_hop_len <= token_max_hop_len")
+        if not 1 <= self.token_first_hop_len <= self.token_max_hop_len:
+            raise ValueError("need 1 <= token_first_hop_len <= token_max_hop_len")
         if self.stream_scale_factor < 1:
             raise ValueError("stream_scale_factor must be >= 1")
         if self.flow_mode not in ("auto", "incremental", "recompute"):
             raise ValueError("flow_mode must be auto, incremental or recompute")
+        if not 0 <= self.graph_max_batch <= self.max_batch:
+            raise ValueError("need 0 <= graph_max_batch <= max_batch")
+        if not 1 <= self.graph_frame_step <= self.graph_max_frames:
+            raise ValueError("need 1 <= graph_frame_step <= graph_max_frames")
         if not 1 <= self.max_batch <= 1024:
             raise ValueError("max_batch must be between 1 and 1024")

@@ -27,7 +27,9 @@ log = logging.getLogger("tts_gateway.doctor")
 
 NO_GPU = "no CUDA GPU visible: the vllm backend cannot run here; the piper engine and llm_backend=torch work"
 MIN_PYTHON = (3, 11)
-GB = 1e9  # token2wav_memory_gb is in decimal gigabytes
+# token2wav_memory_gb is read as GiB, the unit vLLM and nvidia-smi report in (and the
+# larger reading, so the check errs on the safe side).
+GIB = 2**30
 # The model directory's files, as engine/cosyvoice2/model.py's REQUIRED_FILES: repeated
 # here because that module needs torch, and doctor must run where torch is missing.
 MODEL_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx")
@@ -252,10 +254,10 @@ def check_vram(probe: Probe, config: Config) -> Finding:
                        f"set engine.cosyvoice2.device to cuda:0..cuda:{count - 1} (or check CUDA_VISIBLE_DEVICES)")
     free, total = probe.torch.cuda.mem_get_info(index)
     vllm = settings.vllm
-    needed = vllm.gpu_memory_utilization * total + vllm.token2wav_memory_gb * GB
-    shown = (f"GPU {index}: {free / GB:.1f} GB free of {total / GB:.1f} GB; "
-             f"the vllm backend needs {needed / GB:.1f} GB (gpu_memory_utilization {vllm.gpu_memory_utilization} "
-             f"x {total / GB:.1f} GB + token2wav_memory_gb {vllm.token2wav_memory_gb})")
+    needed = vllm.gpu_memory_utilization * total + vllm.token2wav_memory_gb * GIB
+    shown = (f"GPU {index}: {free / GIB:.1f} GiB free of {total / GIB:.1f} GiB; "
+             f"the vllm backend needs {needed / GIB:.1f} GiB (gpu_memory_utilization "
+             f"{vllm.gpu_memory_utilization} x {total / GIB:.1f} GiB + token2wav_memory_gb {vllm.token2wav_memory_gb})")
     if free >= needed:
         return Finding("vram", "ok", shown)
     return Finding("vram", "fail" if _vllm_selected(config) else "warn", shown,

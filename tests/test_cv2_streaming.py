@@ -132,3 +132,25 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
     for a, b in zip(alone, together):
         assert a.shape == b.shape
         assert float((a - b).abs().max()) <= 1e-4
+
+
+def test_final_chunks_of_several_utterances_batch_exactly(models, voice, tokens):
+    """Final chunks (full attention over prompt + all tokens) of different utterances in one
+    flow call give each utterance the mel it gets alone."""
+    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
+
+    def final_jobs():
+        jobs = []
+        for n in (137, 61, 100):
+            state = token2wav.new_stream(VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding))
+            state.tokens, state.tokens_done = list(tokens[:n]), True
+            while not (job := token2wav.next_job(state)).finalize:
+                token2wav.run([job])
+            jobs.append(job)
+        return jobs
+
+    alone = [token2wav._flow(job) for job in final_jobs()]
+    together = token2wav._flows(final_jobs())
+    for a, b in zip(alone, together):
+        assert a.shape == b.shape
+        assert float((a - b).abs().max()) <= 1e-4

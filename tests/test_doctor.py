@@ -20,7 +20,7 @@ CLI = [sys.executable, "-m", "gateway"]
 CHECKS = (
     "python", "torch", "gpu", "driver", "vllm", "vllm_torch", "vllm_plugin", "model_dir", "voices", "vram", "nvml",
 )
-GB = 10**9
+GIB = 2**30
 
 
 def run_doctor(cwd, *args: str, env: dict | None = None) -> tuple[int, dict]:
@@ -132,7 +132,7 @@ def test_complete_model_dir_with_a_voice_is_ok(tiny_model, tmp_path):
 # ---------------------------------------------------------------- GPU branches, faked
 
 
-def fake_torch(*, capability=(9, 0), arch_list=("sm_80", "sm_90"), cuda="12.8", free=100 * GB, total=141 * GB):
+def fake_torch(*, capability=(9, 0), arch_list=("sm_80", "sm_90"), cuda="12.8", free=100 * GIB, total=140 * GIB):
     return SimpleNamespace(
         __version__="2.11.0+cu128",
         version=SimpleNamespace(cuda=cuda),
@@ -177,14 +177,14 @@ def test_free_vram_below_the_budget_fails_with_the_vllm_backend():
     vllm = config_with(engine__name="cosyvoice2", engine__cosyvoice2__llm_backend="vllm",
                        engine__cosyvoice2__vllm__gpu_memory_utilization="0.5",
                        engine__cosyvoice2__vllm__token2wav_memory_gb="16")
-    # needed: 0.5 * 32 GB + 16 GB = 32 GB; 20 GB free (another process holds the rest)
-    small_card = fake_torch(free=20 * GB, total=32 * GB)
+    # needed: 0.5 * 32 GiB + 16 GiB = 32 GiB; 20 GiB free (another process holds the rest)
+    small_card = fake_torch(free=20 * GIB, total=32 * GIB)
     finding = doctor.check_vram(probe(small_card), vllm)
-    assert finding.status == "fail" and "32.0 GB" in finding.detail
+    assert finding.status == "fail" and "needs 32.0 GiB" in finding.detail
     assert "gpu_memory_utilization" in finding.fix
     assert doctor.check_vram(probe(small_card), config_with()).status == "warn"  # piper selected
-    assert doctor.check_vram(probe(fake_torch(free=40 * GB, total=141 * GB)), config_with()).status == "warn"
-    assert doctor.check_vram(probe(fake_torch(free=140 * GB, total=141 * GB)), vllm).status == "ok"
+    assert doctor.check_vram(probe(fake_torch(free=40 * GIB, total=141 * GIB)), config_with()).status == "warn"
+    assert doctor.check_vram(probe(fake_torch(free=140 * GIB, total=141 * GIB)), vllm).status == "ok"
 
 
 def test_device_index_beyond_the_visible_gpus_fails():
@@ -221,3 +221,18 @@ def test_vllm_plugin_entry_point_found(monkeypatch):
                         lambda group: [plugin] if group == doctor.PLUGIN_GROUP else [])
     finding = doctor.check_vllm_plugin(config_with())
     assert finding.status == "ok" and "vllm_plugin:register" in finding.detail
+
+
+def test_without_torch_every_check_still_answers():
+    no_torch = Probe(None, "ModuleNotFoundError: No module named 'torch'", None, "nvidia-ml-py is not installed")
+    findings = {f.name: f for f in doctor.run_checks(config_with(engine__name="cosyvoice2"), no_torch)}
+    assert tuple(findings) == CHECKS
+    assert findings["torch"].status == "fail" and "pip install -e '.[cosyvoice2]'" in findings["torch"].fix
+    for name in ("gpu", "driver", "vram"):
+        assert findings[name].status == "skip" and "torch is not installed" in findings[name].detail
+    assert findings["nvml"].status == "skip" and "nvidia-ml-py" in findings["nvml"].detail
+
+
+def test_old_python_fails():
+    assert doctor.check_python((3, 10, 12)).status == "fail"
+    assert doctor.check_python((3, 13, 0)).status == "ok"

@@ -100,12 +100,35 @@ class CosyVoice2Engine(Engine):
             self.models.flow,
             self.models.hift,
             hop_len=settings.token_hop_len,
+            first_hop_len=settings.token_first_hop_len,
             max_hop_len=settings.token_max_hop_len,
             scale=settings.stream_scale_factor,
             incremental=settings.flow_mode == "incremental" or (settings.flow_mode == "auto" and device.type == "cpu"),
         )
+        if device.type == "cuda" and settings.graph_max_batch > 0:
+            await asyncio.to_thread(self._capture_flow_graphs, device)
         self.worker = Token2WavWorker(token2wav, settings.max_batch, asyncio.get_running_loop())
         await self._warm_up()
+
+    def _capture_flow_graphs(self, device: torch.device) -> None:
+        """CUDA graphs of the flow for every bucket served, then the token2wav memory check."""
+        from engine.cosyvoice2.flow_graphs import FlowBuckets, FlowGraphs
+
+        settings = self.settings
+        buckets = FlowBuckets.up_to(settings.graph_max_batch, settings.graph_max_frames, settings.graph_frame_step)
+        graphs = FlowGraphs(self.models.flow.decoder, buckets)
+        frames = buckets.frame_buckets()
+        graphs.capture(buckets.batches, frames, [True])  # non-final chunks, batched
+        graphs.capture([b for b in buckets.batches if b <= 4], frames, [False])  # final chunks
+        self.models.flow.decoder.graphs = graphs
+        held = torch.cuda.memory_reserved(device) / 2**30
+        log.info(
+            "flow CUDA graphs: %d captured in %.1f s (%.2f GiB); token2wav holds %.1f GiB of %.1f GiB budgeted",
+            len(graphs.graphs), graphs.capture_seconds, graphs.reserved_bytes / 2**30, held,
+            settings.vllm.token2wav_memory_gb,
+        )
+        if held > settings.vllm.token2wav_memory_gb:
+            log.warning("token2wav holds more GPU memory than token2wav_memory_gb; raise it or lower max_batch")
 
     async def _warm_up(self) -> None:
         """Speak one short line end to end so the first real request pays no start-up cost."""

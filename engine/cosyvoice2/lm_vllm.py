@@ -82,7 +82,14 @@ def _stat_logger(counters: LLMStageCounters):
 def engine_args(settings: VLLMSettings, model_path: str, *, seed: int = 0):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    extra = {}
+    if settings.dtype == "float32":
+        # FlashAttention has no float32 kernels; Triton's attention does.
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        extra["attention_backend"] = AttentionBackendEnum.TRITON_ATTN
     return AsyncEngineArgs(
+        **extra,
         model=model_path,
         skip_tokenizer_init=True,  # prompts are unified token ids
         dtype=settings.dtype,
@@ -269,7 +276,7 @@ class _RoundRunner:
                 if self.on_tokens is not None:
                     self.on_tokens(new)
             if completion.finish_reason is not None or tracker.done:
-                if not tracker.done and tracker.chunk.final:
+                if not tracker.done and tracker.chunk.final and tracker.chunk.max_tokens is None:
                     log.warning("speech token limit reached without eos; ending the utterance")
                 tracker.done = True
                 self.context -= 1  # the round's last sampled token does not stay in the context

@@ -5,7 +5,8 @@ Chunking follows the official CosyVoice2 streaming path:
 - a chunk is ``hop`` tokens; it is started once ``hop + pre_lookahead`` tokens past the
   last chunk exist (the look-ahead tokens are context, spoken in the next chunk);
 - the first hop is padded so that prompt + first chunk ends on a 25-token boundary
-  (the flow's chunk-causal attention works in 25-token chunks);
+  (the flow's chunk-causal attention works in 25-token chunks); ``first_hop_len`` below
+  ``hop_len`` makes it the shortest such hop of at least that many tokens;
 - hops may grow (``hop * scale`` up to ``max_hop``, as upstream's ``stream_scale_factor``);
   ``scale = 1`` keeps every hop at 25 tokens, as the reference package does;
 - HiFT keeps the last 8 mel frames and the last 8 x 480 source samples of each chunk as
@@ -87,12 +88,14 @@ class Token2Wav:
         max_hop_len: int = 100,
         scale: int = 1,
         incremental: bool = True,
+        first_hop_len: int | None = None,
     ) -> None:
         if hop_len < 1 or max_hop_len < hop_len or scale < 1:
             raise ValueError("need 1 <= hop_len <= max_hop_len and scale >= 1")
         self.flow = flow
         self.hift = hift
         self.hop_len = hop_len
+        self.first_hop_len = hop_len if first_hop_len is None else first_hop_len
         self.max_hop_len = max_hop_len
         self.scale = scale
         self.incremental = incremental
@@ -113,8 +116,10 @@ class Token2Wav:
             return None
         hop = state.hop
         if state.offset == 0:
-            prompt = state.prompt.tokens
-            hop += math.ceil(prompt / self.chunk_tokens) * self.chunk_tokens - prompt
+            # The shortest hop >= first_hop_len that ends prompt + chunk on a chunk boundary
+            # (with first_hop_len = hop_len: the official hop + padding to the boundary).
+            prompt, chunk = state.prompt.tokens, self.chunk_tokens
+            hop = math.ceil((prompt + self.first_hop_len) / chunk) * chunk - prompt
         available = len(state.tokens) - state.offset
         if available >= hop + self.lookahead:
             return ChunkJob(state, state.offset + hop + self.lookahead, False, hop)
@@ -132,8 +137,8 @@ class Token2Wav:
         """Run chunks of several utterances; returns each one's new audio (float32, 24 kHz).
 
         In recompute mode the flow runs once for all non-final chunks (rows padded to the
-        longest; each row equals running it alone); incremental and final chunks run per
-        utterance (each holds its own chunk state, or needs full attention). HiFT runs once
+        longest; each row equals running it alone), and once for all final chunks;
+        incremental non-final chunks run per utterance (each holds its own state). HiFT runs once
         for every group of chunks of the same shape, which in steady state is all of them
         (cached 8 frames + one hop).
         """
@@ -152,14 +157,18 @@ class Token2Wav:
         return [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
 
     def _flows(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
-        together = [i for i, job in enumerate(jobs) if not job.finalize and job.state.flow_cache is None]
+        """Each job's new mel. Non-final recompute chunks run as one flow call, and final
+        chunks (full attention, in either mode) as another; the rest run one by one."""
+        streaming = [i for i, job in enumerate(jobs) if not job.finalize and job.state.flow_cache is None]
+        final = [i for i, job in enumerate(jobs) if job.finalize]
         mels: dict[int, torch.Tensor] = {}
-        if len(together) > 1:
-            mels.update(zip(together, self._flow_batched([jobs[i] for i in together])))
+        for rows, finalize in ((streaming, False), (final, True)):
+            if len(rows) > 1:
+                mels.update(zip(rows, self._flow_batched([jobs[i] for i in rows], finalize)))
         return [mels[i] if i in mels else self._flow(job) for i, job in enumerate(jobs)]
 
-    def _flow_batched(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
-        """Non-final recompute chunks of several utterances in one flow call."""
+    def _flow_batched(self, jobs: list[ChunkJob], finalize: bool) -> list[torch.Tensor]:
+        """Chunks of several utterances in one flow call (each row equals running it alone)."""
         prompts = [job.state.prompt for job in jobs]
         device = prompts[0].speech_feat.device
 
@@ -175,7 +184,7 @@ class Token2Wav:
         embedding = torch.cat([p.embedding for p in prompts])
         mel, new_len = self.flow.inference_batch(
             token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding,
-            streaming=True, finalize=False,
+            streaming=not finalize, finalize=finalize,
         )
         return [
             mel[i : i + 1, :, job.state.offset * self.mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
