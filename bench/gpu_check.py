@@ -114,7 +114,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
 
 def scrape(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    wanted = ("tts_llm_", "tts_engine_", "tts_gpu_")
+    wanted = ("tts_llm_", "tts_engine_", "tts_gpu_", "tts_token2wav_")
     values: dict[str, float] = {}
     for line in text.splitlines():
         match = re.match(r"^(tts_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
@@ -131,10 +131,12 @@ async def drive(args, report: Report) -> None:
     levels = []
     for workload, sessions in [("full", 1)] + [(args.workload, n) for n in args.sessions]:
         before = scrape(f"{http}/metrics")
+        started = time.perf_counter()
         result = await loadgen.run(url, sessions=sessions, workload=workload, duration=args.duration,
                                    tokens_per_second=args.tokens_per_second, ttfa_p95_ms=args.ttfa_p95_ms,
                                    seed=sessions)
         after = scrape(f"{http}/metrics")
+        elapsed = time.perf_counter() - started
         queried = after.get("tts_llm_prefix_cache_queried_tokens_total", 0) - before.get(
             "tts_llm_prefix_cache_queried_tokens_total", 0)
         hits = after.get("tts_llm_prefix_cache_hit_tokens_total", 0) - before.get(
@@ -147,8 +149,11 @@ async def drive(args, report: Report) -> None:
             "stall_free": loadgen.stall_free(summary, args.ttfa_p95_ms),
             "gpu": gpu_memory(),
             "prefix_cache_hit_ratio": round(hits / queried, 3) if queried else None,
-            "llm_generated_tokens": after.get("tts_llm_generated_tokens_total", 0)
-            - before.get("tts_llm_generated_tokens_total", 0),
+            # Where the time goes: each stage's work over the level, from the gateway's own counters.
+            **{name: round(after.get(f"tts_{name}_total", 0) - before.get(f"tts_{name}_total", 0), 2)
+               for name in ("llm_generated_tokens", "llm_steps", "token2wav_batches", "token2wav_chunks",
+                            "token2wav_busy_seconds")},
+            "seconds": round(elapsed, 1),
         }
         levels.append(level)
         report.put("levels", levels)

@@ -155,3 +155,18 @@ async def test_voice_route_needs_the_api_key(cv2_engine):
         fields = {"name": "x", "text": "words", "audio": b"RIFF"}
         assert (await post_voice(gw, fields))[0] == 401
         assert (await post_voice(gw, fields, {"Authorization": "Bearer k1"}))[0] == 400
+
+
+async def test_stage_counters_are_exported(cv2_gateway, cv2_engine):
+    """The counters an operator reads to see which stage is saturated."""
+    import urllib.request
+
+    async with TTSClient.connect(ws_url(cv2_gateway)) as tts:
+        await until(tts.context().speak(["One more short line."]), 120)
+    totals = cv2_engine.stats().totals
+    assert totals["token2wav_chunks"] >= totals["token2wav_batches"] >= 1
+    assert totals["token2wav_busy_seconds"] > 0
+    url = ws_url(cv2_gateway).replace("ws://", "http://").split("/v1/")[0] + "/metrics"
+    text = (await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())).decode()
+    assert 'tts_token2wav_busy_seconds_total{engine="cosyvoice2"}' in text
+    assert 'tts_llm_streams{engine="cosyvoice2"}' in text

@@ -208,6 +208,12 @@ class CosyVoice2Engine(Engine):
         worker = self.worker
         queued, running = worker.counts() if worker is not None else (0, 0)
         gauges, totals = self.lm.metrics() if self.lm is not None else ({}, {})
+        if worker is not None:
+            totals.update(
+                token2wav_batches=float(worker.batches),
+                token2wav_chunks=float(worker.chunks),
+                token2wav_busy_seconds=worker.busy_seconds,
+            )
         return EngineStats(queued=queued, running=running, utterances=len(self._utterances), extra=gauges, totals=totals)
 
 
@@ -346,6 +352,10 @@ class Token2WavWorker:
         self.wake = threading.Condition(self.lock)
         self.handles: set[StreamHandle] = set()
         self.running = 0
+        # Totals for the metrics: busy_seconds / wall time near 1 means this stage is saturated.
+        self.batches = 0
+        self.chunks = 0
+        self.busy_seconds = 0.0
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="cosyvoice2-token2wav", daemon=True)
         self._thread.start()
@@ -409,10 +419,14 @@ class Token2WavWorker:
             except Exception as exc:  # delivered to each utterance of the batch
                 log.exception("token2wav failed")
                 error = EngineError(f"audio generation failed: {exc}")
-            compute_s = (time.perf_counter() - started) / max(len(batch), 1)
+            elapsed = time.perf_counter() - started
+            compute_s = elapsed / max(len(batch), 1)
             now = time.monotonic()
             with self.lock:
                 self.running = 0
+                self.batches += 1
+                self.chunks += len(batch)
+                self.busy_seconds += elapsed
                 for i, (handle, job) in enumerate(batch):
                     if handle not in self.handles:
                         continue  # cancelled while running
