@@ -6,11 +6,18 @@ one batched flow call + one batched HiFT call). A chunk is 1 s of audio, so B / 
 how many real-time streams this stage alone could keep up with.
 
     python bench/token2wav_batch.py --size full --device cuda --batches 1,8,32,64 --json out.json
+
+``--graphs`` captures the flow's CUDA graphs as the engine does (batches up to
+``--graph-max-batch``); ``--final`` times the final chunk (full attention) instead;
+each row splits the time into the flow solve, the rest of the flow (token encoder,
+masks), HiFT and what remains (host work between them), each with a device sync around
+it, so the parts add up to slightly more than an unprofiled run.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import tempfile
@@ -33,6 +40,27 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+class StageTimer:
+    """Wall time per stage: wraps a method so that each call is timed between device syncs."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+
+    def wrap(self, owner, method: str, stage: str) -> None:
+        inner = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            sync(self.device)
+            started = time.perf_counter()
+            result = inner(*args, **kwargs)
+            sync(self.device)
+            self.seconds[stage] += time.perf_counter() - started
+            return result
+
+        setattr(owner, method, timed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
@@ -42,6 +70,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--chunk", type=int, default=4, help="which chunk index to time (1 = the first)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--graphs", action="store_true", help="capture the flow's CUDA graphs first (GPU)")
+    parser.add_argument("--graph-max-batch", type=int, default=16)
+    parser.add_argument("--final", action="store_true", help="time the final chunk instead")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -56,27 +87,57 @@ def main() -> None:
         voice.speech_tokens.to(device), voice.speech_feat.to(device, dtype), voice.embedding.to(device, dtype)
     )
     token2wav = Token2Wav(models.flow, models.hift, incremental=False)
+    batches = [int(b) for b in args.batches.split(",")]
+    capture_s = None
+    if args.graphs:
+        from engine.cosyvoice2.flow_graphs import FlowBuckets, FlowGraphs
+
+        context = 2 * (prompt.tokens + 25 * (args.chunk + 4))  # frames of the largest timed call
+        buckets = FlowBuckets.up_to(min(args.graph_max_batch, max(batches)), context, 100)
+        graphs = FlowGraphs(models.flow.decoder, buckets)
+        graphs.capture(buckets.batches, buckets.frame_buckets(), [args.final is False])
+        models.flow.decoder.graphs = graphs
+        capture_s = round(graphs.capture_seconds, 1)
+    timer = StageTimer(device)
+    timer.wrap(models.flow, "inference_batch", "flow")
+    timer.wrap(models.flow.decoder, "forward", "flow_solve")
+    timer.wrap(models.hift, "forward", "hift")
     results = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        times = []
+    for batch in batches:
+        times, parts = [], []
         for repeat in range(args.repeats + 1):  # the first pass warms this shape up
             states = []
             for row in range(batch):
                 state = token2wav.new_stream(prompt)
                 generator = torch.Generator().manual_seed(row)
                 state.tokens = torch.randint(0, 6561, (25 * (args.chunk + 3),), generator=generator).tolist()
+                state.tokens_done = args.final
                 states.append(state)
             for _ in range(args.chunk - 1):  # advance every stream to the timed chunk
                 token2wav.run([token2wav.next_job(s) for s in states])
+            if args.final:  # every stream's next job is its last
+                while not token2wav.next_job(states[0]).finalize:
+                    token2wav.run([token2wav.next_job(s) for s in states])
             jobs = [token2wav.next_job(s) for s in states]
             sync(device)
+            timer.seconds.clear()
             started = time.perf_counter()
             token2wav.run(jobs)
             sync(device)
             if repeat:
                 times.append(time.perf_counter() - started)
-        best = sorted(times)[len(times) // 2]
-        row = {"batch": batch, "chunk_ms": round(best * 1000, 1), "realtime_streams": round(batch / best, 1)}
+                parts.append(dict(timer.seconds))
+        middle = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
+        best, part = times[middle], parts[middle]
+        row = {
+            "batch": batch,
+            "chunk_ms": round(best * 1000, 1),
+            "realtime_streams": round(batch / best, 1),
+            "flow_solve_ms": round(part.get("flow_solve", 0) * 1000, 1),
+            "flow_other_ms": round((part.get("flow", 0) - part.get("flow_solve", 0)) * 1000, 1),
+            "hift_ms": round(part.get("hift", 0) * 1000, 1),
+            "host_ms": round((best - part.get("flow", 0) - part.get("hift", 0)) * 1000, 1),
+        }
         results.append(row)
         print(json.dumps(row), flush=True)
     report = {
@@ -85,7 +146,9 @@ def main() -> None:
         "dtype": args.dtype,
         "prompt_tokens": prompt.tokens,
         "chunk_index": args.chunk,
-        "mode": "recompute, batched flow + batched HiFT, eager",
+        "mode": "recompute, batched flow + batched HiFT, " + ("flow CUDA graphs" if args.graphs else "eager"),
+        "timed": "final chunk (full attention)" if args.final else f"chunk {args.chunk}",
+        "graph_capture_s": capture_s,
         "results": results,
     }
     if device.type == "cuda":
