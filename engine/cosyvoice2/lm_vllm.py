@@ -24,6 +24,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -112,6 +113,12 @@ def start_engine(settings: VLLMSettings, model_path: str, counters: LLMStageCoun
     from engine.cosyvoice2.vllm_plugin import register
 
     register()  # this process; vLLM's own processes run the entry point
+    # vLLM forks its engine process by default. A fork after this process has run torch's
+    # multi-threaded CPU ops (converting llm.pt does) can leave the child's CPU thread pool
+    # deadlocked, a known hazard of fork after OpenMP; on the H200, engines started right
+    # after a conversion stalled before loading their model, twice. A spawned engine starts
+    # clean (it finds the model through the entry point).
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     return AsyncLLM.from_engine_args(engine_args(settings, model_path), stat_loggers=[_stat_logger(counters)])
 
 
