@@ -20,14 +20,12 @@ The directory is cached next to the model (``<model_dir>/vllm-lm``) and rebuilt 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from engine.cosyvoice2.llm import LLMConfig, UnifiedVocab
+from engine.cosyvoice2.staging import staged_directory
 
 ARCHITECTURE = "CosyVoice2ForVLLM"
 CONVERTER_VERSION = 1
@@ -98,17 +96,8 @@ def convert(model_dir: str | Path, config: LLMConfig, out_dir: str | Path | None
         return out
     state = torch.load(llm_pt, map_location="cpu", weights_only=True, mmap=True)
     tensors = unified_state_dict(state, config.vocab)
-    # Build beside the target and swap in, so a crash never leaves a half-written cache.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".vllm-lm-", dir=out.parent))
-    try:
+    with staged_directory(out) as staging:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(vllm_config_json(config), indent=1))
         (staging / _SOURCE_FILE).write_text(json.dumps(fingerprint))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out

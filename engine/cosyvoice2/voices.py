@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -34,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .staging import staged_directory
 from .frontend import (
     CAMPPLUS_FILE,
     SPEECH_TOKENIZER_FILE,
@@ -366,18 +366,10 @@ class VoiceStore:
         os.replace(tmp, path)
 
     def _write_voice(self, voice_id: str, manifest: dict[str, Any], prepared: PreparedVoice, wav: bytes) -> None:
-        final = self.directory / voice_id
-        staging = Path(tempfile.mkdtemp(prefix=f".{voice_id}.", dir=self.directory))
-        try:
+        with staged_directory(self.directory / voice_id) as staging:
             torch.save({k: v.contiguous().clone() for k, v in prepared.tensors().items()}, staging / TENSORS)
             (staging / PROMPT).write_bytes(wav)
             self._write_json(staging / MANIFEST, manifest)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(staging, final)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
 
 
 def _looks_like_id(text: str) -> bool:
