@@ -134,3 +134,7 @@ class Engine(abc.ABC):
 
     def stats(self) -> EngineStats:
         return EngineStats()
+
+    def failure(self) -> str | None:
+        """Why the engine can serve no more (a dead backend process), or None while it can."""
+        return None

@@ -146,9 +146,12 @@ class Gateway:
         if path == "/healthz":
             return _response(connection, 200, b"ok\n", "text/plain; charset=utf-8")
         if path == "/readyz":
-            if self.ready:
-                return _response(connection, 200, b"ready\n", "text/plain; charset=utf-8")
-            return _response(connection, 503, b"not ready\n", "text/plain; charset=utf-8")
+            if not self.ready:
+                return _response(connection, 503, b"not ready\n", "text/plain; charset=utf-8")
+            failure = self.engine.failure()
+            if failure is not None:
+                return _response(connection, 503, f"engine failed: {failure}\n".encode(), "text/plain; charset=utf-8")
+            return _response(connection, 200, b"ready\n", "text/plain; charset=utf-8")
         if path in (STREAM_PATH, "/metrics", "/v1/stats", "/v1/voices") and not authorized(
             self.config.auth.api_keys, request.headers.get("Authorization", ""), query.get("api_key")
         ):

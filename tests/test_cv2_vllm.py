@@ -185,6 +185,7 @@ class StreamingInputEngine:
     """Follows vLLM's streaming-input rules (see the module docstring) on the torch model."""
 
     def __init__(self, model: CosyVoice2LM, seed: int = 0) -> None:
+        self.errored = False  # AsyncLLM's flag: its engine process has died
         self.model = model
         self.vocab = model.vocab
         self.generator = torch.Generator().manual_seed(seed)
@@ -343,3 +344,11 @@ def test_metrics_names() -> None:
     gauges, totals = stage.metrics()
     assert {"llm_running_requests", "llm_waiting_requests", "llm_kv_cache_usage_ratio"} <= set(gauges)
     assert totals["llm_prefix_cache_hit_tokens"] == 7 and totals["llm_prefix_cache_queried_tokens"] == 10
+
+
+def test_a_dead_vllm_engine_is_reported() -> None:
+    engine = StreamingInputEngine(random_model(1))
+    stage = lm_vllm.VLLMLMStage(engine, CONFIG, VLLMSettings(), lm_vllm.LLMStageCounters())
+    assert stage.failure() is None
+    engine.errored = True
+    assert "died" in stage.failure()

@@ -444,6 +444,16 @@ async def test_readyz_is_503_until_the_engine_is_warm():
         await gw.stop()
 
 
+async def test_readyz_is_503_once_the_engine_has_failed(gateway, monkeypatch):
+    """A dead backend (e.g. the vLLM engine process) takes the gateway out of rotation."""
+    base = f"http://127.0.0.1:{gateway.port}"
+    monkeypatch.setattr(gateway.engine, "failure", lambda: "the backend process has died")
+    status, body, _ = await http_get(base + "/readyz")
+    assert status == 503 and b"the backend process has died" in body
+    monkeypatch.undo()
+    assert (await http_get(base + "/readyz"))[0] == 200
+
+
 async def test_metrics_are_exposed(gateway):
     async with TTSClient.connect(ws_url(gateway)) as tts:
         await until(tts.context().speak("Counting this one."), 30)

@@ -204,6 +204,9 @@ class CosyVoice2Engine(Engine):
         self._utterances.add(utterance)
         return utterance
 
+    def failure(self) -> str | None:
+        return self.lm.failure() if self.lm is not None else None
+
     def stats(self) -> EngineStats:
         worker = self.worker
         queued, running = worker.counts() if worker is not None else (0, 0)

@@ -56,6 +56,10 @@ class LMStage(abc.ABC):
     def running(self) -> int:
         return 0
 
+    def failure(self) -> str | None:
+        """Why this stage can decode no more, or None."""
+        return None
+
     def metrics(self) -> tuple[dict[str, float], dict[str, float]]:
         """Gauges and running totals for the gateway's metrics (names without the tts_ prefix)."""
         return {"llm_streams": float(self.running())}, {}

@@ -198,6 +198,11 @@ class VLLMLMStage(LMStage):
             await asyncio.gather(*(self.run_rounds(rounds()) for _ in range(n)))
             log.info("vLLM warm-up: %d concurrent utterances in %.2f s", n, time.perf_counter() - started)
 
+    def failure(self) -> str | None:
+        if self.engine.errored:
+            return "the vLLM engine process has died; restart the gateway (its log says why)"
+        return None
+
     def metrics(self) -> tuple[dict[str, float], dict[str, float]]:
         c = self.counters
         gauges = {
