@@ -19,6 +19,7 @@ class FakeState:
     chunks: int  # chunks it can still run
     finished: bool = False
     tokens: list = field(default_factory=list)
+    frames: int = 300  # context of its chunks, in mel frames
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class FakeToken2Wav:
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
+
+    def job_frames(self, job: FakeJob) -> int:
+        return job.state.frames
 
     def next_job(self, state: FakeState):
         if state.chunks == 0:
@@ -108,3 +112,35 @@ async def test_an_utterance_whose_consumer_lags_is_not_scheduled():
         assert len(fake.batches) == 5
     finally:
         await asyncio.to_thread(worker.stop)
+
+
+async def test_a_much_longer_context_waits_for_a_batch_of_its_size():
+    """Rows are padded to the longest: a long context joins short ones only when it is due now."""
+
+    async def batches_for(utterances: dict[str, tuple[int, float | None]]) -> list[list[str]]:
+        """utterances: name -> (context frames, seconds of buffered audio left, or None for no audio yet)."""
+        fake = FakeToken2Wav()
+        worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop())
+        try:
+            queues = {name: asyncio.Queue() for name in utterances}
+            # add() does not wake the worker, so all are in place before it looks.
+            handles = {name: worker.add(FakeState(name, 1, frames=frames), queues[name])
+                       for name, (frames, _) in utterances.items()}
+            with worker.lock:
+                now = time.monotonic()
+                for name, (_, left) in utterances.items():
+                    if left is not None:
+                        handles[name].clock.produced(1.0 + left, now - 1.0)
+                worker.wake.notify()
+            for queue in queues.values():
+                await until(queue.get())
+            return [sorted(batch) for batch in fake.batches]
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    assert await batches_for({"short1": (300, None), "short2": (300, 0.5), "long": (1200, 5.0)}) == [
+        ["short1", "short2"],
+        ["long"],
+    ]
+    # Due now (no audio yet): it goes in whatever the padding.
+    assert await batches_for({"short": (300, None), "long": (1200, None)}) == [["long", "short"]]

@@ -8,8 +8,9 @@ Data path of one utterance::
 The LM stage runs per utterance (plain torch here; vLLM on a GPU). One token2wav worker
 thread serves every utterance: whenever chunks are ready it takes up to ``max_batch``
 of them, most urgent listener first (earliest playback deadline: an utterance with no
-audio yet is due at once, one that is playing is due when its audio runs out), and runs
-them together. An utterance whose consumer has not taken its last chunks is not
+audio yet is due at once, one that is playing is due when its audio runs out), leaving
+out chunks whose context is so much longer than the rest that padding would waste the
+batch (they go with a batch of their size), and runs them together. An utterance whose consumer has not taken its last chunks is not
 scheduled, so output stays bounded.
 """
 
@@ -46,6 +47,10 @@ from engine.text import TextNormalizer
 log = logging.getLogger(__name__)
 
 _OUTPUT_CHUNKS = 4  # chunks an utterance may hold before its consumer takes them
+# Batched flow rows are padded to the longest context, so a batch may cost at most this
+# much more than its rows alone; a job that would pad more waits for a batch of its size
+# (unless it is due now: a stall costs more than padding).
+_PADDING_LIMIT = 1.25
 _END = object()
 
 
@@ -399,7 +404,18 @@ class Token2WavWorker:
             elif handle.state.finished:
                 self._finish(handle)
         ready.sort(key=lambda item: item[:2])
-        return [(handle, job) for _, _, handle, job in ready[: self.max_batch]]
+        batch: list = []
+        useful = width = 0
+        for deadline, _, handle, job in ready:
+            if len(batch) == self.max_batch:
+                break
+            frames = self.token2wav.job_frames(job)
+            padded = (len(batch) + 1) * max(width, frames)
+            if batch and deadline > now and padded > _PADDING_LIMIT * (useful + frames):
+                continue
+            batch.append((handle, job))
+            useful, width = useful + frames, max(width, frames)
+        return batch
 
     def _finish(self, handle: StreamHandle) -> None:
         self.handles.discard(handle)

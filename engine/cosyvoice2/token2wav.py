@@ -130,6 +130,10 @@ class Token2Wav:
             return ChunkJob(state, len(state.tokens), True, available)
         return None
 
+    def job_frames(self, job: ChunkJob) -> int:
+        """Mel frames the job's flow call covers (prompt + all its tokens): its batch cost."""
+        return self.mel_ratio * (job.state.prompt.tokens + job.end)
+
     # ------------------------------------------------------------------ running chunks
 
     @torch.inference_mode()
