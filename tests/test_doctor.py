@@ -58,7 +58,8 @@ def test_cpu_machine_says_what_is_missing_and_passes(tmp_path):
     assert findings["vllm"]["status"] == "warn"
     assert "not installed" in findings["vllm"]["detail"] and "pip install -e '.[vllm]'" in findings["vllm"]["fix"]
     assert findings["vllm_torch"]["status"] == "skip"
-    assert findings["vllm_plugin"]["status"] == "warn" and "pip install -e ." in findings["vllm_plugin"]["fix"]
+    # The test command installs this checkout, which registers the plugin entry point.
+    assert findings["vllm_plugin"]["status"] == "ok" and "vllm_plugin:register" in findings["vllm_plugin"]["detail"]
     assert findings["model_dir"]["status"] == "skip" and "model_dir is not set" in findings["model_dir"]["detail"]
 
 
@@ -221,6 +222,14 @@ def test_vllm_plugin_entry_point_found(monkeypatch):
                         lambda group: [plugin] if group == doctor.PLUGIN_GROUP else [])
     finding = doctor.check_vllm_plugin(config_with())
     assert finding.status == "ok" and "vllm_plugin:register" in finding.detail
+
+
+def test_vllm_plugin_entry_point_missing(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    finding = doctor.check_vllm_plugin(config_with())
+    assert finding.status == "warn" and "pip install -e ." in finding.fix
+    with_vllm = config_with(engine__name="cosyvoice2", engine__cosyvoice2__llm_backend="vllm")
+    assert doctor.check_vllm_plugin(with_vllm).status == "fail"
 
 
 def test_without_torch_every_check_still_answers():
