@@ -58,12 +58,38 @@ def test_env_overrides_follow_one_rule(tmp_path):
         ("", {"TTS_GATEWAY__SERVER__PORTT": "1"}, "unknown key(s) server.portt"),
         ("", {"TTS_GATEWAY__LIMITS__MAX_SESSIONS": "many"}, "limits.max_sessions must be int"),
         ("", {"TTS_GATEWAY__SERVER": "1"}, "[server] must be a table"),
+        ("[engine.cosyvoice2]\nllm_backend = 'tensorrt'\n", {}, "llm_backend must be 'torch' or 'vllm'"),
+        ("[engine.cosyvoice2]\ntoken_first_hop_len = 0\n", {}, "token_first_hop_len"),
+        ("[engine.cosyvoice2]\ngraph_max_batch = 32\n", {}, "need 0 <= graph_max_batch <= max_batch"),
+        ("[engine.cosyvoice2.vllm]\ngpu_memory_utilization = 0.99\n", {}, "gpu_memory_utilization must be between"),
+        ("[engine.cosyvoice2.vllm]\nmax_num_seqs = 64\nmax_num_batched_tokens = 32\n", {},
+         "max_num_batched_tokens must be >= max_num_seqs"),
+        ("[engine.cosyvoice2.vllm]\nmax_num_seqs = 8\n", {}, "warmup_batch_sizes must lie between 1 and max_num_seqs"),
+        ("[engine.cosyvoice2.vllm]\ndtype = 'int8'\n", {}, "dtype must be float32, bfloat16 or float16"),
+        ("", {"TTS_GATEWAY__ENGINE__COSYVOICE2__VLLM__ENFORCE_EAGER": "maybe"}, "enforce_eager must be bool"),
     ],
 )
 def test_bad_config_fails_with_a_message_naming_the_key(tmp_path, text, env, message):
     with pytest.raises(ConfigError) as error:
         load_config(write(tmp_path, text), env=env)
     assert message in str(error.value)
+
+
+def test_vllm_settings_for_a_small_card(tmp_path):
+    text = """
+[engine.cosyvoice2]
+llm_backend = "vllm"
+[engine.cosyvoice2.vllm]
+gpu_memory_utilization = 0.25
+max_num_seqs = 64
+max_num_batched_tokens = 4096
+warmup_batch_sizes = [1, 2, 4, 8, 16, 32, 64]
+"""
+    settings = load_config(write(tmp_path, text), env={"TTS_GATEWAY__ENGINE__COSYVOICE2__VLLM__ENFORCE_EAGER": "true"})
+    vllm = settings.engine.cosyvoice2.vllm
+    assert settings.engine.cosyvoice2.llm_backend == "vllm"
+    assert (vllm.gpu_memory_utilization, vllm.max_num_seqs, vllm.enforce_eager) == (0.25, 64, True)
+    assert vllm.warmup_batch_sizes == (1, 2, 4, 8, 16, 32, 64)
 
 
 def test_missing_file_is_reported(tmp_path):
