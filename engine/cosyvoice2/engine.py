@@ -123,8 +123,7 @@ class CosyVoice2Engine(Engine):
         buckets = FlowBuckets.up_to(settings.graph_max_batch, settings.graph_max_frames, settings.graph_frame_step)
         graphs = FlowGraphs(self.models.flow.decoder, buckets)
         frames = buckets.frame_buckets()
-        graphs.capture(buckets.batches, frames, [True])  # non-final chunks, batched
-        graphs.capture([b for b in buckets.batches if b <= 4], frames, [False])  # final chunks
+        graphs.capture(buckets.batches, frames, [True, False])  # non-final and final chunks, batched
         self.models.flow.decoder.graphs = graphs
         held = torch.cuda.memory_reserved(device) / 2**30
         log.info(
