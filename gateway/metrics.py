@@ -150,20 +150,23 @@ class _EngineCollector:
             yield family
         # Engine-specific series (e.g. the LLM stage's): named by the engine, documented in docs/.
         for key, value in sorted(stats.extra.items()):
-            family = GaugeMetricFamily(f"tts_{key}", _ENGINE_DOCS.get(key, "Engine-specific gauge."), labels=["engine"])
+            family = GaugeMetricFamily(f"tts_{key}", ENGINE_GAUGES.get(key, "Engine-specific gauge."), labels=["engine"])
             family.add_metric([self._engine], value)
             yield family
         for key, value in sorted(stats.totals.items()):
-            family = CounterMetricFamily(f"tts_{key}", _ENGINE_DOCS.get(key, "Engine-specific total."), labels=["engine"])
+            family = CounterMetricFamily(f"tts_{key}", ENGINE_TOTALS.get(key, "Engine-specific total."), labels=["engine"])
             family.add_metric([self._engine], value)
             yield family
 
 
-_ENGINE_DOCS = {
+# Engine-specific series (EngineStats.extra / .totals), by name without the tts_ prefix.
+ENGINE_GAUGES = {
     "llm_streams": "Utterances the LLM stage is decoding.",
     "llm_running_requests": "LLM requests in the running batch (the decode batch size).",
     "llm_waiting_requests": "LLM requests waiting to be scheduled.",
     "llm_kv_cache_usage_ratio": "Share of the LLM's KV cache in use (0..1).",
+}
+ENGINE_TOTALS = {
     "llm_generated_tokens": "Speech tokens the LLM stage sampled.",
     "llm_prompt_tokens": "Prompt tokens the LLM stage took in (voice prompts and text).",
     "llm_prefix_cache_queried_tokens": "Prompt tokens looked up in the LLM's prefix cache.",
@@ -173,3 +176,7 @@ _ENGINE_DOCS = {
     "token2wav_chunks": "Audio chunks the token2wav worker made.",
     "token2wav_busy_seconds": "Time the token2wav worker spent running batches (a rate near 1 = saturated).",
 }
+# Their exported names: what a dashboard may query beyond the always-present series.
+ENGINE_METRIC_NAMES = frozenset(
+    [f"tts_{key}" for key in ENGINE_GAUGES] + [f"tts_{key}_total" for key in ENGINE_TOTALS]
+)
