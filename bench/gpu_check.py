@@ -178,7 +178,9 @@ def main() -> int:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-equality", action="store_true")
-    parser.add_argument("--equality-timeout", type=float, default=150)
+    parser.add_argument("--only-equality", action="store_true",
+                        help="stop after the equality check (then a second call on the warm machine runs the ramp)")
+    parser.add_argument("--equality-timeout", type=float, default=240)
     parser.add_argument("--ready-timeout", type=float, default=420)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -206,6 +208,8 @@ def main() -> int:
         report.put("equality", equality)
         status = 0 if code == 0 else 1
 
+    if args.only_equality:
+        return status
     config = args.out / "gateway.toml"
     write_config(config, args.model_dir, args)
     with open(args.out / "gateway.log", "w") as log:

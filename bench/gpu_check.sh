@@ -6,6 +6,9 @@
 # Device call:  carry [".whl", ".gpu"], command:
 #   . /root/vllm-env.sh && bash bench/gpu_check.sh [gpu_check.py options]
 # Writes $OUT/gpu_check.json (phase by phase), equality.json, gateway.log, equality.log.
+# Everything takes ~9 of the 10 minutes a call may run; to keep a margin, make two calls on the
+# warm machine (the bundle and the checkpoint stay): `... gpu_check.sh --only-equality`, then
+# `. /root/vllm-env.sh && bash bench/gpu_check.sh --skip-equality`.
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 export PYTHONUNBUFFERED=1
