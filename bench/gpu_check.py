@@ -181,6 +181,8 @@ def main() -> int:
     parser.add_argument("--only-equality", action="store_true",
                         help="stop after the equality check (then a second call on the warm machine runs the ramp)")
     parser.add_argument("--equality-timeout", type=float, default=240)
+    parser.add_argument("--equality-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="vLLM's precision in the equality check (bfloat16: judged by teacher-forced margins)")
     parser.add_argument("--ready-timeout", type=float, default=420)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -198,7 +200,8 @@ def main() -> int:
             try:
                 code = subprocess.run(
                     [sys.executable, str(ROOT / "bench" / "vllm_equality.py"), "--model-dir", str(args.model_dir),
-                     "--json", str(args.out / "equality.json")], stdout=log, stderr=subprocess.STDOUT,
+                     "--dtype", args.equality_dtype, "--json", str(args.out / "equality.json")],
+                    stdout=log, stderr=subprocess.STDOUT,
                     timeout=args.equality_timeout,
                 ).returncode
             except subprocess.TimeoutExpired:

@@ -352,3 +352,28 @@ def test_a_dead_vllm_engine_is_reported() -> None:
     assert stage.failure() is None
     engine.errored = True
     assert "died" in stage.failure()
+
+
+async def test_teacher_forced_replay_scores_what_the_backend_chose(plain_inputs) -> None:
+    """The GPU equality check's replay (bench/vllm_equality.py): greedy choices of the same model
+    score 0 at every step, rounds ending at fill included; another model's choices do not."""
+    from bench.vllm_equality import teacher_forced_margins
+
+    model = random_model(seed=2, fill_bias=3.0)
+    stage = stage_on(StreamingInputEngine(model), greedy=True)
+    done = asyncio.get_running_loop().create_future()
+    stream = stage.open(PROMPT_TEXT, PROMPT_SPEECH, lambda tokens: None, done.set_result)
+    stream.push_text_ids(TEXT)
+    stream.end_text()
+    assert await asyncio.wait_for(done, 30) is None
+    trace = stream.rounds
+    margins = teacher_forced_margins(model, trace)
+    emitted = sum(len(r.emitted) for r in trace)
+    fills = sum(1 for r in trace if not r.chunk.final and len(r.emitted) < r.chunk.max_tokens)
+    assert fills >= 1 and len(margins) == emitted + fills
+    assert max(margins) <= 1e-5
+    assert max(teacher_forced_margins(random_model(seed=3, fill_bias=3.0), trace)) > 0.1
+
+    offline: list = []
+    await stage.generate_offline(TEXT[:6], PROMPT_TEXT, PROMPT_SPEECH, greedy=True, trace=offline)
+    assert len(offline) == 1 and max(teacher_forced_margins(model, offline)) <= 1e-5

@@ -238,13 +238,24 @@ class VLLMLMStage(LMStage):
 
     # ------------------------------------------------------------ whole requests (tests, warm-up)
 
-    async def run_rounds(self, rounds: Sequence[Chunk], *, greedy: bool = False) -> list[int]:
-        """Decode fixed rounds as one streaming request (no text arriving); returns the speech tokens."""
-        stream = _RoundRunner(self, greedy)
-        return await stream.run(iter(rounds))
+    async def run_rounds(
+        self, rounds: Sequence[Chunk], *, greedy: bool = False, trace: list[RoundTracker] | None = None
+    ) -> list[int]:
+        """Decode fixed rounds as one streaming request (no text arriving); returns the speech tokens.
 
-    async def generate_offline(self, text_ids: Sequence[int], prompt_text=(), prompt_speech=(), *, greedy=False):
-        return await self.run_rounds([offline_chunk(self.vocab, text_ids, prompt_text, prompt_speech)], greedy=greedy)
+        ``trace`` collects each round with what it emitted (for replaying the decoding elsewhere).
+        """
+        runner = _RoundRunner(self, greedy)
+        tokens = await runner.run(iter(rounds))
+        if trace is not None:
+            trace.extend(runner.rounds)
+        return tokens
+
+    async def generate_offline(
+        self, text_ids: Sequence[int], prompt_text=(), prompt_speech=(), *, greedy=False, trace=None
+    ) -> list[int]:
+        chunk = offline_chunk(self.vocab, text_ids, prompt_text, prompt_speech)
+        return await self.run_rounds([chunk], greedy=greedy, trace=trace)
 
 
 class _RoundRunner:
@@ -264,6 +275,7 @@ class _RoundRunner:
         self.context = 0  # positions in the request's context
         self.text_tokens = 0  # text tokens received (bounds the final round)
         self._tracker: RoundTracker | None = None
+        self.rounds: list[RoundTracker] = []  # every round given, with what it emitted
         self._round_over = asyncio.Event()
 
     async def run(self, rounds) -> list[int]:
@@ -309,6 +321,7 @@ class _RoundRunner:
             self._check_room(request)
             self.context += len(request.prompt_token_ids)
             self._tracker = RoundTracker(chunk, self.stage.vocab)
+            self.rounds.append(self._tracker)
             self._round_over.clear()
             yield streaming_input(request, greedy=self.greedy)
             if chunk.final:
@@ -347,6 +360,11 @@ class VLLMStream(LMStream):
         self._cancelled = False
         self.opened_at = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._run())
+
+    @property
+    def rounds(self) -> list[RoundTracker]:
+        """The rounds given to vLLM so far, with what each emitted."""
+        return self._runner.rounds
 
     def push_text_ids(self, ids: Sequence[int]) -> None:
         if ids:
