@@ -37,7 +37,7 @@ from engine.base import (
     Voice,
 )
 from engine.cosyvoice2.lm_stage import LMStage, LMStream, TorchLMStage
-from engine.cosyvoice2.model import DTYPES, CosyVoice2Models, load_models
+from engine.cosyvoice2.model import DTYPES, CosyVoice2Models, load_models, missing_files
 from engine.cosyvoice2.token2wav import StreamState, Token2Wav, VoicePrompt
 from engine.cosyvoice2.voices import UnknownVoiceError, VoiceStore
 from engine.scheduling import PlaybackClock
@@ -300,13 +300,12 @@ def _change_speed(samples: np.ndarray, speed: float) -> np.ndarray:
 async def _start_vllm_stage(settings: CosyVoice2Settings) -> LMStage:
     """Convert the LM for vLLM (cached beside the model), start it and warm every batch shape."""
     from engine.cosyvoice2.lm_vllm import VLLMLMStage
-    from engine.cosyvoice2.model import ModelDirError, missing_files
     from engine.cosyvoice2.vllm_convert import convert
     from engine.cosyvoice2.yamlconf import load_model_configs
 
     missing = missing_files(settings.model_dir)
     if missing:
-        raise EngineError(str(ModelDirError(f"model directory {settings.model_dir} is incomplete; missing: {', '.join(missing)}")))
+        raise EngineError(f"model directory {settings.model_dir} is incomplete; missing: {', '.join(missing)}")
     configs = await asyncio.to_thread(load_model_configs, settings.model_dir)
     try:
         path = await asyncio.to_thread(convert, settings.model_dir, configs.llm)
