@@ -377,3 +377,13 @@ async def test_teacher_forced_replay_scores_what_the_backend_chose(plain_inputs)
     offline: list = []
     await stage.generate_offline(TEXT[:6], PROMPT_TEXT, PROMPT_SPEECH, greedy=True, trace=offline)
     assert len(offline) == 1 and max(teacher_forced_margins(model, offline)) <= 1e-5
+
+
+async def test_the_vllm_backend_asks_for_a_gpu(tiny_dir) -> None:
+    from engine.base import EngineError
+    from engine.cosyvoice2.engine import CosyVoice2Engine
+    from engine.settings import CosyVoice2Settings
+
+    engine = CosyVoice2Engine(CosyVoice2Settings(model_dir=str(tiny_dir), device="cpu", llm_backend="vllm"))
+    with pytest.raises(EngineError, match="needs a CUDA GPU"):
+        await engine.start()
