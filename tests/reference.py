@@ -91,3 +91,26 @@ def randomize(module, seed: int, spread: float):
             else:
                 param.copy_(spread * noise)
     return module.eval()
+
+
+def randomize_lm(module, seed: int):
+    """The CosyVoice2 LLM (ours or the official one) random at a scale where the context matters.
+
+    HF's init (std 0.02) would leave the tiny backbone close to the identity, so that a
+    wrong context (a missing or repeated position) could go unnoticed. Matrices get unit-
+    variance outputs, norms gains near 1, embeddings unit variance. In eval mode.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():  # tied weights are listed once
+            if name.endswith("norm.weight"):
+                param.copy_(0.5 + torch.rand(param.shape, generator=generator))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+            elif "embed" in name:
+                param.copy_(torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * param.shape[1] ** -0.5)
+    return module.eval()

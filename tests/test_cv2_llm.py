@@ -44,7 +44,7 @@ from engine.cosyvoice2.sampling import (
     random_sampling,
     ras_sampling,
 )
-from tests.reference import official
+from tests.reference import official, randomize_lm
 
 # The reference passes the deprecated ``past_key_values`` name on every step.
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
@@ -114,24 +114,8 @@ def official_lm(qwen_dir: Path, state_dict: Mapping[str, Tensor] | None = None) 
 
 
 def randomized_state(qwen_dir: Path, seed: int) -> dict[str, Tensor]:
-    """Every parameter random at a scale where the context matters.
-
-    HF's init (std 0.02) would leave the tiny backbone close to the identity, so that a
-    wrong context (a missing or repeated position) could go unnoticed. Matrices get unit-
-    variance outputs, norms gains near 1, embeddings unit variance.
-    """
-    lm = official_lm(qwen_dir)
-    rng = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in lm.named_parameters():  # tied weights are listed once
-            if name.endswith("norm.weight"):
-                p.copy_(0.5 + torch.rand(p.shape, generator=rng))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=rng))
-            elif "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=rng))
-            else:
-                p.copy_(torch.randn(p.shape, generator=rng) * p.shape[1] ** -0.5)
+    """The official LM's state, every parameter random (tests/reference.py ``randomize_lm``)."""
+    lm = randomize_lm(official_lm(qwen_dir), seed)
     return {k: v.clone() for k, v in lm.state_dict().items()}
 
 

@@ -30,6 +30,7 @@ from engine.cosyvoice2.vllm_convert import ARCHITECTURE, convert
 from engine.cosyvoice2.vllm_rounds import RoundRule, RoundTracker, round_request
 from engine.cosyvoice2.yamlconf import load_model_configs
 from engine.settings import VLLMSettings
+from tests.reference import randomize_lm
 
 CONFIG = LLMConfig.tiny()
 VOCAB = CONFIG.vocab
@@ -37,19 +38,9 @@ EOS, FILL = VOCAB.eos_class, VOCAB.fill_class
 
 
 def random_model(seed: int, fill_bias: float = 0.0, eos_bias: float = 2.0) -> CosyVoice2LM:
-    """A tiny LM whose every weight matters (unit-variance outputs), so a wrong context shows."""
-    model = CosyVoice2LM(CONFIG).eval()
-    rng = torch.Generator().manual_seed(seed)
+    """A tiny LM whose every weight matters (tests/reference.py), fill and eos raised by the biases."""
+    model = randomize_lm(CosyVoice2LM(CONFIG), seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(0.5 + torch.rand(p.shape, generator=rng))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=rng))
-            elif "embed" in name or p.dim() == 1:
-                p.copy_(torch.randn(p.shape, generator=rng))
-            else:
-                p.copy_(torch.randn(p.shape, generator=rng) * p.shape[1] ** -0.5)
         model.llm_decoder.bias[FILL] += fill_bias
         model.llm_decoder.bias[EOS] += eos_bias  # turns end by eos, not by the safety bound
     return model
