@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from websockets.asyncio.client import connect
@@ -64,20 +65,15 @@ async def test_every_dashboard_metric_is_exposed(gateway):
     assert engine_used, "the dashboard has no CosyVoice2 stage panels"
 
 
-def test_dashboard_marks_the_gpu_panels():
+@pytest.mark.parametrize(
+    ("family", "mark"), [(GPU_METRICS, "NVML"), (ENGINE_METRIC_NAMES, "CosyVoice2 engine only")], ids=["gpu", "cosyvoice2"]
+)
+def test_dashboard_marks_panels_that_only_some_gateways_fill(family, mark):
     dashboard = json.loads((DEPLOY / "grafana" / "tts-gateway.json").read_text())
     for panel in dashboard["panels"]:
         exprs = " ".join(t["expr"] for t in panel.get("targets", []))
-        if set(METRIC_NAME.findall(exprs)) & GPU_METRICS:
-            assert "NVML" in panel["description"], panel["title"]
-
-
-def test_dashboard_marks_the_cosyvoice2_panels():
-    dashboard = json.loads((DEPLOY / "grafana" / "tts-gateway.json").read_text())
-    for panel in dashboard["panels"]:
-        exprs = " ".join(t["expr"] for t in panel.get("targets", []))
-        if set(METRIC_NAME.findall(exprs)) & ENGINE_METRIC_NAMES:
-            assert "CosyVoice2 engine only" in panel["description"], panel["title"]
+        if set(METRIC_NAME.findall(exprs)) & family:
+            assert mark in panel["description"], panel["title"]
 
 
 def test_prometheus_config_scrapes_the_gateway():

@@ -358,7 +358,6 @@ class VLLMStream(LMStream):
         self._text_arrived = asyncio.Event()
         self._on_done = on_done
         self._cancelled = False
-        self.opened_at = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     @property

@@ -125,12 +125,13 @@ class CosyVoice2LogitsProcessor(LogitsProcessor):
         logits[index, first_special : first_special + n_special] = specials.masked_fill(
             closed.to(logits.device, non_blocking=True), float("-inf")
         )
-        ras_rows = [(k, i) for k, i in enumerate(rows) if self.rows[i][0].ras is not None]
+        ras_rows = [i for i in rows if self.rows[i][0].ras is not None]
         if ras_rows:
-            self._apply_ras(logits, [i for _, i in ras_rows])
+            self._apply_ras(logits, ras_rows)
         return logits
 
-    def _apply_ras(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def _apply_ras(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Replaces the speech logits of ``rows`` by the log of the ras distribution."""
         vocab = self.vocab
         start, end = vocab.speech_offset, vocab.speech_offset + vocab.num_speech_classes
         windows, top_p, top_k, min_repeats = [], [], [], []
@@ -152,4 +153,3 @@ class CosyVoice2LogitsProcessor(LogitsProcessor):
             torch.tensor(top_k).to(device, non_blocking=True),
             torch.tensor(min_repeats).to(device, non_blocking=True),
         ).to(logits.dtype)
-        return logits
