@@ -28,16 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.flow_graphs import sync  # noqa: E402
 from bench.token2wav_chunk_cost import voiced_prompt  # noqa: E402
 from engine.cosyvoice2.checkpoint import make_checkpoint  # noqa: E402
 from engine.cosyvoice2.model import DTYPES, load_models, missing_files  # noqa: E402
 from engine.cosyvoice2.token2wav import Token2Wav, VoicePrompt  # noqa: E402
 
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 class StageTimer:
