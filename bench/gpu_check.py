@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -114,16 +115,84 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
 
 def scrape(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    wanted = ("tts_llm_", "tts_engine_", "tts_gpu_", "tts_token2wav_")
+    wanted = ("tts_llm_", "tts_engine_", "tts_gpu_", "tts_token2wav_", "tts_first_audio_", "tts_late_chunks_",
+              "tts_event_loop_lag_")
     values: dict[str, float] = {}
     for line in text.splitlines():
-        match = re.match(r"^(tts_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        match = re.match(r"^(tts_[a-z0-9_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
         if match and match.group(1).startswith(wanted):
-            values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(3))
+            name = match.group(1)
+            bucket = re.search(r'le="([^"]+)"', match.group(2) or "")
+            if bucket:
+                name += f"@{bucket.group(1)}"
+            values[name] = values.get(name, 0.0) + float(match.group(3))
     return values
 
 
-async def drive(args, report: Report) -> None:
+SESSIONS_PER_CLIENT = 32  # one load-generator process per this many sessions: the client must not be the bottleneck
+
+
+def run_load(url: str, workload: str, sessions: int, args) -> dict:
+    """One level, its sessions spread over load-generator processes; returns the merged summary."""
+    procs = []
+    for k, start in enumerate(range(0, sessions, SESSIONS_PER_CLIENT)):
+        count = min(SESSIONS_PER_CLIENT, sessions - start)
+        path = Path(f"/tmp/loadgen-{sessions}-{k}.json")
+        path.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "gateway.loadgen", "--url", url, "--sessions", str(count), "--workload", workload,
+               "--duration", str(args.duration), "--tokens-per-second", str(args.tokens_per_second),
+               "--seed", str(sessions * 1000 + k), "--json", str(path)]
+        procs.append((path, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+    records = []
+    for path, proc in procs:
+        _, err = proc.communicate(timeout=args.duration + 120)
+        if not path.exists():
+            raise RuntimeError(f"load generator failed: {err.decode()[-2000:]}")
+        for raw in json.loads(path.read_text())["records"]:
+            records.append(loadgen.Record(**raw))
+    return loadgen.summarize(records)
+
+
+def stage_report(before: dict, after: dict, elapsed: float) -> dict:
+    """Where the time went over one level, from the gateway's own counters."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    totals = {name: round(delta(f"tts_{name}_total"), 2) for name in (
+        "llm_generated_tokens", "llm_prompt_tokens", "llm_steps", "token2wav_batches", "token2wav_chunks",
+        "token2wav_busy_seconds", "late_chunks_llm_bound", "late_chunks_token2wav_bound")}
+    firsts = delta("tts_first_audio_chunks_total")
+    first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None
+                      for stage in ("llm_first_token", "llm_chunk", "token2wav_wait", "token2wav_run")}
+    lag_n = delta("tts_event_loop_lag_seconds_count")
+    lag_over = {le: round(1 - delta(f"tts_event_loop_lag_seconds_bucket@{le}") / lag_n, 4) if lag_n else None
+                for le in ("0.005", "0.02", "0.1")}
+    steps = totals["llm_steps"]
+    return {
+        **totals,
+        "token2wav_busy_ratio": round(totals["token2wav_busy_seconds"] / elapsed, 3),
+        "token2wav_mean_batch": round(totals["token2wav_chunks"] / totals["token2wav_batches"], 1)
+        if totals["token2wav_batches"] else None,
+        "llm_steps_per_s": round(steps / elapsed, 1),
+        "llm_tokens_per_step": round(totals["llm_generated_tokens"] / steps, 2) if steps else None,
+        "first_audio_ms": first_audio_ms,
+        "event_loop_lag_mean_ms": round(1000 * delta("tts_event_loop_lag_seconds_sum") / lag_n, 2) if lag_n else None,
+        "event_loop_lag_share_over_s": lag_over,
+    }
+
+
+def take_profile(pid: int, path: Path) -> dict | None:
+    """The gateway's thread profile since the last call (bench/stack_sampler.py)."""
+    path.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    for _ in range(50):
+        if path.exists():
+            return json.loads(path.read_text())
+        time.sleep(0.1)
+    return None
+
+
+async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> None:
     """Whole replies at once for one session first (time to first audio of the system
     itself), then the ramp with replies streamed as deltas."""
     http = f"http://127.0.0.1:{args.port}"
@@ -131,17 +200,15 @@ async def drive(args, report: Report) -> None:
     levels = []
     for workload, sessions in [("full", 1)] + [(args.workload, n) for n in args.sessions]:
         before = scrape(f"{http}/metrics")
+        take_profile(gateway_pid, profile_path)
         started = time.perf_counter()
-        result = await loadgen.run(url, sessions=sessions, workload=workload, duration=args.duration,
-                                   tokens_per_second=args.tokens_per_second, ttfa_p95_ms=args.ttfa_p95_ms,
-                                   seed=sessions)
-        after = scrape(f"{http}/metrics")
+        summary = await asyncio.to_thread(run_load, url, workload, sessions, args)
         elapsed = time.perf_counter() - started
+        after = scrape(f"{http}/metrics")
         queried = after.get("tts_llm_prefix_cache_queried_tokens_total", 0) - before.get(
             "tts_llm_prefix_cache_queried_tokens_total", 0)
         hits = after.get("tts_llm_prefix_cache_hit_tokens_total", 0) - before.get(
             "tts_llm_prefix_cache_hit_tokens_total", 0)
-        summary = result["summary"]
         level = {
             "workload": workload,
             "sessions": sessions,
@@ -149,10 +216,8 @@ async def drive(args, report: Report) -> None:
             "stall_free": loadgen.stall_free(summary, args.ttfa_p95_ms),
             "gpu": gpu_memory(),
             "prefix_cache_hit_ratio": round(hits / queried, 3) if queried else None,
-            # Where the time goes: each stage's work over the level, from the gateway's own counters.
-            **{name: round(after.get(f"tts_{name}_total", 0) - before.get(f"tts_{name}_total", 0), 2)
-               for name in ("llm_generated_tokens", "llm_steps", "token2wav_batches", "token2wav_chunks",
-                            "token2wav_busy_seconds")},
+            "stages": stage_report(before, after, elapsed),
+            "profile": take_profile(gateway_pid, profile_path),
             "seconds": round(elapsed, 1),
         }
         levels.append(level)
@@ -216,12 +281,14 @@ def main() -> int:
     config = args.out / "gateway.toml"
     write_config(config, args.model_dir, args)
     with open(args.out / "gateway.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
+        profile_path = Path("/tmp/gateway-profile.json")
+        proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "stack_sampler.py"), str(profile_path),
+                                 "serve", "--config", str(config)],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
             ready_s = wait_ready(f"http://127.0.0.1:{args.port}/readyz", proc, args.ready_timeout)
             report.put("gateway_ready", {"seconds": round(ready_s, 1), "gpu": gpu_memory()})
-            asyncio.run(drive(args, report))
+            asyncio.run(drive(args, report, proc.pid, profile_path))
         finally:
             proc.terminate()
             try:

@@ -13,6 +13,7 @@ which the server starts and stops.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -27,6 +28,8 @@ from gateway.stats import RollingStats
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 STALL_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LOOP_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+LOOP_LAG_PERIOD_S = 0.05
 
 
 class Metrics:
@@ -64,6 +67,12 @@ class Metrics:
         self.contexts = Counter("tts_contexts_total", "Contexts finished, by outcome.", ["outcome"], registry=r)
         self.errors = Counter("tts_errors_total", "Error frames sent, by code.", ["code"], registry=r)
         self.ready = Gauge("tts_engine_ready", "1 once the engine is loaded and warmed.", registry=r)
+        self.loop_lag = Histogram(
+            "tts_event_loop_lag_seconds",
+            "How late the gateway's event loop ran a timer: time every session waits before it is served.",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=r,
+        )
         r.register(_EngineCollector(engine_name, engine_stats))
         self._engine_stats = engine_stats
         self.rolling = RollingStats()
@@ -98,6 +107,18 @@ class Metrics:
             self.stall_seconds.inc(event.stall_s)
             self.stalls.inc(event.stalls)
             self.rolling.stall(event.stall_s, event.stalls)
+
+    async def watch_loop_lag(self) -> None:
+        """Observe the event loop's lag until cancelled: a timer due every 50 ms, and how late it ran.
+
+        Every session's frames, every engine callback and every scrape share this loop; a
+        lag here is a delay for all of them at once (and on a GPU host, often a CPU-bound
+        thread holding the GIL)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LOOP_LAG_PERIOD_S
+            await asyncio.sleep(LOOP_LAG_PERIOD_S)
+            self.loop_lag.observe(max(0.0, loop.time() - due))
 
     # ------------------------------------------------------------ reading
 
@@ -175,6 +196,13 @@ ENGINE_TOTALS = {
     "token2wav_batches": "Batches the token2wav worker ran (chunks / batches = mean batch size).",
     "token2wav_chunks": "Audio chunks the token2wav worker made.",
     "token2wav_busy_seconds": "Time the token2wav worker spent running batches (a rate near 1 = saturated).",
+    "first_audio_chunks": "Utterances' first chunks delivered (divide the first_audio_*_seconds totals by it).",
+    "first_audio_llm_first_token_seconds": "First chunks: first text given to the LLM stage to its first speech token.",
+    "first_audio_llm_chunk_seconds": "First chunks: first speech token to the chunk's tokens all there.",
+    "first_audio_token2wav_wait_seconds": "First chunks: tokens all there to their token2wav batch starting.",
+    "first_audio_token2wav_run_seconds": "First chunks: their token2wav batch running.",
+    "late_chunks_llm_bound": "Chunks out after their listener ran out of audio, whose tokens came too late.",
+    "late_chunks_token2wav_bound": "Chunks out after their listener ran out of audio, whose tokens were there in time.",
 }
 # Their exported names: what a dashboard may query beyond the always-present series.
 ENGINE_METRIC_NAMES = frozenset(

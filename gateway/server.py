@@ -69,6 +69,7 @@ class Gateway:
         self.port = config.server.port
         self.http = HttpApi(engine, config, self.metrics, lambda: self.ready)
         self._server: Server | None = None
+        self._loop_lag: asyncio.Task | None = None
         self._web_root = config.server.web_path.resolve()
 
     # ------------------------------------------------------------ lifecycle
@@ -89,6 +90,7 @@ class Gateway:
         self.port = self._server.sockets[0].getsockname()[1]  # the real one when config says 0
         await self.http.start(self.config.server.host, self.config.server.http_port)
         await self.metrics.gpu.start()
+        self._loop_lag = asyncio.create_task(self.metrics.watch_loop_lag())
         log.info("listening on %s:%d (WebSocket, GET routes), %d (POST routes)",
                  self.config.server.host, self.port, self.http.port)
         if self._owns_engine:
@@ -122,6 +124,8 @@ class Gateway:
             await self._server.wait_closed()
         await self.http.stop()
         await self.metrics.gpu.stop()
+        if self._loop_lag is not None:
+            self._loop_lag.cancel()
         if self._owns_engine:
             await self.engine.close()
 

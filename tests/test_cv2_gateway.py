@@ -166,6 +166,11 @@ async def test_stage_counters_are_exported(cv2_gateway, cv2_engine):
     totals = cv2_engine.stats().totals
     assert totals["token2wav_chunks"] >= totals["token2wav_batches"] >= 1
     assert totals["token2wav_busy_seconds"] > 0
+    # The first chunk's latency, split by stage: each part is there and they add up within the turn.
+    assert totals["first_audio_chunks"] >= 1
+    stages = [totals[f"first_audio_{stage}_seconds"] for stage in
+              ("llm_first_token", "llm_chunk", "token2wav_wait", "token2wav_run")]
+    assert all(value >= 0 for value in stages) and stages[0] > 0 and stages[3] > 0
     url = ws_url(cv2_gateway).replace("ws://", "http://").split("/v1/")[0] + "/metrics"
     text = (await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())).decode()
     assert 'tts_token2wav_busy_seconds_total{engine="cosyvoice2"}' in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -475,6 +476,18 @@ async def test_metrics_are_exposed(gateway):
         assert line in text, line
     [sent] = [float(line.split()[1]) for line in text.splitlines() if line.startswith("tts_audio_sent_seconds_total ")]
     assert 0.5 < sent < 3.0
+
+
+async def test_event_loop_lag_is_measured(gateway):
+    """A loop blocked for 300 ms shows up in tts_event_loop_lag_seconds (every session waited that long)."""
+    registry = gateway.metrics.registry
+    before = registry.get_sample_value("tts_event_loop_lag_seconds_sum") or 0.0
+    await asyncio.sleep(0.1)
+    time.sleep(0.3)  # what a CPU-bound callback on the loop does to everyone
+
+    await eventually(lambda: registry.get_sample_value("tts_event_loop_lag_seconds_sum") - before >= 0.25, 5)
+    status, body, _ = await http_get(f"http://127.0.0.1:{gateway.port}/metrics")
+    assert b'tts_event_loop_lag_seconds_bucket{le="0.5"}' in body
 
 
 async def test_fixed_voice_engine_refuses_voice_registration(gateway):

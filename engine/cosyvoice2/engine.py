@@ -17,6 +17,7 @@ consumer has not taken its last chunks is not scheduled, so output stays bounded
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -216,11 +217,7 @@ class CosyVoice2Engine(Engine):
         queued, running = worker.counts() if worker is not None else (0, 0)
         gauges, totals = self.lm.metrics() if self.lm is not None else ({}, {})
         if worker is not None:
-            totals.update(
-                token2wav_batches=float(worker.batches),
-                token2wav_chunks=float(worker.chunks),
-                token2wav_busy_seconds=worker.busy_seconds,
-            )
+            totals.update(worker.totals())
         return EngineStats(queued=queued, running=running, utterances=len(self._utterances), extra=gauges, totals=totals)
 
 
@@ -252,6 +249,7 @@ class CosyVoice2Utterance(Utterance):
 
     def _send(self, text: str) -> None:
         if text:
+            self.handle.text_sent()
             self._lm.push_text_ids(self._tokenizer.encode(text))
 
     def cancel(self) -> None:
@@ -321,7 +319,12 @@ def _device(name: str) -> torch.device:
 
 
 class StreamHandle:
-    """The worker's view of one utterance. Fields are guarded by the worker's lock."""
+    """The worker's view of one utterance. Fields are guarded by the worker's lock.
+
+    It also keeps the times that say where a chunk's latency went (time.monotonic()):
+    when text first reached the LM stage, when the first speech token came back, and
+    when the next chunk's tokens were all there (``ready_at``).
+    """
 
     def __init__(self, worker: Token2WavWorker, state: StreamState, output: asyncio.Queue) -> None:
         self.worker = worker
@@ -329,17 +332,33 @@ class StreamHandle:
         self.output = output
         self.pending = 0  # chunks delivered, not yet taken by the consumer
         self.clock = PlaybackClock()
+        self.text_at: float | None = None
+        self.first_token_at: float | None = None
+        self.ready_at: float | None = None
 
     # Called on the event loop's thread.
+    def text_sent(self) -> None:
+        if self.text_at is None:
+            self.text_at = time.monotonic()
+
     def push_tokens(self, tokens: list[int]) -> None:
+        now = time.monotonic()
         with self.worker.lock:
+            if self.first_token_at is None:
+                self.first_token_at = now
             self.state.tokens.extend(tokens)
+            self.mark_ready(now)
             self.worker.wake.notify()
 
     def tokens_done(self) -> None:
         with self.worker.lock:
             self.state.tokens_done = True
+            self.mark_ready(time.monotonic())
             self.worker.wake.notify()
+
+    def mark_ready(self, now: float) -> None:
+        if self.ready_at is None and self.worker.token2wav.next_job(self.state) is not None:
+            self.ready_at = now
 
     def taken(self) -> None:
         with self.worker.lock:
@@ -358,10 +377,8 @@ class Token2WavWorker:
         self.wake = threading.Condition(self.lock)
         self.handles: set[StreamHandle] = set()
         self.running = 0
-        # Totals for the metrics: busy_seconds / wall time near 1 means this stage is saturated.
-        self.batches = 0
-        self.chunks = 0
-        self.busy_seconds = 0.0
+        # Running totals for the metrics (see totals()).
+        self._totals: collections.Counter[str] = collections.Counter()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="cosyvoice2-token2wav", daemon=True)
         self._thread.start()
@@ -383,6 +400,19 @@ class Token2WavWorker:
                 1 for h in self.handles if h.pending < _OUTPUT_CHUNKS and self.token2wav.next_job(h.state) is not None
             )
             return queued, self.running
+
+    def totals(self) -> dict[str, float]:
+        """Where the time goes, as running totals (exported as tts_<name>_total).
+
+        ``token2wav_busy_seconds`` against wall time near 1 means this stage is saturated.
+        ``first_audio_*_seconds`` split each utterance's first chunk into its stages (divide
+        by ``first_audio_chunks`` for the mean): text in -> first speech token -> the
+        chunk's tokens complete -> its batch starts -> its audio is out. A chunk delivered
+        after its listener ran out of audio is a late chunk, blamed on the LLM stage when
+        its tokens were complete only after that moment, else on token2wav.
+        """
+        with self.lock:
+            return {name: float(value) for name, value in self._totals.items()}
 
     def stop(self) -> None:
         with self.lock:
@@ -429,21 +459,21 @@ class Token2WavWorker:
                 if self._stopping:
                     return
                 self.running = len(batch)
-            started = time.perf_counter()
+            started = time.monotonic()
             try:
                 audio = self.token2wav.run([job for _, job in batch])
                 error = None
             except Exception as exc:  # delivered to each utterance of the batch
                 log.exception("token2wav failed")
                 error = EngineError(f"audio generation failed: {exc}")
-            elapsed = time.perf_counter() - started
-            compute_s = elapsed / max(len(batch), 1)
             now = time.monotonic()
+            compute_s = (now - started) / max(len(batch), 1)
             with self.lock:
                 self.running = 0
-                self.batches += 1
-                self.chunks += len(batch)
-                self.busy_seconds += elapsed
+                totals = self._totals
+                totals["token2wav_batches"] += 1
+                totals["token2wav_chunks"] += len(batch)
+                totals["token2wav_busy_seconds"] += now - started
                 for i, (handle, job) in enumerate(batch):
                     if handle not in self.handles:
                         continue  # cancelled while running
@@ -452,8 +482,29 @@ class Token2WavWorker:
                         self.loop.call_soon_threadsafe(handle.output.put_nowait, error)
                         continue
                     samples = audio[i]
+                    self._account(handle, started, now)
                     handle.clock.produced(len(samples) / self.token2wav.hift.config.sampling_rate, now)
                     handle.pending += 1
                     self.loop.call_soon_threadsafe(handle.output.put_nowait, (samples, compute_s))
                     if job.finalize:
                         self._finish(handle)
+                    else:
+                        handle.mark_ready(now)  # the next chunk's tokens may be there already
+
+    def _account(self, handle: StreamHandle, started: float, now: float) -> None:
+        """Book a delivered chunk's latency by stage (see totals())."""
+        totals = self._totals
+        ready_at = handle.ready_at if handle.ready_at is not None else started
+        handle.ready_at = None
+        if handle.clock.first_audio_at is None:
+            text_at = handle.text_at if handle.text_at is not None else started
+            first_token_at = handle.first_token_at if handle.first_token_at is not None else ready_at
+            totals["first_audio_chunks"] += 1
+            totals["first_audio_llm_first_token_seconds"] += max(0.0, first_token_at - text_at)
+            totals["first_audio_llm_chunk_seconds"] += max(0.0, ready_at - first_token_at)
+            totals["first_audio_token2wav_wait_seconds"] += max(0.0, started - ready_at)
+            totals["first_audio_token2wav_run_seconds"] += now - started
+            return
+        runs_out = handle.clock.deadline(now)
+        if now > runs_out:
+            totals["late_chunks_llm_bound" if ready_at > runs_out else "late_chunks_token2wav_bound"] += 1

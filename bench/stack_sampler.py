@@ -1,0 +1,102 @@
+"""Run the gateway with a sampling profiler of its Python threads (bench/gpu_check.py uses it).
+
+    python bench/stack_sampler.py OUT.json serve --config gateway.toml
+
+Every 5 ms a background thread records where each named thread of the gateway is: the
+innermost Python function (its *self* time) and every function on its stack (*inclusive*
+time). ``kill -USR1`` writes the counts gathered since the last signal to OUT.json and
+starts afresh, so a load test can take one profile per concurrency level.
+
+Why a sampler: the gateway's event loop, the token2wav worker thread and vLLM's output
+handling share one interpreter lock. A stage that looks slow may be waiting for the lock
+rather than working; where each thread sits, sampled, tells those apart.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERVAL_S = 0.005
+TOP = 30
+
+
+def _where(code) -> str:
+    path = Path(code.co_filename)
+    try:
+        path = path.relative_to(ROOT)
+    except ValueError:
+        path = Path(*path.parts[-2:])
+    return f"{code.co_name} ({path}:{code.co_firstlineno})"
+
+
+class Sampler:
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.started = time.monotonic()
+        self.samples: collections.Counter[str] = collections.Counter()
+        self.self_time: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.inclusive: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+    def run(self) -> None:
+        me = threading.get_ident()
+        while True:
+            time.sleep(INTERVAL_S)
+            names = {t.ident: t.name for t in threading.enumerate()}
+            with self.lock:
+                for ident, frame in sys._current_frames().items():
+                    if ident == me:
+                        continue
+                    name = names.get(ident, str(ident))
+                    self.samples[name] += 1
+                    self.self_time[name][_where(frame.f_code)] += 1
+                    seen = set()
+                    while frame is not None:
+                        seen.add(_where(frame.f_code))
+                        frame = frame.f_back
+                    self.inclusive[name].update(seen)
+
+    def dump(self, *_args) -> None:
+        with self.lock:
+            report = {
+                "seconds": round(time.monotonic() - self.started, 1),
+                "interval_s": INTERVAL_S,
+                "threads": {
+                    name: {
+                        "samples": count,
+                        "self": [[where, n] for where, n in self.self_time[name].most_common(TOP)],
+                        "inclusive": [[where, n] for where, n in self.inclusive[name].most_common(TOP)],
+                    }
+                    for name, count in self.samples.most_common(8)
+                },
+            }
+            self._reset()
+        tmp = self.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, self.out)
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    sampler = Sampler(out)
+    signal.signal(signal.SIGUSR1, sampler.dump)
+    threading.Thread(target=sampler.run, name="stack-sampler", daemon=True).start()
+    sys.path.insert(0, str(ROOT))
+    from gateway.cli import main as gateway_main
+
+    return gateway_main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
