@@ -158,8 +158,9 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    totals = {name: round(delta(f"tts_{name}_total"), 2) for name in (
-        "llm_generated_tokens", "llm_prompt_tokens", "llm_steps", "token2wav_batches", "token2wav_chunks",
+    totals = {name: round(delta(f"tts_{name}_total"), 3) for name in (
+        "llm_generated_tokens", "llm_prompt_tokens", "llm_steps", "llm_inter_token_seconds", "llm_inter_tokens",
+        "token2wav_batches", "token2wav_chunks",
         "token2wav_busy_seconds", "late_chunks_llm_bound", "late_chunks_token2wav_bound")}
     firsts = delta("tts_first_audio_chunks_total")
     first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None
@@ -175,6 +176,8 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         if totals["token2wav_batches"] else None,
         "llm_steps_per_s": round(steps / elapsed, 1),
         "llm_tokens_per_step": round(totals["llm_generated_tokens"] / steps, 2) if steps else None,
+        "llm_inter_token_ms": round(1000 * totals["llm_inter_token_seconds"] / totals["llm_inter_tokens"], 2)
+        if totals["llm_inter_tokens"] else None,
         "first_audio_ms": first_audio_ms,
         "event_loop_lag_mean_ms": round(1000 * delta("tts_event_loop_lag_seconds_sum") / lag_n, 2) if lag_n else None,
         "event_loop_lag_share_over_s": lag_over,
@@ -287,7 +290,10 @@ def main() -> int:
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
             ready_s = wait_ready(f"http://127.0.0.1:{args.port}/readyz", proc, args.ready_timeout)
-            report.put("gateway_ready", {"seconds": round(ready_s, 1), "gpu": gpu_memory()})
+            log.flush()
+            startup = [line.strip() for line in (args.out / "gateway.log").read_text().splitlines()
+                       if "CUDA graph" in line or "vLLM warm-up" in line or "WARNING" in line][:40]
+            report.put("gateway_ready", {"seconds": round(ready_s, 1), "gpu": gpu_memory(), "log": startup})
             asyncio.run(drive(args, report, proc.pid, profile_path))
         finally:
             proc.terminate()

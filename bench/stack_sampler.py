@@ -2,7 +2,7 @@
 
     python bench/stack_sampler.py OUT.json serve --config gateway.toml
 
-Every 5 ms a background thread records where each named thread of the gateway is: the
+Every 10 ms a background thread records where each named thread of the gateway is: the
 innermost Python function (its *self* time) and every function on its stack (*inclusive*
 time). ``kill -USR1`` writes the counts gathered since the last signal to OUT.json and
 starts afresh, so a load test can take one profile per concurrency level.
@@ -15,6 +15,7 @@ rather than working; where each thread sits, sampled, tells those apart.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import signal
@@ -24,11 +25,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-INTERVAL_S = 0.005
+INTERVAL_S = 0.01
 TOP = 30
 
 
+@functools.lru_cache(maxsize=65536)
 def _where(code) -> str:
+    """``function (file:line)`` of a code object (cached: a sample must cost the sampled threads little)."""
     path = Path(code.co_filename)
     try:
         path = path.relative_to(ROOT)

@@ -150,6 +150,9 @@ async def main() -> int:
                 "argmax_share": round(sum(m <= 0 for m in margins) / max(len(margins), 1), 4),
                 "max_margin": round(max(margins, default=0.0), 4),
             })
+            if ours != reference:  # how vLLM's rounds went: ids given, tokens emitted, final, how it ended
+                results[-1]["vllm_rounds"] = [[len(t.chunk.ids), len(t.emitted), t.chunk.final, t.finish_reason]
+                                              for t in trace]
             print(json.dumps(results[-1]), flush=True)
     await stage.close()
     exact = all(r["equal"] for r in results)

@@ -120,6 +120,9 @@ class CosyVoice2Settings:
     graph_max_batch: int = 16
     graph_max_frames: int = 1200
     graph_frame_step: int = 100
+    # GPU: CUDA graphs of the HiFT vocoder for the streamed chunk shapes at every batch
+    # bucket up to max_batch (engine/cosyvoice2/hift_graphs.py); final chunks run eagerly.
+    hift_graphs: bool = True
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
 
     def __post_init__(self) -> None:

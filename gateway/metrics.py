@@ -193,6 +193,8 @@ ENGINE_TOTALS = {
     "llm_prefix_cache_queried_tokens": "Prompt tokens looked up in the LLM's prefix cache.",
     "llm_prefix_cache_hit_tokens": "Prompt tokens found in the LLM's prefix cache (hit rate = hit / queried).",
     "llm_steps": "LLM engine steps.",
+    "llm_inter_token_seconds": "Time between a request's consecutive speech tokens, summed (mean = / llm_inter_tokens).",
+    "llm_inter_tokens": "Speech tokens that followed another of their request (the count behind llm_inter_token_seconds).",
     "token2wav_batches": "Batches the token2wav worker ran (chunks / batches = mean batch size).",
     "token2wav_chunks": "Audio chunks the token2wav worker made.",
     "token2wav_busy_seconds": "Time the token2wav worker spent running batches (a rate near 1 = saturated).",

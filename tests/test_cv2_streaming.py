@@ -154,3 +154,68 @@ def test_final_chunks_of_several_utterances_batch_exactly(models, voice, tokens)
     for a, b in zip(alone, together):
         assert a.shape == b.shape
         assert float((a - b).abs().max()) <= 1e-4
+
+
+class RecordingGraphs:
+    """Stands in for the vocoder's CUDA graphs: records the shapes streaming asks for, runs nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def run(self, mel, cache_source):
+        self.calls.append((mel.shape[2], cache_source.shape[2]))
+        return None  # eager
+
+
+@pytest.mark.parametrize("first_hop_len, scale", [(25, 1), (5, 1), (5, 2)])
+def test_chunk_shapes_are_what_streaming_gives_the_vocoder(models, voice, tokens, first_hop_len, scale):
+    """The vocoder graphs are captured for Token2Wav.chunk_shapes: every non-final chunk of a
+    stream must have one of those shapes, and the final chunk is left to eager mode."""
+    token2wav = Token2Wav(models.flow, models.hift, scale=scale, max_hop_len=50, first_hop_len=first_hop_len)
+    token2wav.hift_graphs = recorder = RecordingGraphs()
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    state = token2wav.new_stream(prompt)
+    state.tokens, state.tokens_done = list(tokens) * 2, True
+    finals = 0
+    while (job := token2wav.next_job(state)) is not None:
+        token2wav.run([job])
+        finals += job.finalize
+    shapes = token2wav.chunk_shapes(prompt.tokens)
+    *streamed, final = recorder.calls
+    assert finals == 1 and len(streamed) >= 3
+    assert set(streamed) <= set(shapes), (streamed, shapes)
+    assert streamed[0] == shapes[0] and streamed[0][1] == 0  # the first chunk has no cached excitation
+    assert final[1] == 8 * 480  # the final chunk comes behind the cache (its length varies: eager)
+
+
+def test_hift_graph_keys():
+    from engine.cosyvoice2.hift_graphs import HiftKey, batch_buckets, graph_key
+
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64) and batch_buckets(12) == (1, 2, 4, 8, 12)
+    shapes = {(58, 3840), (20, 0)}
+    buckets = batch_buckets(12)
+    assert graph_key(buckets, shapes, 3, 58, 3840) == HiftKey(4, 58, 3840)
+    assert graph_key(buckets, shapes, 12, 20, 0) == HiftKey(12, 20, 0)
+    assert graph_key(buckets, shapes, 13, 58, 3840) is None  # over the largest bucket: eager
+    assert graph_key(buckets, shapes, 1, 57, 3840) is None  # a final chunk's length: eager
+    assert graph_key(buckets, shapes, 1, 58, 0) is None
+
+
+def test_vocoder_rows_are_independent_under_padding(models):
+    """Graph batches are padded with copies of row 0: a real row's audio must not depend on
+    the rows beside it (same per-row random draws)."""
+    from engine.cosyvoice2.hift_graphs import pad_rows
+
+    hift = models.hift
+    mel = torch.randn(2, hift.config.in_channels, 30, generator=torch.Generator().manual_seed(3))
+    cache = 0.1 * torch.randn(2, 1, 8 * 480, generator=torch.Generator().manual_seed(4))
+
+    def generators(n: int) -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(100 + i) for i in range(n)]
+
+    alone, alone_source = hift(mel, cache, generators(2))
+    padded, padded_source = hift(pad_rows(mel, 5), pad_rows(cache, 5), generators(5))
+    assert padded.shape[0] == 5
+    assert float((padded[:2] - alone).abs().max()) <= 1e-5
+    assert float((padded_source[:2] - alone_source).abs().max()) <= 1e-6
+    assert torch.equal(pad_rows(mel, 5)[4], mel[0])

@@ -52,6 +52,8 @@ class LLMStageCounters:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     steps: int = 0
+    inter_token_seconds: float = 0.0  # gaps between a request's consecutive tokens, as vLLM times them
+    inter_tokens: int = 0
 
 
 def _stat_logger(counters: LLMStageCounters):
@@ -73,6 +75,11 @@ def _stat_logger(counters: LLMStageCounters):
             if iteration_stats is not None:
                 counters.generated_tokens += iteration_stats.num_generation_tokens
                 counters.prompt_tokens += iteration_stats.num_prompt_tokens
+                gaps = getattr(iteration_stats, "inter_token_latencies_iter", None)
+                if gaps is None:  # the name before vLLM 0.10
+                    gaps = getattr(iteration_stats, "time_per_output_tokens_iter", ())
+                counters.inter_token_seconds += sum(gaps)
+                counters.inter_tokens += len(gaps)
 
         def log_engine_initialized(self) -> None:
             pass
@@ -217,6 +224,8 @@ class VLLMLMStage(LMStage):
             "llm_prefix_cache_queried_tokens": float(c.prefix_queries),
             "llm_prefix_cache_hit_tokens": float(c.prefix_hits),
             "llm_steps": float(c.steps),
+            "llm_inter_token_seconds": c.inter_token_seconds,
+            "llm_inter_tokens": float(c.inter_tokens),
         }
         return gauges, totals
 
@@ -299,6 +308,7 @@ class _RoundRunner:
                 self.tokens += new
                 if self.on_tokens is not None:
                     self.on_tokens(new)
+            tracker.finish_reason = completion.finish_reason
             if completion.finish_reason is not None or tracker.done:
                 if not tracker.done and tracker.chunk.final and tracker.chunk.max_tokens is None:
                     log.warning("speech token limit reached without eos; ending the utterance")

@@ -106,20 +106,34 @@ class Token2Wav:
         self._window = torch.from_numpy(np.hamming(2 * self.cache_samples))
         # The flow's chunk-causal attention works in blocks of this many tokens.
         self.chunk_tokens = flow.config.encoder.static_chunk_size
+        # Optional CUDA graphs of the vocoder (engine/cosyvoice2/hift_graphs.py), set by the engine.
+        self.hift_graphs = None
 
     def new_stream(self, prompt: VoicePrompt) -> StreamState:
         return StreamState(prompt=prompt, hop=self.hop_len, flow_cache=FlowStreamCache() if self.incremental else None)
+
+    def first_hop(self, prompt_tokens: int) -> int:
+        """The first chunk's hop: the shortest >= first_hop_len that ends prompt + chunk on a
+        chunk boundary (with first_hop_len = hop_len: the official hop + padding to the boundary)."""
+        chunk = self.chunk_tokens
+        return math.ceil((prompt_tokens + self.first_hop_len) / chunk) * chunk - prompt_tokens
+
+    def chunk_shapes(self, prompt_tokens: int) -> list[tuple[int, int]]:
+        """The vocoder input shapes (mel frames, cached excitation samples) of a voice's
+        non-final chunks: the first chunk, then each hop of the schedule behind the cached frames."""
+        shapes = [(self.mel_ratio * self.first_hop(prompt_tokens), 0)]
+        hop = self.hop_len
+        while True:
+            shapes.append((MEL_CACHE_FRAMES + self.mel_ratio * hop, self.cache_samples))
+            if min(self.max_hop_len, hop * self.scale) == hop:
+                return shapes
+            hop = min(self.max_hop_len, hop * self.scale)
 
     def next_job(self, state: StreamState) -> ChunkJob | None:
         """The chunk this utterance can run now, if any (official streaming rule)."""
         if state.finished:
             return None
-        hop = state.hop
-        if state.offset == 0:
-            # The shortest hop >= first_hop_len that ends prompt + chunk on a chunk boundary
-            # (with first_hop_len = hop_len: the official hop + padding to the boundary).
-            prompt, chunk = state.prompt.tokens, self.chunk_tokens
-            hop = math.ceil((prompt + self.first_hop_len) / chunk) * chunk - prompt
+        hop = self.first_hop(state.prompt.tokens) if state.offset == 0 else state.hop
         available = len(state.tokens) - state.offset
         if available >= hop + self.lookahead:
             return ChunkJob(state, state.offset + hop + self.lookahead, False, hop)
@@ -155,10 +169,17 @@ class Token2Wav:
         for rows in groups.values():
             mel = torch.cat([inputs[i][0] for i in rows])
             cache_source = torch.cat([inputs[i][1] for i in rows])
-            wav, src = self.hift(mel, cache_source)
+            wav, src = self._vocode(mel, cache_source)
             for k, i in enumerate(rows):
                 speech[i], source[i] = wav[k : k + 1], src[k : k + 1]
         return [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
+
+    def _vocode(self, mel: torch.Tensor, cache_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.hift_graphs is not None:
+            replayed = self.hift_graphs.run(mel, cache_source)
+            if replayed is not None:
+                return replayed
+        return self.hift(mel, cache_source)
 
     def _flows(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
         """Each job's new mel. Non-final recompute chunks run as one flow call, and final

@@ -83,6 +83,7 @@ class CosyVoice2LogitsProcessor(LogitsProcessor):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
         self.vocab = _vocab(vllm_config.model_config.hf_config)
         self.device = device
+        self.pin_memory = is_pin_memory
         # batch row -> (rule, the request's live output-token list for this round)
         self.rows: dict[int, tuple[RoundRule, list[int]]] = {}
 
@@ -115,15 +116,15 @@ class CosyVoice2LogitsProcessor(LogitsProcessor):
         n_special = vocab.num_speech_classes - vocab.speech_token_size
         rows = sorted(i for i in self.rows if i < logits.shape[0])
         # Special classes a row may not take now: one small host-built mask, one copy.
-        closed = torch.ones(len(rows), n_special, dtype=torch.bool)
+        closed = [[True] * n_special for _ in rows]
         for k, i in enumerate(rows):
             rule, output_ids = self.rows[i]
             for unified in rule.allowed_specials(len(output_ids)):
-                closed[k, unified - first_special] = False
-        index = torch.tensor(rows, device=logits.device)
+                closed[k][unified - first_special] = False
+        index = self._to_device(rows, torch.long)
         specials = logits[index, first_special : first_special + n_special]
         logits[index, first_special : first_special + n_special] = specials.masked_fill(
-            closed.to(logits.device, non_blocking=True), float("-inf")
+            self._to_device(closed, torch.bool), float("-inf")
         )
         ras_rows = [i for i in rows if self.rows[i][0].ras is not None]
         if ras_rows:
@@ -144,12 +145,21 @@ class CosyVoice2LogitsProcessor(LogitsProcessor):
             top_p.append(p)
             top_k.append(k)
             min_repeats.append(win * tau)
-        device = logits.device
-        index = torch.tensor(rows, device=device)
+        index = self._to_device(rows, torch.long)
         logits[index, start:end] = ras_log_probs(
             logits[index, start:end],
-            torch.tensor(windows, dtype=torch.long).to(device, non_blocking=True),
-            torch.tensor(top_p).to(device, non_blocking=True),
-            torch.tensor(top_k).to(device, non_blocking=True),
-            torch.tensor(min_repeats).to(device, non_blocking=True),
+            self._to_device(windows, torch.long),
+            self._to_device(top_p, torch.float32),
+            self._to_device(top_k, torch.long),
+            self._to_device(min_repeats, torch.float32),
         ).to(logits.dtype)
+
+    def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        """Host data onto the sampler's device without waiting for the GPU.
+
+        A copy from ordinary (pageable) host memory makes the CPU wait until the GPU has
+        finished everything queued, here the whole forward pass, every step; from pinned
+        memory it is queued like a kernel, and vLLM keeps preparing the next step meanwhile.
+        """
+        host = torch.tensor(data, dtype=dtype, pin_memory=self.pin_memory)
+        return host.to(self.device, non_blocking=True)

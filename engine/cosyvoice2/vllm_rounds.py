@@ -151,6 +151,7 @@ class RoundTracker:
         self.vocab = vocab
         self.emitted: list[int] = []
         self.done = False
+        self.finish_reason: str | None = None  # vLLM's, for the round's last output (diagnostics)
 
     def feed(self, token_ids: Iterable[int]) -> list[int]:
         new: list[int] = []

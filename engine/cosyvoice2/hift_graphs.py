@@ -1,0 +1,166 @@
+"""CUDA graphs of the HiFT vocoder for the chunk shapes streaming repeats.
+
+At small batch HiFT is launch-bound like the flow: one call is ~500 small kernels (54
+convolutions, each behind a five-op Snake activation, the source STFT and the iSTFT),
+so on an H200 it cost ~45 ms per 1 s chunk at batch 1 in the gateway, most of it CPU
+time, about a third of the first chunk's latency. A replay is one launch.
+
+Streaming repeats very few HiFT shapes: every chunk after the first is the cached 8 mel
+frames plus one hop (58 frames with the official 25-token hop) with 8 frames of cached
+excitation, and every first chunk of a voice has the same length without a cache. A
+graph is keyed by (batch bucket, frames, cached samples); final chunks, whose length
+varies, run eagerly.
+
+Padding: batches are padded up to their bucket with copies of row 0 and cut back after
+the replay. HiFT's rows are independent (convolutions, STFTs and the excitation are per
+row), so a real row's audio is what an unpadded call computes, apart from its random
+draws: the excitation's noise and start phases are drawn from the global CUDA RNG for
+the whole padded batch. They are draws of the same distribution, as every eager call's
+are; the official vocoder draws fresh noise on every call as well.
+
+Capture: the shapes the engine allows (its steady-state chunks and each voice's first
+chunk) are captured at every batch bucket before the gateway reports ready; a shape
+allowed later (a voice added while serving) is captured on first use (one warm-up call
+plus one capture on the worker thread). Each capture is checked once against the eager call on
+the same inputs and RNG state (``max_error``); the engine logs the largest.
+
+All graphs share one private memory pool; each graph owns its static input and output
+tensors. Replays happen on the token2wav worker thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.cosyvoice2.hift import HiFT
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HiftKey:
+    batch: int  # padded rows
+    frames: int  # mel frames
+    cached: int  # excitation samples taken from the previous chunk
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... (powers of two below ``max_batch``), then ``max_batch``."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return tuple([2**i for i in range(max_batch.bit_length()) if 2**i < max_batch] + [max_batch])
+
+
+def graph_key(
+    batches: tuple[int, ...], shapes: set[tuple[int, int]], batch: int, frames: int, cached: int
+) -> HiftKey | None:
+    """The graph a call of this shape uses: its batch padded to a bucket, its shape one of
+    ``shapes`` (frames, cached samples); None when it runs eagerly."""
+    bucket = next((b for b in batches if b >= batch), None)
+    if bucket is None or (frames, cached) not in shapes:
+        return None
+    return HiftKey(bucket, frames, cached)
+
+
+def pad_rows(x: Tensor, rows: int) -> Tensor:
+    """``x`` with copies of its row 0 appended up to ``rows`` rows."""
+    if x.shape[0] > rows:
+        raise ValueError(f"cannot pad {x.shape[0]} rows down to {rows}")
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x[:1].expand(rows - x.shape[0], *x.shape[1:])])
+
+
+class _CapturedVocoder:
+    def __init__(self, graph: torch.cuda.CUDAGraph, mel: Tensor, cache: Tensor, wav: Tensor, source: Tensor):
+        self.graph = graph
+        self.mel, self.cache = mel, cache  # static inputs
+        self.wav, self.source = wav, source  # static outputs
+
+
+class HiftGraphs:
+    """CUDA graphs of ``HiFT.forward(mel, cache_source)`` (global RNG) by shape bucket.
+
+    Shapes are registered with ``allow`` (chunk length, cached excitation samples);
+    ``capture_allowed`` captures them at every batch bucket ahead of serving. ``run``
+    replays the graph of a call's bucket (capturing it on first use for a shape allowed
+    later, e.g. a new voice's first chunk) and returns None for every other shape, which
+    the caller runs eagerly (final chunks, batches over the largest bucket).
+    """
+
+    def __init__(self, hift: HiFT, max_batch: int) -> None:
+        weight = next(hift.parameters())
+        if weight.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need HiFT on a CUDA device, it is on {weight.device}")
+        self.hift = hift
+        self.device = weight.device
+        self.dtype = weight.dtype
+        self.batches = batch_buckets(max_batch)
+        self.shapes: set[tuple[int, int]] = set()
+        self.graphs: dict[HiftKey, _CapturedVocoder] = {}
+        self.capture_seconds = 0.0
+        self.max_error = 0.0  # largest |replay - eager| seen when checking a capture
+        self._pool = torch.cuda.graph_pool_handle()
+        self._stream = torch.cuda.Stream(self.device)
+
+    def allow(self, frames: int, cached: int) -> None:
+        if frames < 1 or cached < 0:
+            raise ValueError(f"not a chunk shape: {frames} frames, {cached} cached samples")
+        self.shapes.add((frames, cached))
+
+    @torch.inference_mode()
+    def capture_allowed(self) -> None:
+        """Graphs of every allowed shape at every batch bucket (ahead of serving)."""
+        for frames, cached in sorted(self.shapes):
+            for batch in self.batches:
+                key = HiftKey(batch, frames, cached)
+                if key not in self.graphs:
+                    self._capture(key)
+
+    def _capture(self, key: HiftKey) -> _CapturedVocoder:
+        started = time.perf_counter()
+        mel = torch.randn(key.batch, self.hift.config.in_channels, key.frames, device=self.device, dtype=self.dtype)
+        cache = 0.1 * torch.randn(key.batch, 1, key.cached, device=self.device, dtype=self.dtype)
+        # Warm-up on the capture stream sets up each library's per-shape state outside the graph.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self.hift(mel, cache)
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            wav, source = self.hift(mel, cache)
+        captured = _CapturedVocoder(graph, mel, cache, wav, source)
+        self._check(captured)
+        self.graphs[key] = captured
+        self.capture_seconds += time.perf_counter() - started
+        return captured
+
+    def _check(self, captured: _CapturedVocoder) -> None:
+        """Replay against the eager call on the same inputs and RNG state."""
+        state = torch.cuda.get_rng_state(self.device)
+        captured.graph.replay()
+        replayed = captured.wav.clone()
+        torch.cuda.set_rng_state(state, self.device)
+        eager, _ = self.hift(captured.mel, captured.cache)
+        self.max_error = max(self.max_error, float((replayed - eager).abs().max()))
+
+    @torch.inference_mode()
+    def run(self, mel: Tensor, cache_source: Tensor) -> tuple[Tensor, Tensor] | None:
+        """``hift(mel, cache_source)`` by graph replay (fresh tensors), or None: run it eagerly."""
+        rows, _, frames = mel.shape
+        key = graph_key(self.batches, self.shapes, rows, frames, cache_source.shape[2])
+        if key is None or mel.dtype != self.dtype:
+            return None
+        captured = self.graphs.get(key)
+        if captured is None:
+            log.info("capturing a HiFT CUDA graph on first use: %s", key)
+            captured = self._capture(key)
+        captured.mel.copy_(pad_rows(mel, key.batch))
+        captured.cache.copy_(pad_rows(cache_source, key.batch))
+        captured.graph.replay()
+        return captured.wav[:rows].clone(), captured.source[:rows].clone()
