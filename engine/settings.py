@@ -110,6 +110,11 @@ class CosyVoice2Settings:
     # over everything so far for every chunk (no state). auto: incremental on CPU, where
     # the flow is compute-bound; recompute on GPU, where batch-1 chunks are launch-bound
     # and memory buys sessions (docs/cosyvoice2.md has the measurements).
+    # A listener about to run out of audio gets the tokens there are (at least
+    # token_first_hop_len) as an early chunk instead of waiting for a whole hop, while the
+    # token2wav worker has time for it. Keeps text streamed at LLM speed from stalling
+    # between the short first chunk and the second; off = the official chunking only.
+    early_chunks: bool = True
     flow_mode: str = "auto"
     max_batch: int = 16  # token2wav chunks run together
     # GPU: CUDA graphs of the flow solve, captured before the gateway reports ready (a

@@ -144,3 +144,61 @@ async def test_a_much_longer_context_waits_for_a_batch_of_its_size():
     ]
     # Due now (no audio yet): it goes in whatever the padding.
     assert await batches_for({"short": (300, None), "long": (1200, None)}) == [["long", "short"]]
+
+
+class EarlyToken2Wav(FakeToken2Wav):
+    """Regular chunks need a whole hop of tokens; an early chunk takes what there is."""
+
+    HOP = 10
+
+    def next_job(self, state: FakeState, early: bool = False):
+        if len(state.tokens) >= self.HOP:
+            return FakeJob(state, finalize=False)
+        if early and state.tokens:
+            return FakeJob(state, finalize=False)
+        return None
+
+    def run(self, jobs):
+        self.batches.append([f"{job.state.name}:{len(job.state.tokens)}" for job in jobs])
+        for job in jobs:
+            del job.state.tokens[: self.HOP]
+        return [np.zeros(10, np.float32) for _ in jobs]  # 0.1 s each
+
+
+async def test_a_listener_about_to_run_dry_gets_the_tokens_there_are():
+    """Once its audio is about to run out, an utterance with part of a hop gets an early chunk:
+    the worker wakes by itself for it, with no new token to wake it."""
+    fake = EarlyToken2Wav()
+    worker = Token2WavWorker(fake, max_batch=4, loop=asyncio.get_running_loop())
+    try:
+        playing, quiet = asyncio.Queue(), asyncio.Queue()
+        a = worker.add(FakeState("a", 0, tokens=[1, 2, 3]), playing)
+        b = worker.add(FakeState("b", 0, tokens=[1, 2, 3]), quiet)
+        with worker.lock:
+            now = time.monotonic()
+            a.clock.produced(1.0, now - 0.7)  # runs dry in 0.3 s
+            b.clock.produced(10.0, now - 0.7)  # 9.3 s of audio left
+            worker.wake.notify()
+        started = time.monotonic()
+        await until(playing.get(), 5)
+        waited = time.monotonic() - started
+        assert fake.batches == [["a:3"]]
+        assert 0.1 < waited < 1.0  # not at once: only when close to running dry (margin ~50 ms here)
+        assert quiet.empty()
+    finally:
+        await asyncio.to_thread(worker.stop)
+
+
+async def test_no_early_chunks_when_turned_off():
+    fake = EarlyToken2Wav()
+    worker = Token2WavWorker(fake, max_batch=4, loop=asyncio.get_running_loop(), early_chunks=False)
+    try:
+        queue = asyncio.Queue()
+        handle = worker.add(FakeState("a", 0, tokens=[1, 2, 3]), queue)
+        with worker.lock:
+            handle.clock.produced(0.2, time.monotonic() - 0.5)  # already dry
+            worker.wake.notify()
+        await asyncio.sleep(0.3)
+        assert fake.batches == [] and queue.empty()
+    finally:
+        await asyncio.to_thread(worker.stop)

@@ -219,3 +219,33 @@ def test_vocoder_rows_are_independent_under_padding(models):
     assert float((padded[:2] - alone).abs().max()) <= 1e-5
     assert float((padded_source[:2] - alone_source).abs().max()) <= 1e-6
     assert torch.equal(pad_rows(mel, 5)[4], mel[0])
+
+
+def test_early_chunks_speak_every_token_once_and_keep_the_regular_boundaries(models, voice, tokens):
+    """A listener about to run dry gets the tokens there are; the regular chunk after it still
+    ends where the schedule put it, and the audio covers every token exactly once."""
+    token2wav = Token2Wav(models.flow, models.hift, scale=1, first_hop_len=5, incremental=False)
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    state = token2wav.new_stream(prompt)
+    lookahead = token2wav.lookahead
+    first = token2wav.first_hop(prompt.tokens)
+    state.tokens = list(tokens[: first + lookahead])
+    audio = token2wav.run([token2wav.next_job(state)])  # the first chunk
+    assert token2wav.next_job(state, early=True) is None  # nothing new to speak yet
+    state.tokens = list(tokens[: first + 9 + lookahead])  # 9 more: not a whole hop of 25
+    assert token2wav.next_job(state) is None
+    early = token2wav.next_job(state, early=True)
+    assert early.early and early.advance == 9 and not early.finalize
+    audio += token2wav.run([early])
+    state.tokens = list(tokens[: first + 25 + lookahead])
+    regular = token2wav.next_job(state)
+    assert not regular.early and regular.advance == 25 - 9  # ends on the regular boundary
+    audio += token2wav.run([regular])
+    state.tokens = list(tokens[: first + 50 + lookahead])
+    assert token2wav.next_job(state).advance == 25  # and the hops after it are whole again
+    state.tokens, state.tokens_done = list(tokens), True
+    while (job := token2wav.next_job(state)) is not None:
+        audio += token2wav.run([job])
+    samples = np.concatenate(audio)
+    assert len(samples) == len(tokens) * 2 * 480
+    assert np.isfinite(samples).all()

@@ -52,6 +52,8 @@ _OUTPUT_CHUNKS = 4  # chunks an utterance may hold before its consumer takes the
 # much more than its rows alone; a job that would pad more waits for a batch of its size
 # (unless it is due now: a stall costs more than padding).
 _PADDING_LIMIT = 1.25
+# Early chunks (Token2Wav.next_job(early=True)) only while batches take less than this.
+EARLY_MAX_BATCH_S = 0.3
 _END = object()
 
 
@@ -117,7 +119,9 @@ class CosyVoice2Engine(Engine):
             await asyncio.to_thread(self._capture_flow_graphs, device)
         if device.type == "cuda" and settings.hift_graphs:
             await asyncio.to_thread(self._capture_hift_graphs)
-        self.worker = Token2WavWorker(token2wav, settings.max_batch, asyncio.get_running_loop())
+        self.worker = Token2WavWorker(
+            token2wav, settings.max_batch, asyncio.get_running_loop(), early_chunks=settings.early_chunks
+        )
         await self._warm_up()
 
     def _capture_flow_graphs(self, device: torch.device) -> None:
@@ -391,10 +395,15 @@ class StreamHandle:
 class Token2WavWorker:
     """One thread that runs token2wav for every utterance, most urgent first, in batches."""
 
-    def __init__(self, token2wav: Token2Wav, max_batch: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, token2wav: Token2Wav, max_batch: int, loop: asyncio.AbstractEventLoop, *, early_chunks: bool = True
+    ) -> None:
         self.token2wav = token2wav
         self.max_batch = max_batch
         self.loop = loop
+        self.early_chunks = early_chunks
+        self._recent_batch_s = 0.0  # moving average of batch run times
+        self._wake_at: float | None = None  # when a listener becomes urgent (early chunks)
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.handles: set[StreamHandle] = set()
@@ -442,13 +451,32 @@ class Token2WavWorker:
             self.wake.notify()
         self._thread.join()
 
+    def _early_margin(self) -> float | None:
+        """How long before a listener runs dry its tokens are spoken early (None: not now).
+
+        Twice the recent batch time, plus a little: the early chunk must be out before the
+        listener's audio is. Only while batches are short: under load an early chunk is an
+        extra flow pass the worker has no time for."""
+        if not self.early_chunks or self._recent_batch_s > EARLY_MAX_BATCH_S:
+            return None
+        return 2 * self._recent_batch_s + 0.05
+
     def _next_batch(self) -> list:
         now = time.monotonic()
+        margin = self._early_margin()
+        self._wake_at = None
         ready = []
         for handle in self.handles:
             if handle.pending >= _OUTPUT_CHUNKS:
                 continue
             job = self.token2wav.next_job(handle.state)
+            if job is None and margin is not None and handle.clock.first_audio_at is not None:
+                early = self.token2wav.next_job(handle.state, early=True)
+                urgent_at = handle.clock.deadline(now) - margin
+                if early is not None and urgent_at <= now:
+                    job = early
+                elif early is not None:
+                    self._wake_at = urgent_at if self._wake_at is None else min(self._wake_at, urgent_at)
             if job is not None:
                 ready.append((handle.clock.deadline(now), id(handle), handle, job))
             elif handle.state.finished:
@@ -476,7 +504,7 @@ class Token2WavWorker:
             with self.lock:
                 batch = self._next_batch()
                 while not batch and not self._stopping:
-                    self.wake.wait()
+                    self.wake.wait(None if self._wake_at is None else max(0.0, self._wake_at - time.monotonic()))
                     batch = self._next_batch()
                 if self._stopping:
                     return
@@ -490,6 +518,7 @@ class Token2WavWorker:
                 error = EngineError(f"audio generation failed: {exc}")
             now = time.monotonic()
             compute_s = (now - started) / max(len(batch), 1)
+            self._recent_batch_s += 0.2 * (now - started - self._recent_batch_s)
             with self.lock:
                 self.running = 0
                 totals = self._totals

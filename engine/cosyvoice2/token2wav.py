@@ -63,6 +63,9 @@ class StreamState:
     tokens_done: bool = False  # the LLM stage has produced its last token
     offset: int = 0  # tokens already turned into audio
     hop: int = 0  # current hop (set from the schedule at the first chunk)
+    # Where the next regular chunk ends, once an early chunk has taken part of its tokens
+    # (None: offset + hop). Regular chunks keep ending where the schedule puts them.
+    regular_end: int | None = None
     finished: bool = False
     flow_cache: FlowStreamCache | None = None
     hift_mel: torch.Tensor | None = None  # [1, 80, 8]
@@ -76,6 +79,7 @@ class ChunkJob:
     end: int  # tokens given to the flow: all tokens up to here
     finalize: bool
     advance: int  # tokens this chunk turns into audio
+    early: bool = False  # taken before its regular size because the listener is running out
 
 
 class Token2Wav:
@@ -129,20 +133,36 @@ class Token2Wav:
                 return shapes
             hop = min(self.max_hop_len, hop * self.scale)
 
-    def next_job(self, state: StreamState) -> ChunkJob | None:
-        """The chunk this utterance can run now, if any (official streaming rule)."""
+    def next_job(self, state: StreamState, early: bool = False) -> ChunkJob | None:
+        """The chunk this utterance can run now, if any.
+
+        Regular chunks follow the official streaming rule. ``early``: the listener is about
+        to run out of audio, so if a regular chunk is not ready yet, every token that has
+        its look-ahead (at least ``first_hop_len`` of them) is spoken now; the regular chunk
+        after it still ends where the schedule put it. Text streamed at LLM speed makes
+        speech tokens arrive just about in real time, and the first chunk is short: without
+        this, the listener would wait for the second chunk's 25 tokens.
+        """
         if state.finished:
             return None
-        hop = self.first_hop(state.prompt.tokens) if state.offset == 0 else state.hop
+        end = self._regular_end(state)
         available = len(state.tokens) - state.offset
-        if available >= hop + self.lookahead:
-            return ChunkJob(state, state.offset + hop + self.lookahead, False, hop)
+        if len(state.tokens) >= end + self.lookahead:
+            return ChunkJob(state, end + self.lookahead, False, end - state.offset)
         if state.tokens_done:
             if not state.tokens:  # nothing was generated: nothing to say
                 state.finished = True
                 return None
             return ChunkJob(state, len(state.tokens), True, available)
+        spoken = available - self.lookahead
+        if early and state.offset > 0 and spoken >= self.first_hop_len:
+            return ChunkJob(state, len(state.tokens), False, spoken, early=True)
         return None
+
+    def _regular_end(self, state: StreamState) -> int:
+        if state.regular_end is not None:
+            return state.regular_end
+        return state.offset + (self.first_hop(state.prompt.tokens) if state.offset == 0 else state.hop)
 
     def job_frames(self, job: ChunkJob) -> int:
         """Mel frames the job's flow call covers (prompt + all its tokens): its batch cost."""
@@ -260,7 +280,11 @@ class Token2Wav:
             state.hift_source = source[:, :, -self.cache_samples :]
             state.hift_speech = speech[:, -self.cache_samples :]
             speech = speech[:, : -self.cache_samples]
-            state.hop = min(self.max_hop_len, state.hop * self.scale)
+            if job.early:
+                state.regular_end = self._regular_end(state)
+            else:
+                state.regular_end = None
+                state.hop = min(self.max_hop_len, state.hop * self.scale)
         state.offset += job.advance
         return speech[0].float().cpu().numpy()
 
