@@ -3,8 +3,8 @@
 1. makes the full-size random checkpoint and registers a voice from a real speech prompt;
 2. checks greedy token equality, vLLM vs the plain-torch backend (bench/vllm_equality.py);
 3. starts the real gateway (``tts-gateway serve``) with cosyvoice2 + vLLM;
-4. drives 1, 16, 64, 128, 256 concurrent sessions through the WebSocket with the product's
-   load generator, text streamed as deltas;
+4. drives 1, 16, 64, 128 concurrent sessions with whole replies, then 1, 16, 64, 128, 256
+   with text streamed as deltas, through the WebSocket with the product's load generator;
 5. reports TTFA p50/p95, stall-free sessions, GPU memory and the LLM stage's counters.
 
 Everything lands in ``--out`` (gpu_check.json, plus logs) phase by phase, so a run cut
@@ -201,7 +201,8 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
     http = f"http://127.0.0.1:{args.port}"
     url = f"ws://127.0.0.1:{args.port}/v1/stream"
     levels = []
-    for workload, sessions in [("full", 1)] + [(args.workload, n) for n in args.sessions]:
+    plan = [("full", n) for n in args.full_sessions] + [(args.workload, n) for n in args.sessions]
+    for workload, sessions in plan:
         before = scrape(f"{http}/metrics")
         take_profile(gateway_pid, profile_path)
         started = time.perf_counter()
@@ -225,8 +226,11 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
         }
         levels.append(level)
         report.put("levels", levels)
-        passing = [lv["sessions"] for lv in levels if lv["stall_free"] and lv["workload"] == args.workload]
-        report.put("stall_free_capacity", max(passing) if passing else None)
+        capacity = {}
+        for workload in dict(plan):
+            passing = [lv["sessions"] for lv in levels if lv["stall_free"] and lv["workload"] == workload]
+            capacity[workload] = max(passing) if passing else None
+        report.put("stall_free_capacity", capacity)
 
 
 def main() -> int:
@@ -236,6 +240,8 @@ def main() -> int:
     parser.add_argument("--prompt-wav", type=Path, default=ROOT / ".gpu" / "prompt.wav")
     parser.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 128, 256])
     parser.add_argument("--workload", default="llm", choices=loadgen.WORKLOADS)
+    parser.add_argument("--full-sessions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 128],
+                        help="levels of whole replies sent at once, run before the --workload levels")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
     parser.add_argument("--first-hop", type=int, default=5, help="token_first_hop_len of the gateway")
     parser.add_argument("--tokens-per-second", type=float, default=30.0)

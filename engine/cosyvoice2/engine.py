@@ -10,8 +10,11 @@ thread serves every utterance: whenever chunks are ready it takes up to ``max_ba
 of them, most urgent listener first (earliest playback deadline: an utterance with no
 audio yet is due at once, one that is playing is due when its audio runs out), leaving
 out chunks whose context is so much longer than the rest that padding would waste the
-batch (they go with a batch of their size), and runs them together. An utterance whose
-consumer has not taken its last chunks is not scheduled, so output stays bounded.
+batch (they go with a batch of their size), and runs them together. A playing utterance
+about to run out of audio, with too few tokens for a whole hop, gets the tokens there are
+as an early chunk while batches are short (``Token2Wav.next_job(early=True)``). An
+utterance whose consumer has not taken its last chunks is not scheduled, so output stays
+bounded.
 """
 
 from __future__ import annotations
