@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import enum
+import importlib
 import json
+import sys
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -378,3 +383,224 @@ async def test_the_vllm_backend_asks_for_a_gpu(tiny_dir) -> None:
     engine = CosyVoice2Engine(CosyVoice2Settings(model_dir=str(tiny_dir), device="cpu", llm_backend="vllm"))
     with pytest.raises(EngineError, match="needs a CUDA GPU"):
         await engine.start()
+
+
+# ----------------------------------------------------------------------------- the logits processor
+
+VLLM_MODEL = "engine.cosyvoice2.vllm_model"
+EOS_ID, UNUSED_ID, FILL_ID = VOCAB.speech(EOS), VOCAB.speech(EOS + 1), VOCAB.speech(FILL)
+SPEECH = slice(VOCAB.speech_offset, VOCAB.size)  # the speech classes' columns, specials included
+
+
+class MoveDirectionality(enum.Enum):
+    """vLLM's ``vllm.v1.sample.logits_processor.MoveDirectionality``."""
+
+    UNIDIRECTIONAL = enum.auto()
+    SWAP = enum.auto()
+
+
+@dataclasses.dataclass
+class BatchUpdate:
+    """vLLM's ``BatchUpdate``, applied in its order: removed, then added, then moved."""
+
+    batch_size: int
+    removed: list[int] = dataclasses.field(default_factory=list)
+    added: list[tuple] = dataclasses.field(default_factory=list)  # (index, params, prompt ids, output ids)
+    moved: list[tuple] = dataclasses.field(default_factory=list)  # (a, b, MoveDirectionality)
+
+
+@pytest.fixture
+def vllm_model(monkeypatch):
+    """engine.cosyvoice2.vllm_model imported over stand-ins for the vLLM names it uses.
+
+    The stand-ins live in sys.modules for this test only, and the module imported over
+    them is dropped afterwards, so no other test sees a fake vLLM.
+    """
+
+    class Placeholder:
+        pass
+
+    def stub(name: str, **names) -> None:
+        module = types.ModuleType(name)
+        module.__path__ = []  # a package, so that its submodules import
+        module.__dict__.update(names)
+        monkeypatch.setitem(sys.modules, name, module)
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+
+    stub("vllm")
+    stub("vllm.config", VllmConfig=Placeholder)
+    stub("vllm.model_executor")
+    stub("vllm.model_executor.models")
+    stub("vllm.model_executor.models.qwen2", Qwen2Model=Placeholder)
+    stub("vllm.model_executor.models.utils", AutoWeightsLoader=Placeholder, maybe_prefix=lambda p, n: f"{p}.{n}")
+    stub("vllm.sequence", IntermediateTensors=Placeholder)
+    stub("vllm.v1")
+    stub("vllm.v1.sample")
+    stub(
+        "vllm.v1.sample.logits_processor",
+        BatchUpdate=BatchUpdate,
+        LogitsProcessor=type("LogitsProcessor", (), {}),
+        MoveDirectionality=MoveDirectionality,
+    )
+    package = importlib.import_module("engine.cosyvoice2")
+    had_attribute = hasattr(package, "vllm_model")
+    monkeypatch.delitem(sys.modules, VLLM_MODEL, raising=False)
+    yield importlib.import_module(VLLM_MODEL)
+    sys.modules.pop(VLLM_MODEL, None)
+    if not had_attribute and hasattr(package, "vllm_model"):
+        delattr(package, "vllm_model")
+
+
+def logits_processor(vllm_model):
+    """The processor as vLLM builds it, over the tiny config's vocabulary, on the CPU."""
+    layout = {"text_vocab_size": VOCAB.text_vocab_size, "speech_token_size": VOCAB.speech_token_size}
+    config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(cosyvoice2=layout)))
+    return vllm_model.CosyVoice2LogitsProcessor(config, torch.device("cpu"), False)
+
+
+def rule(*specials: int, eos: bool = False, min_tokens: int = 0, ras=None, history=()) -> RoundRule:
+    return RoundRule(
+        special_allowed=tuple(specials), eos=EOS_ID if eos else None, min_tokens=min_tokens, ras=ras, history=history
+    )
+
+
+def params(round_rule: RoundRule | None) -> SimpleNamespace:
+    """SamplingParams as the processor reads them: a rule in extra_args, or none at all."""
+    return SimpleNamespace(extra_args=None if round_rule is None else round_rule.to_extra_args())
+
+
+def added(index: int, round_rule: RoundRule | None, output_ids: list[int] | None = None) -> tuple:
+    return (index, params(round_rule), [VOCAB.sos_eos, 5], [] if output_ids is None else output_ids)
+
+
+def masked_specials(processor, rows: int) -> list[set[int]]:
+    """Per batch row, the special classes (eos, unused, fill) the processor closes."""
+    out = processor.apply(torch.zeros(rows, VOCAB.size))
+    return [{c for c in (EOS, EOS + 1, FILL) if out[i, VOCAB.speech(c)] == float("-inf")} for i in range(rows)]
+
+
+def test_logits_processor_masks_the_special_classes_a_round_may_not_take(vllm_model) -> None:
+    """Closed special classes go to -inf, open ones and speech tokens keep their logits;
+    eos opens once the round has sampled min_tokens (read from the live output list); a
+    request without a rule is left alone."""
+    processor = logits_processor(vllm_model)
+    assert processor.is_argmax_invariant() is False
+    sampled: list[int] = []  # vLLM's live output list of row 0: it grows between steps
+    processor.update_state(
+        BatchUpdate(
+            batch_size=3,
+            added=[added(0, rule(eos=True, min_tokens=2), sampled), added(1, rule(FILL_ID)), added(2, None)],
+        )
+    )
+    logits = torch.randn(3, VOCAB.size, generator=torch.Generator().manual_seed(0))
+    for step, eos_open in enumerate([False, False, True, True]):
+        out = processor.apply(logits.clone())
+        expected = logits.clone()
+        expected[0, [UNUSED_ID, FILL_ID] + ([] if eos_open else [EOS_ID])] = float("-inf")
+        expected[1, [EOS_ID, UNUSED_ID]] = float("-inf")
+        assert torch.equal(out, expected), f"after {step} sampled tokens"
+        sampled.append(VOCAB.speech(100 + step))
+    assert processor.update_state(None) is None  # a step without changes keeps the rules
+    assert masked_specials(processor, 3) == [{EOS + 1, FILL}, {EOS, EOS + 1}, set()]
+
+
+def test_logits_processor_samples_ras_as_one_distribution(vllm_model) -> None:
+    """A row with ras gets, over its speech classes, the log of ras_sampling's law on its masked
+    logits, with the window made of the round's history and output; rows without ras and the
+    non-speech columns stay as they were."""
+    processor = logits_processor(vllm_model)
+    history = (3, 9, FILL)
+    output = [VOCAB.speech(c) for c in (3, 12, 12, 40)]
+    rules = [
+        rule(FILL_ID),  # greedy: no ras
+        rule(FILL_ID, ras=(0.8, 25, 10, 0.1), history=history),  # window 10: history and output, padded
+        rule(eos=True, ras=(0.5, 5, 4, 0.5), history=(7, 7, 7, 7, 7)),  # window 4: output only, 2 repeats
+    ]
+    processor.update_state(
+        BatchUpdate(batch_size=3, added=[added(i, r, list(output)) for i, r in enumerate(rules)])
+    )
+    logits = torch.randn(3, VOCAB.size, generator=torch.Generator().manual_seed(1))
+    offset = VOCAB.speech_offset
+    logits[:, offset + 3] += 8.0  # likely classes that are also in the windows: ras changes them
+    logits[:, offset + 12] += 7.5
+    logits[:, offset + 0] += 7.5  # likely, never decoded: the window's padding must not count as class 0
+    out = processor.apply(logits.clone())
+
+    masked = logits.clone()
+    masked[:2, [EOS_ID, UNUSED_ID]] = float("-inf")
+    masked[2, [UNUSED_ID, FILL_ID]] = float("-inf")
+    assert torch.equal(out[0], masked[0])
+    assert torch.equal(out[1:, : VOCAB.speech_offset], logits[1:, : VOCAB.speech_offset])
+    windows = {1: [3, 9, FILL, 3, 12, 12, 40], 2: [3, 12, 12, 40]}
+    for row, window in windows.items():
+        p, k, win, tau = rules[row].ras
+        recent = torch.tensor([window + [-1] * (win - len(window))])
+        expected = ras_log_probs(
+            masked[row, SPEECH][None], recent, torch.tensor([p]), torch.tensor([k]), torch.tensor([win * tau])
+        )[0]
+        got = out[row, SPEECH]
+        finite = expected.isfinite()
+        assert torch.equal(got.isfinite(), finite)
+        assert (got[finite] - expected[finite]).abs().max().item() < 1e-6
+        assert abs(got.exp().sum().item() - 1) < 1e-5
+        assert got.exp()[12] < masked[row, SPEECH].softmax(0)[12]  # a repeated likely class loses mass
+
+
+def test_logits_processor_follows_the_batch_rows(vllm_model) -> None:
+    """A rule follows its request through vLLM's row changes: removed, reused, swapped, moved."""
+    processor = logits_processor(vllm_model)
+    fill_round, eos_round, final_round = rule(FILL_ID), rule(eos=True), rule(EOS_ID + 1, FILL_ID)
+    # closed classes of each rule
+    FILL_ROUND, EOS_ROUND, FINAL_ROUND, NONE = {EOS, EOS + 1}, {EOS + 1, FILL}, {EOS}, set()
+    processor.update_state(BatchUpdate(batch_size=3, added=[added(0, fill_round), added(1, eos_round), added(2, None)]))
+    assert masked_specials(processor, 3) == [FILL_ROUND, EOS_ROUND, NONE]
+
+    processor.update_state(BatchUpdate(batch_size=3, moved=[(0, 1, MoveDirectionality.SWAP)]))
+    assert masked_specials(processor, 3) == [EOS_ROUND, FILL_ROUND, NONE]
+
+    processor.update_state(BatchUpdate(batch_size=3, moved=[(0, 2, MoveDirectionality.UNIDIRECTIONAL)]))
+    assert masked_specials(processor, 3) == [NONE, FILL_ROUND, EOS_ROUND]
+
+    processor.update_state(BatchUpdate(batch_size=2, removed=[1]))
+    assert masked_specials(processor, 3) == [NONE, NONE, EOS_ROUND]
+
+    # a freed row is reused in the same step (removed before added), then the batch condenses
+    processor.update_state(
+        BatchUpdate(
+            batch_size=2,
+            removed=[0],
+            added=[(0, params(final_round), [], [])],
+            moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)],
+        )
+    )
+    assert masked_specials(processor, 3) == [FINAL_ROUND, EOS_ROUND, NONE]
+
+    # a request without a rule (or without params) taking a row over clears the old rule
+    processor.update_state(BatchUpdate(batch_size=2, added=[added(0, None), (1, None, [], [])]))
+    assert masked_specials(processor, 2) == [NONE, NONE]
+    logits = torch.randn(2, VOCAB.size)
+    assert torch.equal(processor.apply(logits.clone()), logits)
+
+
+def test_logits_processor_skips_rows_beyond_the_logits(vllm_model) -> None:
+    """Rules of rows the step's logits do not have are ignored, ras rows included."""
+    processor = logits_processor(vllm_model)
+    processor.update_state(
+        BatchUpdate(
+            batch_size=4,
+            added=[added(0, rule(FILL_ID)), added(3, rule(eos=True, ras=(0.8, 25, 10, 0.1), history=(1, 2)))],
+        )
+    )
+    assert masked_specials(processor, 2) == [{EOS, EOS + 1}, set()]
+    assert masked_specials(processor, 4) == [{EOS, EOS + 1}, set(), set(), {EOS + 1, FILL}]
+
+
+def test_logits_processor_with_every_ruled_row_beyond_the_logits(vllm_model) -> None:
+    """Logits with fewer rows than the lowest ruled row come back unchanged (an empty mask
+    of shape [0] would not broadcast against the [0, 3] specials slice)."""
+    processor = logits_processor(vllm_model)
+    processor.update_state(BatchUpdate(batch_size=4, added=[added(2, rule(FILL_ID)), added(3, rule(eos=True))]))
+    logits = torch.randn(2, VOCAB.size)
+    assert torch.equal(processor.apply(logits.clone()), logits)

@@ -109,12 +109,12 @@ class CosyVoice2LogitsProcessor(LogitsProcessor):
                 self.rows[a] = row_b
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.rows:
-            return logits
         vocab = self.vocab
         first_special = vocab.speech(vocab.speech_token_size)
         n_special = vocab.num_speech_classes - vocab.speech_token_size
         rows = sorted(i for i in self.rows if i < logits.shape[0])
+        if not rows:
+            return logits
         # Special classes a row may not take now: one small host-built mask, one copy.
         closed = [[True] * n_special for _ in rows]
         for k, i in enumerate(rows):
