@@ -296,6 +296,7 @@ class _RoundRunner:
 
     async def drive(self, next_round) -> None:
         stage = self.stage
+        self.input_error: BaseException | None = None
         outputs = stage.engine.generate(self._inputs(next_round), request_params(), stage.request_id())
         async for output in outputs:
             completion = output.outputs[0]
@@ -316,9 +317,21 @@ class _RoundRunner:
                 self.context -= 1  # the round's last sampled token does not stay in the context
                 self._round_over.set()
             if output.finished:
-                return
+                break
+        if self.input_error is not None:
+            raise RuntimeError(f"the utterance's next round could not be made: {self.input_error}") from self.input_error
 
     async def _inputs(self, next_round):
+        """The rounds as vLLM takes them. A failure here must not pass for the end of the text:
+        vLLM ends the request when its input generator stops, so it is kept and raised by
+        ``drive`` once the request is over."""
+        try:
+            async for item in self._rounds(next_round):
+                yield item
+        except Exception as exc:
+            self.input_error = exc
+
+    async def _rounds(self, next_round):
         emitted: list[int] = []
         while True:
             chunk = await next_round(emitted)
