@@ -90,7 +90,7 @@ llm_backend = "vllm"
 flow_mode = "recompute"
 max_batch = {args.max_batch}
 token_first_hop_len = {args.first_hop}
-hift_graphs = {str(not args.no_hift_graphs).lower()}
+hift_graphs = {str(args.hift_graphs).lower()}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
@@ -251,7 +251,7 @@ def main() -> int:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--no-hift-graphs", action="store_true", help="run the vocoder eagerly")
+    parser.add_argument("--hift-graphs", action="store_true", help="CUDA graphs of the vocoder (hift_graphs = true)")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-equality", action="store_true")
     parser.add_argument("--only-equality", action="store_true",

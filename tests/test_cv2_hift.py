@@ -282,3 +282,18 @@ def test_hift_runtime_imports_no_reference_stack() -> None:
             imported.add(node.module.split(".")[0])
     forbidden = {"cosyvoice", "matcha", "diffusers", "hyperpyyaml", "librosa", "torchaudio", "modelscope", "scipy"}
     assert not imported & forbidden
+
+
+def test_overlap_add_istft_is_torch_istft() -> None:
+    """The vocoder's capture-safe inverse STFT computes what torch.istft does."""
+    from engine.cosyvoice2.hift import overlap_add_istft
+
+    generator = torch.Generator().manual_seed(5)
+    window = torch.hann_window(16, periodic=True, dtype=torch.float64).to(torch.float32)
+    for frames in (2, 37, 233):
+        spectrum = torch.complex(torch.randn(3, 9, frames, generator=generator),
+                                 torch.randn(3, 9, frames, generator=generator))
+        ours = overlap_add_istft(spectrum, 16, 4, window)
+        reference = torch.istft(spectrum, 16, 4, 16, window=window)
+        assert ours.shape == reference.shape
+        assert float((ours - reference).abs().max()) <= 1e-5

@@ -122,6 +122,28 @@ def _fill_random(
     return torch.cat([fill(torch.empty_like(template[row : row + 1]), g) for row, g in enumerate(randomness)])
 
 
+def overlap_add_istft(spectrum: Tensor, n_fft: int, hop: int, window: Tensor) -> Tensor:
+    """``torch.istft(spectrum, n_fft, hop, n_fft, window)`` (centred) without its host-side check.
+
+    torch.istft verifies that the window's overlap-add never vanishes with a ``.item()``,
+    a host sync that a CUDA graph cannot capture. The computation is the same: inverse
+    real FFT per frame, windowed, overlap-added, divided by the overlap-added squared
+    window, with the n_fft / 2 centring samples cut from both ends. (For HiFT's periodic
+    Hann window with n_fft = 4 x hop the divisor is never 0.)
+    spectrum: complex ``[B, n_fft // 2 + 1, frames]`` -> ``[B, hop * (frames - 1)]``.
+    """
+    batch, _, frames = spectrum.shape
+    pieces = torch.fft.irfft(spectrum, n=n_fft, dim=1) * window[None, :, None]
+    length = n_fft + hop * (frames - 1)
+
+    def overlap_add(x: Tensor) -> Tensor:
+        return F.fold(x, output_size=(1, length), kernel_size=(1, n_fft), stride=(1, hop)).reshape(x.shape[0], length)
+
+    envelope = overlap_add((window * window)[None, :, None].expand(1, n_fft, frames))
+    half = n_fft // 2
+    return overlap_add(pieces)[:, half : length - half] / envelope[:, half : length - half]
+
+
 class Snake(nn.Module):
     """x + sin^2(alpha x) / alpha with a learned alpha per channel: a periodic bias for audio."""
 
@@ -363,5 +385,5 @@ class HiFT(nn.Module):
         magnitude = torch.clip(torch.exp(x[:, :bins]), max=1e2)
         phase = torch.sin(x[:, bins:])  # squashed to [-1, 1] rad by the trained model's head
         spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        waveform = torch.istft(spectrum, n_fft, hop, n_fft, window=self.stft_window)
+        waveform = overlap_add_istft(spectrum, n_fft, hop, self.stft_window)
         return torch.clamp(waveform, -self.config.audio_limit, self.config.audio_limit)

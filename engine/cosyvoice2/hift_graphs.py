@@ -1,9 +1,11 @@
 """CUDA graphs of the HiFT vocoder for the chunk shapes streaming repeats.
 
 At small batch HiFT is launch-bound like the flow: one call is ~500 small kernels (54
-convolutions, each behind a five-op Snake activation, the source STFT and the iSTFT),
-so on an H200 it cost ~45 ms per 1 s chunk at batch 1 in the gateway, most of it CPU
-time, about a third of the first chunk's latency. A replay is one launch.
+convolutions, each behind a five-op Snake activation, the source STFT and the iSTFT);
+in the gateway's H200 profile at one session it took ~40 % of token2wav's time. A
+replay is one launch. Capture needs the vocoder free of host syncs, which is why it
+uses ``hift.overlap_add_istft`` rather than ``torch.istft``. Not yet run on a GPU
+(the engine's ``hift_graphs`` setting is off by default until it is).
 
 Streaming repeats very few HiFT shapes: every chunk after the first is the cached 8 mel
 frames plus one hop (58 frames with the official 25-token hop) with 8 frames of cached
