@@ -58,6 +58,10 @@ class VLLMSettings:
     enforce_eager: bool = False  # True: no CUDA graphs (faster start, slower steps)
     enable_prefix_caching: bool = True  # voice prompts are a shared prefix
     dtype: str = "bfloat16"  # the LM's weights on vLLM: bfloat16, float16, float32
+    # vLLM's pipelined scheduling (next step scheduled before the last one is processed):
+    # faster steps, but with streaming input it crashed the engine on the H200 once
+    # ("Invalid request status: RUNNING"); off until that is understood.
+    async_scheduling: bool = False
     # Batch sizes run once before /readyz says ready: vLLM compiles a sampler kernel per
     # new batch shape, which otherwise stalls first audio by seconds during serving.
     warmup_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -154,7 +154,12 @@ class CosyVoice2Engine(Engine):
         self.token2wav.hift_graphs = graphs
         for info in self.voice_store.list():
             self._prompt(info.id)  # allows the voice's chunk shapes
-        graphs.capture_allowed()
+        try:
+            graphs.capture_allowed()
+        except Exception as exc:  # an optional speed-up: the vocoder still runs, eagerly
+            self.token2wav.hift_graphs = None
+            log.error("HiFT CUDA graphs could not be captured, the vocoder runs eagerly: %s", exc)
+            return
         log.info(
             "HiFT CUDA graphs: %d captured in %.1f s; largest |replay - eager| %.2e",
             len(graphs.graphs), graphs.capture_seconds, graphs.max_error,

@@ -165,7 +165,12 @@ class HiftGraphs:
         captured = self.graphs.get(key)
         if captured is None:
             log.info("capturing a HiFT CUDA graph on first use: %s", key)
-            captured = self._capture(key)
+            try:
+                captured = self._capture(key)
+            except Exception as exc:  # the shape stays eager; the vocoder still runs
+                log.error("HiFT CUDA graph %s could not be captured, that shape runs eagerly: %s", key, exc)
+                self.shapes.discard((frames, key.cached))
+                return None
         captured.mel.copy_(pad_rows(mel, key.batch))
         captured.cache.copy_(pad_rows(cache_source, key.batch))
         captured.graph.replay()

@@ -108,10 +108,7 @@ def engine_args(settings: VLLMSettings, model_path: str, *, seed: int = 0):
         enforce_eager=settings.enforce_eager,
         enable_prefix_caching=settings.enable_prefix_caching,
         logits_processors=[LOGITS_PROCESSOR],
-        # Pipelined scheduling schedules a request's next step before its last one is
-        # processed; with streaming input that raced on the H200 (a round's input landed
-        # while the request still ran: "Invalid request status: RUNNING", engine dead).
-        async_scheduling=False,
+        async_scheduling=settings.async_scheduling,  # see VLLMSettings
         seed=seed,
         disable_log_stats=False,
     )
