@@ -96,6 +96,7 @@ hift_graphs = {str(args.hift_graphs).lower()}
 gpu_memory_utilization = {args.gpu_memory_utilization}
 max_num_seqs = 256
 enforce_eager = {str(args.enforce_eager).lower()}
+async_scheduling = {str(args.async_scheduling).lower()}
 """)
 
 
@@ -252,6 +253,7 @@ def main() -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--hift-graphs", action="store_true", help="CUDA graphs of the vocoder (hift_graphs = true)")
+    parser.add_argument("--async-scheduling", action="store_true", help="vLLM's pipelined scheduling on")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-equality", action="store_true")
     parser.add_argument("--only-equality", action="store_true",
