@@ -116,7 +116,11 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
 
 
 def scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return parse_metrics(urllib.request.urlopen(url, timeout=5).read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The gateway's series this report reads, summed over labels; histogram buckets as ``name@le``."""
     wanted = ("tts_llm_", "tts_engine_", "tts_gpu_", "tts_token2wav_", "tts_first_audio_", "tts_late_chunks_",
               "tts_event_loop_lag_")
     values: dict[str, float] = {}

@@ -1,0 +1,54 @@
+"""The CPU-checkable parts of bench/gpu_check.py: reading the gateway's metrics and the
+per-level stage report (the GPU run itself is in bench/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gpu_check  # noqa: E402
+
+METRICS = """\
+# HELP tts_llm_steps_total LLM engine steps.
+tts_llm_steps_total{engine="cosyvoice2"} 100.0
+tts_llm_generated_tokens_total{engine="cosyvoice2"} 400.0
+tts_llm_inter_token_seconds_total{engine="cosyvoice2"} 2.0
+tts_llm_inter_tokens_total{engine="cosyvoice2"} 400.0
+tts_token2wav_batches_total{engine="cosyvoice2"} 10.0
+tts_token2wav_chunks_total{engine="cosyvoice2"} 40.0
+tts_token2wav_busy_seconds_total{engine="cosyvoice2"} 5.0
+tts_first_audio_chunks_total{engine="cosyvoice2"} 4.0
+tts_first_audio_llm_first_token_seconds_total{engine="cosyvoice2"} 0.08
+tts_first_audio_token2wav_run_seconds_total{engine="cosyvoice2"} 0.4
+tts_late_chunks_token2wav_bound_total{engine="cosyvoice2"} 3.0
+tts_event_loop_lag_seconds_bucket{le="0.005"} 90.0
+tts_event_loop_lag_seconds_bucket{le="0.02"} 99.0
+tts_event_loop_lag_seconds_bucket{le="0.1"} 100.0
+tts_event_loop_lag_seconds_count 100.0
+tts_event_loop_lag_seconds_sum 0.3
+tts_sessions_total 7.0
+"""
+
+
+def test_metrics_are_read_with_histogram_buckets():
+    values = gpu_check.parse_metrics(METRICS)
+    assert values["tts_llm_steps_total"] == 100.0
+    assert values["tts_event_loop_lag_seconds_bucket@0.02"] == 99.0
+    assert values["tts_event_loop_lag_seconds_count"] == 100.0
+    assert "tts_sessions_total" not in values  # not a stage series
+
+
+def test_stage_report_is_the_change_over_the_level():
+    after = gpu_check.parse_metrics(METRICS)
+    before = {name: value / 2 for name, value in after.items()}  # half of it happened before the level
+    report = gpu_check.stage_report(before, after, elapsed=10.0)
+    assert report["llm_steps"] == 50 and report["llm_tokens_per_step"] == 4.0
+    assert report["llm_inter_token_ms"] == 5.0
+    assert report["token2wav_busy_ratio"] == 0.25 and report["token2wav_mean_batch"] == 4.0
+    assert report["first_audio_ms"]["llm_first_token"] == 20.0
+    assert report["first_audio_ms"]["token2wav_run"] == 100.0
+    assert report["first_audio_ms"]["llm_chunk"] == 0.0  # not exported in this sample: no time booked
+    assert report["late_chunks_token2wav_bound"] == 1.5
+    assert report["event_loop_lag_mean_ms"] == 3.0
+    assert report["event_loop_lag_share_over_s"] == {"0.005": 0.1, "0.02": 0.01, "0.1": 0.0}
