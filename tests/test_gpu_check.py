@@ -52,3 +52,34 @@ def test_stage_report_is_the_change_over_the_level():
     assert report["late_chunks_token2wav_bound"] == 1.5
     assert report["event_loop_lag_mean_ms"] == 3.0
     assert report["event_loop_lag_share_over_s"] == {"0.005": 0.1, "0.02": 0.01, "0.1": 0.0}
+
+
+def test_stack_sampler_reports_where_each_thread_is(tmp_path):
+    """bench/stack_sampler.py: the profile gpu_check takes per level names the busy function."""
+    import json
+    import threading
+    import time
+
+    import stack_sampler
+
+    def spin_here(stop: threading.Event) -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    out = tmp_path / "profile.json"
+    sampler = stack_sampler.Sampler(out)
+    threading.Thread(target=sampler.run, daemon=True).start()
+    stop = threading.Event()
+    worker = threading.Thread(target=spin_here, args=(stop,), name="busy-worker")
+    worker.start()
+    time.sleep(0.5)
+    stop.set()
+    worker.join()
+    sampler.dump()
+    report = json.loads(out.read_text())
+    thread = report["threads"]["busy-worker"]
+    assert thread["samples"] >= 10
+    assert any(where.startswith("spin_here (tests/test_gpu_check.py") for where, _ in thread["inclusive"])
+    time.sleep(0.05)
+    sampler.dump()  # counts start afresh after each dump (and the worker has ended)
+    assert "busy-worker" not in json.loads(out.read_text())["threads"]
