@@ -58,7 +58,8 @@ async def test_every_dashboard_metric_is_exposed(gateway):
     gpu_used = {name for name in used if name.startswith("tts_gpu_")}
     assert gpu_used - GPU_METRICS == set(), "GPU metric names gateway/gpu_metrics.py does not define"
     # The CosyVoice2 stages' series: exported by that engine only (gateway/metrics.py names them).
-    engine_used = {name for name in used if name.startswith(("tts_llm_", "tts_token2wav_"))}
+    engine_used = {name for name in used if name.startswith(("tts_llm_", "tts_token2wav_", "tts_first_audio_",
+                                                               "tts_late_chunks_"))}
     assert engine_used - ENGINE_METRIC_NAMES == set(), "engine metric names gateway/metrics.py does not define"
     assert used - gpu_used - engine_used - exposed == set(), "unknown metric names in the dashboard"
     assert gpu_used, "the dashboard has no GPU panels"
