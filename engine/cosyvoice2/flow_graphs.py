@@ -65,6 +65,22 @@ class GraphKey:
     streaming: bool
 
 
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... (powers of two below ``max_batch``), then ``max_batch``."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return tuple([2**i for i in range(max_batch.bit_length()) if 2**i < max_batch] + [max_batch])
+
+
+def pad_rows(x: Tensor, rows: int) -> Tensor:
+    """``x`` with copies of its row 0 appended up to ``rows`` rows."""
+    if x.shape[0] > rows:
+        raise ValueError(f"cannot pad {x.shape[0]} rows down to {rows}")
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x[:1].expand(rows - x.shape[0], *x.shape[1:])])
+
+
 @dataclass(frozen=True)
 class FlowBuckets:
     """The shapes graphs can exist for: batch buckets, and frame buckets of every multiple of
@@ -86,10 +102,7 @@ class FlowBuckets:
 
         The default frame step is one attention chunk of the flow (25 tokens = 50 frames).
         """
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        powers = [2**i for i in range(max_batch.bit_length()) if 2**i < max_batch]
-        return cls(tuple(powers + [max_batch]), frame_step, max_frames)
+        return cls(batch_buckets(max_batch), frame_step, max_frames)
 
     @property
     def max_batch(self) -> int:
@@ -129,9 +142,7 @@ def pad_inputs(
     def padded(x: Tensor) -> Tensor:
         if x.dim() == 3:
             x = torch.nn.functional.pad(x, (0, frames - length))
-        if batch > rows:
-            x = torch.cat([x, x[:1].expand(batch - rows, *x.shape[1:])])
-        return x
+        return pad_rows(x, batch)
 
     return padded(mu), padded(mask), padded(spks), padded(cond)
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.cosyvoice2.flow_graphs import batch_buckets, pad_rows
 from engine.cosyvoice2.hift import HiFT
 
 log = logging.getLogger(__name__)
@@ -51,13 +52,6 @@ class HiftKey:
     cached: int  # excitation samples taken from the previous chunk
 
 
-def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """1, 2, 4, ... (powers of two below ``max_batch``), then ``max_batch``."""
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    return tuple([2**i for i in range(max_batch.bit_length()) if 2**i < max_batch] + [max_batch])
-
-
 def graph_key(
     batches: tuple[int, ...], shapes: set[tuple[int, int]], batch: int, frames: int, cached: int
 ) -> HiftKey | None:
@@ -67,15 +61,6 @@ def graph_key(
     if bucket is None or (frames, cached) not in shapes:
         return None
     return HiftKey(bucket, frames, cached)
-
-
-def pad_rows(x: Tensor, rows: int) -> Tensor:
-    """``x`` with copies of its row 0 appended up to ``rows`` rows."""
-    if x.shape[0] > rows:
-        raise ValueError(f"cannot pad {x.shape[0]} rows down to {rows}")
-    if x.shape[0] == rows:
-        return x
-    return torch.cat([x, x[:1].expand(rows - x.shape[0], *x.shape[1:])])
 
 
 class _CapturedVocoder:
