@@ -287,6 +287,7 @@ class _RoundRunner:
         self._tracker: RoundTracker | None = None
         self.rounds: list[RoundTracker] = []  # every round given, with what it emitted
         self._round_over = asyncio.Event()
+        self.input_error: Exception | None = None  # raised while making a round (see _inputs)
 
     async def run(self, rounds) -> list[int]:
         async def next_round(_emitted):
@@ -297,7 +298,6 @@ class _RoundRunner:
 
     async def drive(self, next_round) -> None:
         stage = self.stage
-        self.input_error: BaseException | None = None
         outputs = stage.engine.generate(self._inputs(next_round), request_params(), stage.request_id())
         async for output in outputs:
             completion = output.outputs[0]

@@ -129,9 +129,13 @@ class Token2Wav:
         hop = self.hop_len
         while True:
             shapes.append((MEL_CACHE_FRAMES + self.mel_ratio * hop, self.cache_samples))
-            if min(self.max_hop_len, hop * self.scale) == hop:
+            if self._grown(hop) == hop:
                 return shapes
-            hop = min(self.max_hop_len, hop * self.scale)
+            hop = self._grown(hop)
+
+    def _grown(self, hop: int) -> int:
+        """The hop after a regular chunk of this hop (upstream's stream_scale_factor rule)."""
+        return min(self.max_hop_len, hop * self.scale)
 
     def next_job(self, state: StreamState, early: bool = False) -> ChunkJob | None:
         """The chunk this utterance can run now, if any.
@@ -284,7 +288,7 @@ class Token2Wav:
                 state.regular_end = self._regular_end(state)
             else:
                 state.regular_end = None
-                state.hop = min(self.max_hop_len, state.hop * self.scale)
+                state.hop = self._grown(state.hop)
         state.offset += job.advance
         return speech[0].float().cpu().numpy()
 
