@@ -90,7 +90,7 @@ llm_backend = "vllm"
 flow_mode = "recompute"
 max_batch = {args.max_batch}
 token_first_hop_len = {args.first_hop}
-hift_graphs = {str(args.hift_graphs).lower()}
+hift_graphs = {str(not args.no_hift_graphs).lower()}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
@@ -256,7 +256,7 @@ def main() -> int:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--hift-graphs", action="store_true", help="CUDA graphs of the vocoder (hift_graphs = true)")
+    parser.add_argument("--no-hift-graphs", action="store_true", help="the vocoder eager (hift_graphs = false)")
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's pipelined scheduling on")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-equality", action="store_true")

@@ -131,8 +131,7 @@ class CosyVoice2Settings:
     graph_frame_step: int = 100
     # GPU: CUDA graphs of the HiFT vocoder for the streamed chunk shapes at every batch
     # bucket up to max_batch (engine/cosyvoice2/hift_graphs.py); final chunks run eagerly.
-    # Off until a GPU run has checked it (docs/cosyvoice2.md).
-    hift_graphs: bool = False
+    hift_graphs: bool = True
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
 
     def __post_init__(self) -> None:

@@ -4,8 +4,9 @@ At small batch HiFT is launch-bound like the flow: one call is ~500 small kernel
 convolutions, each behind a five-op Snake activation, the source STFT and the iSTFT);
 in the gateway's H200 profile at one session it took ~40 % of token2wav's time. A
 replay is one launch. Capture needs the vocoder free of host syncs, which is why it
-uses ``hift.overlap_add_istft`` rather than ``torch.istft``. Not yet run on a GPU
-(the engine's ``hift_graphs`` setting is off by default until it is).
+uses ``hift.overlap_add_istft`` rather than ``torch.istft``. On the H200 the 14 graphs
+of one voice at batch buckets up to 64 capture in ~2 s, replay within 4.4e-5 of the
+eager vocoder, and cut one session's first audio from 236 to 167 ms (p50).
 
 Streaming repeats very few HiFT shapes: every chunk after the first is the cached 8 mel
 frames plus one hop (58 frames with the official 25-token hop) with 8 frames of cached
