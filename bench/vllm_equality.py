@@ -56,7 +56,8 @@ def teacher_forced_margins(model: CosyVoice2LM, rounds: list[RoundTracker]) -> l
     margins: list[float] = []
     for tracker in rounds:
         chunk = tracker.chunk
-        rule = round_request(chunk, vocab, None, [], 1).rule
+        # The replayed steps are all before the round's limit, so the limit is the tokens it emitted.
+        rule = round_request(chunk, vocab, None, [], len(tracker.emitted), len(tracker.emitted) + 1).rule
         pending += list(chunk.ids)
         choices = list(tracker.emitted)
         if not chunk.final and chunk.max_tokens is not None and len(choices) < chunk.max_tokens:

@@ -6,7 +6,9 @@ plain-torch model and compared token for token with the plain-torch backend.
 The rules the stand-in engine follows are vLLM 0.26's (v1 scheduler,
 ``_update_request_as_session``): each input appends its prompt ids to the request's
 context; a round samples until a stop token or ``max_tokens``; the last sampled token of
-a round is dropped from the context before the next input. The real vLLM is checked
+a round is dropped from the context before the next input. ``max_tokens`` is the first
+input's for every round: 0.26 keeps the scheduler request's ``max_tokens`` from its first
+input and does not refresh it from a continuation's parameters (vLLM PR #57676, open). The real vLLM is checked
 against the plain-torch backend on the GPU (bench/gpu_check.sh).
 """
 
@@ -121,23 +123,26 @@ def test_converter_rejects_a_mismatched_checkpoint(tiny_dir: Path, tmp_path: Pat
 def test_round_requests() -> None:
     sampling = SamplingConfig()
     bistream = Chunk(ids=(VOCAB.sos_eos, 1, 2, 3, 4, 5), stop=frozenset({FILL}), max_tokens=15)
-    request = round_request(bistream, VOCAB, sampling, list(range(30)), 500)
+    request = round_request(bistream, VOCAB, sampling, list(range(30)), 500, 3000)
     assert request.prompt_token_ids == list(bistream.ids)
     assert request.stop_token_ids == [VOCAB.speech(FILL)]
-    assert request.max_tokens == 16  # the 16th is sampled only to end the round
+    assert request.max_tokens == 3000  # the model's room: vLLM keeps the first round's for all
     assert request.rule.allowed_specials(0) == (VOCAB.speech(FILL),)  # no eos, no unused class
+    assert request.rule.limit == 15 and not request.rule.must_stop(14) and request.rule.must_stop(15)
     assert request.rule.history == tuple(range(20, 30))  # the ras window only
     assert RoundRule.from_extra_args(request.rule.to_extra_args()) == request.rule
 
     final = Chunk(ids=(VOCAB.task_id,), stop=frozenset({EOS}), final=True)
-    request = round_request(final, VOCAB, None, [1, 2], 321)
-    assert request.max_tokens == 321 and request.rule.ras is None and request.rule.history == ()
-    assert request.rule.allowed_specials(0) == (VOCAB.speech(EOS),)
+    request = round_request(final, VOCAB, None, [1, 2], 321, 400)
+    assert request.max_tokens == 400 and request.rule.ras is None and request.rule.history == ()
+    assert request.rule.limit == 321 and request.rule.allowed_specials(0) == (VOCAB.speech(EOS),)
 
     offline = offline_chunk(VOCAB, [1, 2, 3], [4], [7, 8])
-    request = round_request(offline, VOCAB, sampling, [], 100)
+    request = round_request(offline, VOCAB, sampling, [], 100, 200)
     assert request.rule.allowed_specials(5) == (VOCAB.speech(EOS + 1), VOCAB.speech(FILL))  # eos waits
     assert VOCAB.speech(EOS) in request.rule.allowed_specials(6)
+    short = dataclasses.replace(offline, max_tokens=4)  # a limit below min_tokens: eos still ends it
+    assert VOCAB.speech(EOS) in round_request(short, VOCAB, sampling, [], 100, 200).rule.allowed_specials(4)
     with pytest.raises(ValueError, match="malformed"):
         RoundRule.from_extra_args({"cosyvoice2": {"eos": 1}})
     assert RoundRule.from_extra_args({"other": 1}) is None
@@ -187,7 +192,7 @@ class StreamingInputEngine:
         self.generator = torch.Generator().manual_seed(seed)
         self.aborted: list[str] = []
         self.finished: list[str] = []
-        self.round_ends: list[str] = []  # per round: "fill", "eos" or "length"
+        self.round_ends: list[str] = []  # per round: "fill", "eos", "limit" or "length"
 
     def logits(self, context: list[int]) -> torch.Tensor:
         with torch.no_grad():
@@ -201,6 +206,9 @@ class StreamingInputEngine:
         first = self.vocab.speech(self.vocab.speech_token_size)
         closed = [u for u in range(first, self.vocab.size) if u not in rule.allowed_specials(len(sampled))]
         logits[closed] = float("-inf")
+        if rule.must_stop(len(sampled)):  # as the logits processor: stop classes only, no ras
+            logits[self.vocab.speech_offset : first] = float("-inf")
+            return int(logits.argmax())
         if greedy:
             return int(logits.argmax())
         speech = logits[self.vocab.speech_offset :]
@@ -214,21 +222,25 @@ class StreamingInputEngine:
 
     async def generate(self, inputs, _params, request_id):
         context: list[int] = []
+        max_tokens = None  # the first input's, for every round (see the module docstring)
         try:
             async for request, greedy in inputs:
                 context += request.prompt_token_ids
+                max_tokens = request.max_tokens if max_tokens is None else max_tokens
                 sampled: list[int] = []
                 while True:
                     token = self.sample(request.rule, context, sampled, greedy)
                     sampled.append(token)
                     reason = "stop" if token in request.stop_token_ids else None
-                    if reason is None and len(sampled) == request.max_tokens:
+                    if reason is None and len(sampled) == max_tokens:
                         reason = "length"
                     yield SimpleNamespace(
                         outputs=[SimpleNamespace(token_ids=[token], finish_reason=reason)], finished=False
                     )
                     if reason is not None:
                         stopped_by = {self.vocab.speech(FILL): "fill", self.vocab.speech(EOS): "eos"}.get(token)
+                        if request.rule.must_stop(len(sampled) - 1):
+                            stopped_by = "limit"
                         self.round_ends.append(stopped_by if reason == "stop" else reason)
                         break
                     await asyncio.sleep(0)
@@ -272,7 +284,7 @@ TEXT = [int(t) for t in torch.randint(0, 1024, (23,), generator=torch.Generator(
 
 
 @pytest.mark.parametrize(
-    ("fill_bias", "round_end"), [(0.0, "length"), (3.0, "fill")], ids=["rounds-end-at-budget", "rounds-end-at-fill"]
+    ("fill_bias", "round_end"), [(0.0, "limit"), (3.0, "fill")], ids=["rounds-end-at-budget", "rounds-end-at-fill"]
 )
 async def test_bistream_through_streaming_input_equals_the_torch_backend(plain_inputs, fill_bias, round_end) -> None:
     model = random_model(seed=2, fill_bias=fill_bias)
@@ -460,9 +472,10 @@ def logits_processor(vllm_model):
     return vllm_model.CosyVoice2LogitsProcessor(config, torch.device("cpu"), False)
 
 
-def rule(*specials: int, eos: bool = False, min_tokens: int = 0, ras=None, history=()) -> RoundRule:
+def rule(*specials: int, eos: bool = False, min_tokens: int = 0, limit=None, ras=None, history=()) -> RoundRule:
     return RoundRule(
-        special_allowed=tuple(specials), eos=EOS_ID if eos else None, min_tokens=min_tokens, ras=ras, history=history
+        special_allowed=tuple(specials), eos=EOS_ID if eos else None, min_tokens=min_tokens, limit=limit, ras=ras,
+        history=history,
     )
 
 
@@ -504,6 +517,34 @@ def test_logits_processor_masks_the_special_classes_a_round_may_not_take(vllm_mo
         sampled.append(VOCAB.speech(100 + step))
     assert processor.update_state(None) is None  # a step without changes keeps the rules
     assert masked_specials(processor, 3) == [{EOS + 1, FILL}, {EOS, EOS + 1}, set()]
+
+
+def test_logits_processor_stops_a_round_at_its_limit(vllm_model) -> None:
+    """Once a round has emitted its limit, only its stop classes stay open: fill for a budget
+    round, eos for the final one even before min_tokens, and no ras on that step. This, not
+    max_tokens, ends a round: vLLM 0.26 keeps the first round's max_tokens for all rounds."""
+    processor = logits_processor(vllm_model)
+    budget, final = [VOCAB.speech(1)] * 2, [VOCAB.speech(2)] * 3
+    ras = (0.8, 25, 10, 0.1)
+    processor.update_state(
+        BatchUpdate(
+            batch_size=3,
+            added=[
+                added(0, rule(FILL_ID, limit=2, ras=ras), budget),
+                added(1, rule(eos=True, min_tokens=10, limit=3), final),
+                added(2, rule(FILL_ID, limit=5, ras=ras), [VOCAB.speech(3)]),
+            ],
+        )
+    )
+    logits = torch.randn(3, VOCAB.size, generator=torch.Generator().manual_seed(3))
+    out = processor.apply(logits.clone())[:, VOCAB.speech_offset :]  # the model's text logits are -inf
+
+    def open_ids(row: int) -> list[int]:
+        return [VOCAB.speech_offset + c for c in (out[row] > float("-inf")).nonzero().flatten().tolist()]
+
+    assert open_ids(0) == [FILL_ID] and out[0, FILL] == logits[0, FILL_ID]  # as it was: no ras
+    assert open_ids(1) == [EOS_ID]
+    assert len(open_ids(2)) > 1  # below its limit: speech stays open
 
 
 def test_logits_processor_samples_ras_as_one_distribution(vllm_model) -> None:

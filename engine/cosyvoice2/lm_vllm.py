@@ -285,6 +285,7 @@ class _RoundRunner:
         self.context = 0  # positions in the request's context
         self.text_tokens = 0  # text tokens received (bounds the final round)
         self._tracker: RoundTracker | None = None
+        self._limit = 0  # the current round's limit (RoundRule.limit)
         self.rounds: list[RoundTracker] = []  # every round given, with what it emitted
         self._round_over = asyncio.Event()
         self.input_error: Exception | None = None  # raised while making a round (see _inputs)
@@ -312,7 +313,7 @@ class _RoundRunner:
                     self.on_tokens(new)
             tracker.finish_reason = completion.finish_reason
             if completion.finish_reason is not None or tracker.done:
-                if not tracker.done and tracker.chunk.final and tracker.chunk.max_tokens is None:
+                if tracker.chunk.final and tracker.chunk.max_tokens is None and len(tracker.emitted) >= self._limit:
                     log.warning("speech token limit reached without eos; ending the utterance")
                 tracker.done = True
                 self.context -= 1  # the round's last sampled token does not stay in the context
@@ -338,13 +339,15 @@ class _RoundRunner:
             chunk = await next_round(emitted)
             if chunk is None:
                 return
+            room = self.stage.settings.max_model_len - self.context - len(chunk.ids)
             request = round_request(
                 chunk, self.stage.vocab, None if self.greedy else self.stage.sampling, self.history,
-                self._final_budget(chunk),
+                min(room - 1, MAX_SPEECH_PER_TEXT_TOKEN * max(self.text_tokens, 1)), room,
             )
             self._check_room(request)
             self.context += len(request.prompt_token_ids)
             self._tracker = RoundTracker(chunk, self.stage.vocab)
+            self._limit = request.rule.limit
             self.rounds.append(self._tracker)
             self._round_over.clear()
             yield streaming_input(request, greedy=self.greedy)
@@ -354,14 +357,10 @@ class _RoundRunner:
             emitted = self._tracker.emitted
             self.history = self._tracker.history_after(self.history)
 
-    def _final_budget(self, chunk: Chunk) -> int:
-        """max_tokens of a round without a budget: the safety bound, within the model's length."""
-        room = self.stage.settings.max_model_len - self.context - len(chunk.ids)
-        return max(1, min(room, MAX_SPEECH_PER_TEXT_TOKEN * max(self.text_tokens, 1)))
-
     def _check_room(self, request: RoundRequest) -> None:
+        """The round's limit, plus the stop token that ends it, must fit the model's length."""
         limit = self.stage.settings.max_model_len
-        if self.context + len(request.prompt_token_ids) + request.max_tokens > limit:
+        if request.rule.limit < 1 or self.context + len(request.prompt_token_ids) + request.rule.limit + 1 > limit:
             raise RuntimeError(
                 f"the utterance does not fit max_model_len={limit} tokens of voice prompt, text and speech; "
                 "split the text into shorter contexts or raise max_model_len"

@@ -110,23 +110,27 @@ class CosyVoice2LogitsProcessor(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         vocab = self.vocab
-        first_special = vocab.speech(vocab.speech_token_size)
         n_special = vocab.num_speech_classes - vocab.speech_token_size
         rows = sorted(i for i in self.rows if i < logits.shape[0])
         if not rows:
             return logits
-        # Special classes a row may not take now: one small host-built mask, one copy.
-        closed = [[True] * n_special for _ in rows]
+        # Classes a row may not take now: one small host-built mask, one copy. Speech
+        # classes close only for a row at its round's limit, which must stop now.
+        closed = [[False] * vocab.speech_token_size + [True] * n_special for _ in rows]
+        stopping = set()
         for k, i in enumerate(rows):
             rule, output_ids = self.rows[i]
+            if rule.must_stop(len(output_ids)):
+                closed[k][: vocab.speech_token_size] = [True] * vocab.speech_token_size
+                stopping.add(i)
             for unified in rule.allowed_specials(len(output_ids)):
-                closed[k][unified - first_special] = False
+                closed[k][unified - vocab.speech_offset] = False
         index = self._to_device(rows, torch.long)
-        specials = logits[index, first_special : first_special + n_special]
-        logits[index, first_special : first_special + n_special] = specials.masked_fill(
+        start, end = vocab.speech_offset, vocab.speech_offset + vocab.num_speech_classes
+        logits[index, start:end] = logits[index, start:end].masked_fill(
             self._to_device(closed, torch.bool), float("-inf")
         )
-        ras_rows = [i for i in rows if self.rows[i][0].ras is not None]
+        ras_rows = [i for i in rows if self.rows[i][0].ras is not None and i not in stopping]
         if ras_rows:
             self._apply_ras(logits, ras_rows)
         return logits

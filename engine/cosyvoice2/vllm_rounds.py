@@ -10,13 +10,19 @@ One utterance is one vLLM streaming request; each round is one ``StreamingInput`
 - the round's stop classes are ``stop_token_ids``; a stop token ends the round and vLLM
   drops the last sampled token from the context before the next input, which is exactly
   "fill is never fed back";
-- a round with a budget (15 speech tokens) gets ``max_tokens = budget + 1``: vLLM cannot
-  end a round without sampling, so the token after the budget is sampled and dropped,
-  which leaves the context as if fill had been sampled there (:class:`RoundTracker`
-  does not emit it);
+- a round ends at its limit (the budget of 15 speech tokens, or the final round's
+  safety bound) through the logits processor, not through ``max_tokens``: once the
+  limit is emitted, only the round's stop classes may be sampled (fill for a budget
+  round, eos for the final one). vLLM 0.26 keeps a streaming request's ``max_tokens``
+  from its first input for every later one (vLLM PR #57676, open), so a per-round
+  ``max_tokens`` would cut the final round at the first round's 16 tokens. Every round
+  therefore asks for all the room the model has left, which is never the binding limit;
+  the forced stop token is sampled and dropped from the context like fill (and
+  :class:`RoundTracker` does not emit it);
 - what the sampler may choose is decided per round by :class:`RoundRule`, which the
   logits processor applies: speech tokens always; eos only when it ends the round and
-  ``min_tokens`` tokens were emitted; fill and the unused class only when they end it.
+  ``min_tokens`` tokens were emitted; fill and the unused class only when they end it;
+  after ``limit`` tokens, nothing but the round's stop classes.
   This equals the torch backend's ``mask_impossible`` mode, with masking in place of
   redrawing a suppressed eos.
 - repetition-aware sampling needs the recent decoded classes; vLLM restarts a request's
@@ -43,6 +49,8 @@ class RoundRule:
     special_allowed: tuple[int, ...]
     eos: int | None  # the unified eos id when eos may end this round, else None
     min_tokens: int  # eos is masked until this many tokens were sampled in the round
+    # After this many tokens only the round's stop classes may be sampled (None: no limit).
+    limit: int | None
     # ras_sampling's (top_p, top_k, win_size, tau_r); None: the request samples as vLLM does (e.g. greedy)
     ras: tuple[float, int, int, float] | None
     history: tuple[int, ...]  # the last decoded classes before this round (for the ras window)
@@ -53,6 +61,7 @@ class RoundRule:
                 "special_allowed": list(self.special_allowed),
                 "eos": self.eos,
                 "min_tokens": self.min_tokens,
+                "limit": self.limit,
                 "ras": list(self.ras) if self.ras is not None else None,
                 "history": list(self.history),
             }
@@ -70,6 +79,7 @@ class RoundRule:
                 special_allowed=tuple(int(i) for i in raw["special_allowed"]),
                 eos=None if raw["eos"] is None else int(raw["eos"]),
                 min_tokens=int(raw["min_tokens"]),
+                limit=None if raw["limit"] is None else int(raw["limit"]),
                 ras=None if ras is None else (float(ras[0]), int(ras[1]), int(ras[2]), float(ras[3])),
                 history=tuple(int(c) for c in raw["history"]),
             )
@@ -78,9 +88,13 @@ class RoundRule:
 
     def allowed_specials(self, sampled_in_round: int) -> tuple[int, ...]:
         """Unified ids of the special classes open at this step of the round."""
-        if self.eos is not None and sampled_in_round >= self.min_tokens:
+        if self.eos is not None and (sampled_in_round >= self.min_tokens or self.must_stop(sampled_in_round)):
             return (*self.special_allowed, self.eos)
         return self.special_allowed
+
+    def must_stop(self, sampled_in_round: int) -> bool:
+        """The round has emitted its limit: the next token must be one of its stop classes."""
+        return self.limit is not None and sampled_in_round >= self.limit
 
     def recent(self, vocab: UnifiedVocab, round_output_ids: Sequence[int]) -> list[int]:
         """The ras window: the last ``win_size`` decoded classes, history first."""
@@ -105,13 +119,15 @@ def round_request(
     vocab: UnifiedVocab,
     sampling: SamplingConfig | None,
     history: Sequence[int],
-    unbounded_max_tokens: int,
+    final_limit: int,
+    room: int,
 ) -> RoundRequest:
     """The vLLM request of one round. ``sampling`` None: greedy (tests).
 
     ``history``: the classes decoded before this round, fill marks included, as the torch
-    backend's sampler sees them. ``unbounded_max_tokens``: the cap for a round without a
-    budget (the final round), which vLLM needs as a number.
+    backend's sampler sees them. ``final_limit``: the limit of a round without a budget
+    (the final round's safety bound). ``room``: the tokens the model's length leaves after
+    this round's ids, which becomes ``max_tokens`` (see the module docstring).
     """
     eos = vocab.eos_class
     specials = range(vocab.speech_token_size, vocab.num_speech_classes)
@@ -126,14 +142,14 @@ def round_request(
         special_allowed=special_allowed,
         eos=vocab.speech(eos) if eos in chunk.stop else None,
         min_tokens=chunk.min_tokens,
+        limit=final_limit if chunk.max_tokens is None else chunk.max_tokens,
         ras=ras,
         history=tuple(history),
     )
-    max_tokens = unbounded_max_tokens if chunk.max_tokens is None else chunk.max_tokens + 1
     return RoundRequest(
         prompt_token_ids=list(chunk.ids),
         stop_token_ids=sorted(vocab.speech(c) for c in chunk.stop),
-        max_tokens=max_tokens,
+        max_tokens=room,
         rule=rule,
     )
 
@@ -141,9 +157,9 @@ def round_request(
 class RoundTracker:
     """Turns the token ids vLLM returns for one round into the speech tokens to emit.
 
-    Feed every delta; ``done`` turns True at the round's end: a stop class, or the token
-    after the budget (sampled only to end the round; vLLM drops it from the context, and
-    so is it never emitted).
+    Feed every delta; ``done`` turns True at the round's end: a stop class, or any token
+    after the budget (the processor makes it a stop class; vLLM drops it from the
+    context, and so is it never emitted).
     """
 
     def __init__(self, chunk: Chunk, vocab: UnifiedVocab) -> None:
