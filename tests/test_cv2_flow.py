@@ -360,6 +360,42 @@ def test_equivalence_flow_batched(flow_pair) -> None:
             assert not mel[i, :, expected.shape[2] :].any()
 
 
+def test_equivalence_flow_after_voice_prefix(flow_pair) -> None:
+    """Streaming calls that start their decoder after the voice's stored prefix give the
+    official whole re-run's mel: rows of three voices in one batch (prefixes of 2, 1 and
+    no whole chunks), at token counts on and off chunk boundaries."""
+    reference, ours = flow_pair
+    voices = [utterance(60, 50, seed=70), utterance(30, 45, seed=71), utterance(13, 30, seed=72)]
+    with torch.inference_mode():
+        prefixes = [ours.voice_prefix(v.prompt_token, v.prompt_feat, v.embedding) for v in voices]
+    assert [p.frames for p in prefixes] == [100, 50, 0]
+    rows = [(0, 50), (1, 20), (0, 9), (2, 30), (1, 45)]  # (voice, tokens so far)
+
+    def stack(tensors: list[Tensor]) -> Tensor:
+        width = max(t.shape[1] for t in tensors)
+        return torch.cat([nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1])) for t in tensors])
+
+    speech = [voices[v] for v, _ in rows]
+    batch = (
+        stack([s.token[:, :n] for s, (_, n) in zip(speech, rows)]), torch.tensor([n for _, n in rows]),
+        stack([s.prompt_token for s in speech]), torch.tensor([s.prompt_token.shape[1] for s in speech]),
+        stack([s.prompt_feat for s in speech]), torch.tensor([s.prompt_feat.shape[1] for s in speech]),
+        torch.cat([s.embedding for s in speech]),
+    )
+    with torch.inference_mode():
+        mel, mel_len = ours.inference_batch(
+            *batch, streaming=True, finalize=False, prefixes=[prefixes[v] for v, _ in rows]
+        )
+    for i, (s, (_, n)) in enumerate(zip(speech, rows)):
+        with torch.inference_mode():
+            expected, _ = reference.inference(*s.args(n), True, False)
+        assert int(mel_len[i]) == expected.shape[2]
+        assert expected.abs().max() > 1.0
+        assert max_err(mel[i : i + 1, :, : expected.shape[2]], expected) <= TOLERANCE, i
+    with pytest.raises(ValueError, match="streaming"):
+        ours.inference_batch(*batch, streaming=False, finalize=True, prefixes=[prefixes[v] for v, _ in rows])
+
+
 def official_stream(reference: nn.Module, speech: Utterance, hops: list[int]) -> list[Tensor]:
     """The official CosyVoice2 streaming loop: for every hop, re-run the flow on prompt + all
     tokens so far (+ 3 look-ahead tokens) and keep the frames after the previous hop;

@@ -165,11 +165,14 @@ class CFMConfig:
 # ----------------------------------------------------------------------------- masks
 
 
-def chunk_attention_mask(key_valid: Tensor, query_pos: Tensor, chunk_size: int) -> Tensor:
+def chunk_attention_mask(
+    key_valid: Tensor, query_pos: Tensor, chunk_size: int, key_pos: Tensor | None = None
+) -> Tensor:
     """Boolean attention mask ``[B, 1, Tq, Tk]`` (True = may attend), built without host syncs.
 
-    key_valid: ``[B, Tk]``, True for real (non-padding) key frames; key j is frame j.
+    key_valid: ``[B, Tk]``, True for real (non-padding) key frames.
     query_pos: ``[B or 1, Tq]`` absolute frame index of each query.
+    key_pos: ``[B or 1, Tk]`` absolute frame index of each key (default: key j is frame j).
     chunk_size: > 0: query i sees keys j < (i // chunk_size + 1) * chunk_size (its own
     chunk and all chunks before it); 0: every real key.
 
@@ -179,8 +182,9 @@ def chunk_attention_mask(key_valid: Tensor, query_pos: Tensor, chunk_size: int) 
     allowed = key_valid[:, None, :]
     if chunk_size > 0:
         chunk_end = (torch.div(query_pos, chunk_size, rounding_mode="floor") + 1) * chunk_size
-        key_pos = torch.arange(key_valid.shape[1], device=key_valid.device)
-        allowed = allowed & (key_pos < chunk_end[:, :, None])
+        if key_pos is None:
+            key_pos = torch.arange(key_valid.shape[1], device=key_valid.device)[None]
+        allowed = allowed & (key_pos[:, None, :] < chunk_end[:, :, None])
     else:
         allowed = allowed.expand(-1, query_pos.shape[1], -1)
     allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
@@ -250,6 +254,12 @@ class _StepView:
         self.cache.conv_context[index] = extended.gather(2, take.expand(-1, x.shape[1], -1))
         return extended
 
+    def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> Tensor:
+        """The chunk mask of the new frames (queries) over the cached and new frames (keys)."""
+        key_pos = torch.arange(self.key_len, device=positions.device)
+        key_valid = key_pos < (self.start + new_frames)[:, None]
+        return chunk_attention_mask(key_valid, self.start[:, None] + positions, chunk)
+
     def keys_values(self, slot: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """Writes the new frames' keys/values at their absolute positions; returns all of them.
 
@@ -264,6 +274,88 @@ class _StepView:
         return self.cache.keys[index][:, :, : self.key_len], self.cache.values[index][:, :, : self.key_len]
 
 
+@dataclass(frozen=True)
+class VoicePrefix:
+    """The decoder's state after a voice's prompt: what every utterance in that voice shares.
+
+    The prompt's complete 50-frame chunks (those whose tokens and look-ahead are all
+    prompt tokens) come out of every streaming flow call the same: same tokens, same
+    prompt mel, same x-vector, same noise, and chunk-causal attention keeps them blind to
+    what follows. So a streaming call may start its decoder after them, attending to
+    their stored keys/values. Layout as ``CFMStreamCache`` with two rows (conditioned,
+    unconditioned): ``keys[step * n_attention + layer]`` ``[2, heads, frames, head_dim]``,
+    ``conv_context[step * n_conv + conv]`` ``[2, channels, kernel - 1]``.
+    """
+
+    frames: int
+    keys: list[Tensor]
+    values: list[Tensor]
+    conv_context: list[Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.conv_context))
+
+
+class _PrefixView:
+    """One Euler step of a batch whose rows start after their voices' prefixes (read-only).
+
+    ``prefixes[r]``: row r's voice prefix (rows are sessions; CFG doubles them, the
+    conditioned half first, as in ``CFM.solve``).
+    """
+
+    def __init__(self, prefixes: list[VoicePrefix], n_attention: int, n_conv: int, device) -> None:
+        self.n_attention = n_attention
+        self.n_conv = n_conv
+        self.attention_base = self.conv_base = 0
+        self.width = max(p.frames for p in prefixes)
+        self.start = torch.tensor([p.frames for p in prefixes], device=device).repeat(2)
+        # Row i of the 2B-row batch takes row `branch[i]` (0 conditioned, 1 not) of its voice's tensors.
+        self.branch = torch.arange(2, device=device).repeat_interleave(len(prefixes))
+        self.voices: list[VoicePrefix] = list({id(p): p for p in prefixes}.values())
+        voice_index = {id(v): i for i, v in enumerate(self.voices)}
+        self.voice_of_row = torch.tensor([voice_index[id(p)] for p in prefixes], device=device).repeat(2)
+
+    def at_step(self, step: int) -> _PrefixView:
+        """This view for Euler step ``step`` (the solver asks for the steps in order)."""
+        self.attention_base = step * self.n_attention
+        self.conv_base = step * self.n_conv
+        return self
+
+    def _rows(self, per_voice: list[Tensor], frames_dim: int | None) -> Tensor:
+        """Each batch row's slice of its voice's two-row tensor (padded to the widest prefix)."""
+        if len(per_voice) == 1:
+            return per_voice[0][self.branch]
+        if frames_dim is not None:
+            per_voice = [_pad_dim(t, frames_dim, self.width) for t in per_voice]
+        return torch.stack(per_voice)[self.voice_of_row, self.branch]
+
+    def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> Tensor:
+        """Queries: the new frames, at start + i. Keys: the prefix frames (j, valid below the
+        row's own prefix length), then the new frames."""
+        start = self.start
+        prefix_pos = torch.arange(self.width, device=positions.device)
+        key_pos = torch.cat([prefix_pos.expand(len(start), -1), start[:, None] + positions], dim=1)
+        key_valid = torch.cat([prefix_pos < start[:, None], positions < new_frames[:, None]], dim=1)
+        return chunk_attention_mask(key_valid, start[:, None] + positions, chunk, key_pos)
+
+    def keys_values(self, slot: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        index = self.attention_base + slot
+        prefix_keys = self._rows([v.keys[index] for v in self.voices], 2)
+        prefix_values = self._rows([v.values[index] for v in self.voices], 2)
+        return torch.cat([prefix_keys, key], dim=2), torch.cat([prefix_values, value], dim=2)
+
+    def conv_input(self, slot: int, x: Tensor) -> Tensor:
+        context = self._rows([v.conv_context[self.conv_base + slot] for v in self.voices], None)
+        return torch.cat([context, x], dim=2)
+
+
+def _pad_dim(x: Tensor, dim: int, size: int) -> Tensor:
+    """Zero-pads ``x`` along ``dim`` (of 4) to ``size``."""
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, size - x.shape[dim]]
+    return F.pad(x, pad)
+
+
 # ----------------------------------------------------------------------------- estimator layers
 
 
@@ -275,7 +367,7 @@ class CausalConv1d(nn.Conv1d):
         self.context = kernel_size - 1
         self.cache_slot = -1  # set by Estimator
 
-    def forward(self, x: Tensor, view: _StepView | None = None) -> Tensor:
+    def forward(self, x: Tensor, view: _StepView | _PrefixView | None = None) -> Tensor:
         if view is None:
             x = F.pad(x, (self.context, 0))
         else:
@@ -292,7 +384,7 @@ class CausalBlock(nn.Module):
         # whose parameters are stored as block.0.* and block.2.*.
         self.block = nn.ModuleList([CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out)])
 
-    def forward(self, x: Tensor, mask: Tensor, view: _StepView | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, view: _StepView | _PrefixView | None) -> Tensor:
         conv, _, norm = self.block
         h = conv(x * mask, view)
         h = norm(h.transpose(1, 2)).transpose(1, 2)
@@ -309,7 +401,7 @@ class ResnetBlock(nn.Module):
         self.block2 = CausalBlock(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: Tensor, mask: Tensor, time_emb: Tensor, view: _StepView | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, time_emb: Tensor, view: _StepView | _PrefixView | None) -> Tensor:
         h = self.block1(x, mask, view)
         h = h + self.mlp(time_emb)[:, :, None]
         h = self.block2(h, mask, view)
@@ -330,7 +422,7 @@ class SelfAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
         self.cache_slot = -1  # set by Estimator
 
-    def forward(self, x: Tensor, mask: Tensor, view: _StepView | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, view: _StepView | _PrefixView | None) -> Tensor:
         batch, frames, _ = x.shape
 
         def heads(h: Tensor) -> Tensor:
@@ -380,7 +472,7 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim, act_fn)
 
-    def forward(self, x: Tensor, mask: Tensor, view: _StepView | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, view: _StepView | _PrefixView | None) -> Tensor:
         x = x + self.attn1(self.norm1(x), mask, view)
         return x + self.ff(self.norm3(x))
 
@@ -459,7 +551,7 @@ class Estimator(nn.Module):
         spks: Tensor,
         cond: Tensor,
         streaming: bool = False,
-        view: _StepView | None = None,
+        view: _StepView | _PrefixView | None = None,
     ) -> Tensor:
         """x, mu, cond: ``[B, 80, T]``; mask: ``[B, 1, T]`` (1 = real frame); t: ``[B]``; spks: ``[B, 80]``.
 
@@ -476,10 +568,7 @@ class Estimator(nn.Module):
         else:
             if chunk <= 0:
                 raise ValueError("cached (incremental) estimation needs the streaming chunk mask")
-            new_frames = mask[:, 0].sum(dim=1, dtype=torch.long)
-            key_pos = torch.arange(view.key_len, device=x.device)
-            key_valid = key_pos < (view.start + new_frames)[:, None]
-            attn_mask = chunk_attention_mask(key_valid, view.start[:, None] + positions, chunk)
+            attn_mask = view.attention_mask(mask[:, 0].sum(dim=1, dtype=torch.long), positions, chunk)
 
         def transform(h: Tensor, blocks: nn.ModuleList) -> Tensor:
             h = h.transpose(1, 2)
@@ -533,7 +622,7 @@ class CFM(nn.Module):
         cond: Tensor,
         streaming: bool,
         n_timesteps: int = N_TIMESTEPS,
-        view_for_step: Callable[[int], _StepView | None] = lambda step: None,
+        view_for_step: Callable[[int], _StepView | _PrefixView | None] = lambda step: None,
     ) -> Tensor:
         """Integrates from noise ``x`` ``[B, 80, T]`` to mel; returns float32 ``[B, 80, T]``.
 
@@ -585,6 +674,52 @@ class CFM(nn.Module):
             noise = self.noise
         x = noise[:, :, :frames].to(mu.dtype).expand(mu.shape[0], -1, -1)
         return self.solve(x, mask, mu, spks, cond, streaming, n_timesteps)
+
+    # -- streaming after a shared voice prefix
+
+    def voice_prefix(self, mu: Tensor, spks: Tensor, cond: Tensor, frames: int) -> VoicePrefix:
+        """The decoder state after the first ``frames`` frames (whole chunks) of one voice.
+
+        mu, cond: ``[1, 80, >= frames]`` for the voice's prompt frames; spks ``[1, 80]``.
+        """
+        chunk = self.config.estimator.static_chunk_size
+        if chunk <= 0 or frames % chunk or frames > mu.shape[2]:
+            raise ValueError(f"a voice prefix is whole {chunk}-frame chunks within the prompt, got {frames}")
+        if frames == 0:  # nothing shared: no keys, and the zero left context of a causal conv
+            layers = self.estimator.attention_layers * N_TIMESTEPS
+            return VoicePrefix(
+                frames=0,
+                keys=[mu.new_zeros(2, layer.heads, 0, layer.head_dim) for layer in layers],
+                values=[mu.new_zeros(2, layer.heads, 0, layer.head_dim) for layer in layers],
+                conv_context=[
+                    mu.new_zeros(2, conv.in_channels, conv.context)
+                    for _ in range(N_TIMESTEPS)
+                    for conv in self.estimator.causal_convs
+                ],
+            )
+        cache = CFMStreamCache()
+        mask = mu.new_ones(1, 1, frames)
+        noise = self.noise[:, :, :frames]
+        self.forward_chunk(cache, mu[:, :, :frames], mask, spks, cond[:, :, :frames], noise, [0], [frames])
+        return VoicePrefix(
+            frames=frames,
+            keys=[k[:, :, :frames].clone() for k in cache.keys],
+            values=[v[:, :, :frames].clone() for v in cache.values],
+            conv_context=cache.conv_context,
+        )
+
+    def solve_after(self, prefixes: list[VoicePrefix], mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
+        """Streaming-mode mel of the frames after each row's voice prefix.
+
+        Row b's column i is frame ``prefixes[b].frames + i``: mu, cond ``[B, 80, n]``, mask
+        ``[B, 1, n]``. Equals the same frames of a whole streaming solve (the prefix frames'
+        states are the stored ones), with the fixed noise.
+        """
+        start = torch.tensor([p.frames for p in prefixes], device=mu.device)
+        noise = _gather_frames(self.noise[:, :, : int(start.max()) + mu.shape[2]].expand(len(prefixes), -1, -1),
+                               start, mu.shape[2])
+        view = _PrefixView(prefixes, len(self.estimator.attention_layers), len(self.estimator.causal_convs), mu.device)
+        return self.solve(noise.to(mu.dtype), mask, mu, spks, cond, True, N_TIMESTEPS, view.at_step)
 
     # -- incremental (streaming) decoding
 
@@ -768,6 +903,7 @@ class Flow(nn.Module):
         streaming: bool,
         finalize: bool | Tensor,
         noise: Tensor | None = None,
+        prefixes: list[VoicePrefix] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Batched ``inference``: every row equals running it alone.
 
@@ -775,7 +911,9 @@ class Flow(nn.Module):
         prompt_feat ``[B, Tp, 80]`` / prompt_feat_len (= 2 x prompt tokens); embedding
         ``[B, 192]``. finalize (one flag, or one per row): where False, the last
         ``pre_lookahead_len`` tokens are held back as look-ahead. noise: ``[1 or B, 80,
-        >= frames]`` (default: the official fixed noise).
+        >= frames]`` (default: the official fixed noise). prefixes (streaming only, one per
+        row, from ``voice_prefix``): the decoder starts after each row's voice prefix
+        instead of at frame 0, which gives the same mel for less work.
         Returns mel ``[B, 80, max new frames]`` (float32) and the new frame counts ``[B]``.
         """
         config = self.config
@@ -787,10 +925,41 @@ class Flow(nn.Module):
         positions = torch.arange(frames, device=mu.device)
         mask = (positions < mel_len[:, None])[:, None].to(mu.dtype)
         prompt_feat_len = prompt_feat_len.to(mu.device)
+        new_len = (mel_len - prompt_feat_len).clamp(min=0)
+        if prefixes is not None:
+            if not streaming or noise is not None:
+                raise ValueError("voice prefixes serve streaming calls with the fixed noise")
+            # The decoder starts after each row's prefix: row b's column i is frame start[b] + i.
+            start = torch.tensor([p.frames for p in prefixes], device=mu.device)
+            width = int((mel_len - start).max())
+            mask = (torch.arange(width, device=mu.device) < (mel_len - start)[:, None])[:, None].to(mu.dtype)
+            cond = self._prompt_condition(prompt_feat, prompt_feat_len, start, width)
+            mel = self.decoder.solve_after(prefixes, _gather_frames(mu, start, width) * mask, mask, spk, cond)
+            return self._rows(mel, prompt_feat_len - start, new_len), new_len
         cond = self._prompt_condition(prompt_feat, prompt_feat_len, torch.zeros_like(prompt_feat_len), frames)
         mel = self.decoder(mu, mask, spk, cond, streaming, noise)
-        new_len = (mel_len - prompt_feat_len).clamp(min=0)
         return self._rows(mel, prompt_feat_len, new_len), new_len
+
+    @torch.inference_mode()
+    def voice_prefix(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> VoicePrefix:
+        """The decoder state every streaming call of this voice shares (see ``VoicePrefix``):
+        the prompt's whole chunks whose tokens and look-ahead are all prompt tokens (none
+        when the prompt is shorter than one such chunk).
+
+        prompt_token ``[1, P]``, prompt_feat ``[1, 2P, 80]``, embedding ``[1, 192]``.
+        """
+        config = self.config
+        chunk_tokens = config.encoder.static_chunk_size
+        tokens = max(0, prompt_token.shape[1] - config.pre_lookahead_len) // chunk_tokens * chunk_tokens
+        length = torch.tensor([prompt_token.shape[1]], device=prompt_token.device)
+        mu, _, spk = encode_tokens(
+            self, prompt_token, length, prompt_token[:, :0], torch.zeros_like(length), embedding, True, False,
+            config.pre_lookahead_len, config.token_mel_ratio,
+        )
+        frames = tokens * config.token_mel_ratio
+        feat_len = torch.tensor([prompt_feat.shape[1]], device=mu.device)
+        cond = self._prompt_condition(prompt_feat, feat_len, torch.zeros_like(feat_len), frames)
+        return self.decoder.voice_prefix(mu, spk, cond, frames)
 
     @torch.inference_mode()
     def inference_chunk(
