@@ -78,8 +78,8 @@ def official_stream(tiny_dir: Path, models, voice, tokens: list[int]) -> list[np
         return [c["tts_speech"][0].numpy() for c in chunks]
 
 
-def our_stream(models, voice, tokens: list[int], incremental: bool) -> list[np.ndarray]:
-    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=incremental)
+def our_stream(models, voice, tokens: list[int], incremental: bool, prefix_voices: int = 0) -> list[np.ndarray]:
+    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=incremental, prefix_voices=prefix_voices)
     state = token2wav.new_stream(VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding))
     state.tokens = list(tokens)
     state.tokens_done = True
@@ -87,6 +87,8 @@ def our_stream(models, voice, tokens: list[int], incremental: bool) -> list[np.n
     chunks = []
     while (job := token2wav.next_job(state)) is not None:
         chunks.append(token2wav.run([job])[0])
+    if prefix_voices:  # the stream really started its decoder after a stored prefix
+        assert [prefix.frames for _, prefix in token2wav._prefixes.values()] == [2 * ((voice.speech_tokens.shape[1] - 3) // 25 * 25)]
     return chunks
 
 
@@ -96,10 +98,13 @@ def tokens() -> list[int]:
     return torch.randint(0, 6561, (137,), generator=generator).tolist()
 
 
-@pytest.mark.parametrize("incremental", [False, True], ids=["recompute", "incremental"])
-def test_equivalence_streaming(tiny_dir, models, voice, tokens, incremental):
+@pytest.mark.parametrize(
+    ("incremental", "prefix_voices"), [(False, 0), (False, 2), (True, 0)],
+    ids=["recompute", "recompute-after-voice-prefix", "incremental"],
+)
+def test_equivalence_streaming(tiny_dir, models, voice, tokens, incremental, prefix_voices):
     reference = official_stream(tiny_dir, models, voice, tokens)
-    ours = our_stream(models, voice, tokens, incremental)
+    ours = our_stream(models, voice, tokens, incremental, prefix_voices)
     assert [len(c) for c in ours] == [len(c) for c in reference]
     assert len(reference) >= 4  # first (padded) hop, full hops, the final flush
     error = max(float(np.max(np.abs(a - b))) for a, b in zip(ours, reference))
@@ -114,6 +119,7 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
     flow call give each utterance the mel it gets alone."""
     shorter = models.frontend.prepare(voiced(1.4, 24000), 24000, "Short.")
     token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
+    after_prefix = Token2Wav(models.flow, models.hift, scale=1, incremental=False, prefix_voices=1)
 
     def streams():
         made = []
@@ -128,10 +134,14 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
     alone = [token2wav._flow(token2wav.next_job(state)) for state in streams()]
     jobs = [token2wav.next_job(state) for state in streams()]
     together = token2wav._flows(jobs)
+    # Two voices after their prefixes; with room for one prefix, each call rebuilds the other's.
+    together_after_prefix = after_prefix._flows(jobs)
+    assert len(after_prefix._prefixes) == 1
     assert not any(job.finalize for job in jobs)
-    for a, b in zip(alone, together):
-        assert a.shape == b.shape
+    for a, b, c in zip(alone, together, together_after_prefix):
+        assert a.shape == b.shape == c.shape
         assert float((a - b).abs().max()) <= 1e-4
+        assert float((a - c).abs().max()) <= 1e-4
 
 
 def test_final_chunks_of_several_utterances_batch_exactly(models, voice, tokens):

@@ -116,12 +116,18 @@ class CosyVoice2Engine(Engine):
             max_hop_len=settings.token_max_hop_len,
             scale=settings.stream_scale_factor,
             incremental=settings.flow_mode == "incremental" or (settings.flow_mode == "auto" and device.type == "cpu"),
+            prefix_voices=settings.prefix_voices,
         )
         self.token2wav = token2wav
         if device.type == "cuda" and settings.graph_max_batch > 0:
             await asyncio.to_thread(self._capture_flow_graphs, device)
         if device.type == "cuda" and settings.hift_graphs:
             await asyncio.to_thread(self._capture_hift_graphs)
+        # After the vocoder graphs: a voice's first _prompt() allows its shapes there.
+        for info in self.voice_store.list()[: settings.prefix_voices]:
+            prefix = await asyncio.to_thread(token2wav.prepare_voice, self._prompt(info.id)[0])
+            if prefix is not None:
+                log.info("voice %s: flow prefix of %d frames (%.2f GiB)", info.name, prefix.frames, prefix.nbytes / 2**30)
         self.worker = Token2WavWorker(
             token2wav, settings.max_batch, asyncio.get_running_loop(), early_chunks=settings.early_chunks
         )

@@ -286,6 +286,11 @@ class FlowGraphs:
 
     # ------------------------------------------------------------------ serving
 
+    def has(self, rows: int, frames: int, streaming: bool) -> bool:
+        """Whether ``run`` would replay a graph for this shape (capturing it first, if allowed)."""
+        key = self.buckets.key(rows, frames, streaming)
+        return key in self.graphs or (self.capture_missing and self.buckets.covers(key))
+
     @torch.inference_mode()
     def run(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: bool) -> Tensor | None:
         """The solve by graph replay (float32 ``[B, 80, T]``, a fresh tensor), or None when

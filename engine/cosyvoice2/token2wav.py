@@ -15,7 +15,10 @@ Chunking follows the official CosyVoice2 streaming path:
   flushes everything.
 
 The flow runs in one of two exact modes. ``recompute`` is the official one: every chunk
-re-runs the flow over prompt + all tokens so far, so chunk k costs O(k).
+re-runs the flow over prompt + all tokens so far, so chunk k costs O(k). A batch that no
+CUDA graph serves starts its decoder after each voice's shared prompt prefix instead
+(``Flow.voice_prefix``, kept for the ``prefix_voices`` most recent voices): the same mel
+for less work, since the prompt's whole chunks come out the same in every call.
 ``incremental`` keeps the flow's per-chunk state (``Flow.inference_chunk``) and computes
 only the new chunk: the same mel within float rounding, at a memory cost per session
 (see engine/cosyvoice2/flow.py). In both, the final chunk is what the official path
@@ -30,12 +33,13 @@ batches chunks of many utterances (:meth:`Token2Wav.run`).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from engine.cosyvoice2.flow import Flow, FlowStreamCache
+from engine.cosyvoice2.flow import Flow, FlowStreamCache, VoicePrefix
 from engine.cosyvoice2.hift import HiFT
 
 MEL_CACHE_FRAMES = 8
@@ -93,6 +97,7 @@ class Token2Wav:
         scale: int = 1,
         incremental: bool = True,
         first_hop_len: int | None = None,
+        prefix_voices: int = 0,
     ) -> None:
         if hop_len < 1 or max_hop_len < hop_len or scale < 1:
             raise ValueError("need 1 <= hop_len <= max_hop_len and scale >= 1")
@@ -112,6 +117,9 @@ class Token2Wav:
         self.chunk_tokens = flow.config.encoder.static_chunk_size
         # Optional CUDA graphs of the vocoder (engine/cosyvoice2/hift_graphs.py), set by the engine.
         self.hift_graphs = None
+        # Voice prefixes of the decoder, most recently used last (see the module docstring).
+        self.prefix_voices = prefix_voices
+        self._prefixes: OrderedDict[int, tuple[VoicePrompt, VoicePrefix]] = OrderedDict()
 
     def new_stream(self, prompt: VoicePrompt) -> StreamState:
         return StreamState(prompt=prompt, hop=self.hop_len, flow_cache=FlowStreamCache() if self.incremental else None)
@@ -212,7 +220,7 @@ class Token2Wav:
         final = [i for i, job in enumerate(jobs) if job.finalize]
         mels: dict[int, torch.Tensor] = {}
         for rows, finalize in ((streaming, False), (final, True)):
-            if len(rows) > 1:
+            if len(rows) > 1 or (rows and not finalize and self.prefix_voices):
                 mels.update(zip(rows, self._flow_batched([jobs[i] for i in rows], finalize)))
         return [mels[i] if i in mels else self._flow(job) for i, job in enumerate(jobs)]
 
@@ -231,13 +239,38 @@ class Token2Wav:
         prompt_token, prompt_token_len = padded([p.speech_tokens[0] for p in prompts])
         prompt_feat, prompt_feat_len = padded([p.speech_feat[0] for p in prompts])
         embedding = torch.cat([p.embedding for p in prompts])
+        prefixes = None
+        if not finalize and self.prefix_voices:
+            graphs = self.flow.decoder.graphs
+            frames = max(self.mel_ratio * (p.tokens + job.end - self.lookahead) for p, job in zip(prompts, jobs))
+            if graphs is None or not graphs.has(len(jobs), frames, True):
+                prefixes = [self._voice_prefix(p) for p in prompts]
         mel, new_len = self.flow.inference_batch(
             token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding,
-            streaming=not finalize, finalize=finalize,
+            streaming=not finalize, finalize=finalize, prefixes=prefixes,
         )
         return [
             mel[i : i + 1, :, job.state.offset * self.mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
         ]
+
+    def prepare_voice(self, prompt: VoicePrompt) -> VoicePrefix | None:
+        """Builds the voice's decoder prefix now (at start-up) rather than in its first batch."""
+        if self.prefix_voices and not self.incremental:
+            return self._voice_prefix(prompt)
+        return None
+
+    def _voice_prefix(self, prompt: VoicePrompt) -> VoicePrefix:
+        """The voice's decoder prefix, built on first use; the least recently used beyond
+        ``prefix_voices`` voices is dropped."""
+        key = id(prompt)
+        if key in self._prefixes:
+            self._prefixes.move_to_end(key)
+            return self._prefixes[key][1]
+        prefix = self.flow.voice_prefix(prompt.speech_tokens, prompt.speech_feat, prompt.embedding)
+        self._prefixes[key] = (prompt, prefix)  # the prompt too: its id stays its own while held
+        while len(self._prefixes) > self.prefix_voices:
+            self._prefixes.popitem(last=False)
+        return prefix
 
     def _flow(self, job: ChunkJob) -> torch.Tensor:
         state, prompt = job.state, job.state.prompt
