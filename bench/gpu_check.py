@@ -90,6 +90,8 @@ llm_backend = "vllm"
 flow_mode = "recompute"
 max_batch = {args.max_batch}
 token_first_hop_len = {args.first_hop}
+stream_scale_factor = {args.stream_scale}
+prefix_voices = {args.prefix_voices}
 hift_graphs = {str(not args.no_hift_graphs).lower()}
 
 [engine.cosyvoice2.vllm]
@@ -251,6 +253,8 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
     parser.add_argument("--first-hop", type=int, default=5, help="token_first_hop_len of the gateway")
     parser.add_argument("--tokens-per-second", type=float, default=30.0)
+    parser.add_argument("--stream-scale", type=int, default=1, help="stream_scale_factor of the gateway (hop growth)")
+    parser.add_argument("--prefix-voices", type=int, default=4, help="prefix_voices of the gateway (0 = off)")
     parser.add_argument("--ttfa-p95-ms", type=float, default=400.0)
     parser.add_argument("--flow-dtype", default="bfloat16")
     parser.add_argument("--max-batch", type=int, default=64)
