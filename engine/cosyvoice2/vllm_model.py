@@ -114,22 +114,25 @@ class CosyVoice2LogitsProcessor(LogitsProcessor):
         rows = sorted(i for i in self.rows if i < logits.shape[0])
         if not rows:
             return logits
-        # Classes a row may not take now: one small host-built mask, one copy. Speech
-        # classes close only for a row at its round's limit, which must stop now.
-        closed = [[False] * vocab.speech_token_size + [True] * n_special for _ in rows]
-        stopping = set()
+        # Special classes a row may not take now: one small host-built mask, one copy.
+        # (The speech classes are thousands of columns: they are closed by row index, only
+        # for the rare rows at their round's limit, which must stop now.)
+        first_special = vocab.speech(vocab.speech_token_size)
+        closed = [[True] * n_special for _ in rows]
+        stopping = []
         for k, i in enumerate(rows):
             rule, output_ids = self.rows[i]
             if rule.must_stop(len(output_ids)):
-                closed[k][: vocab.speech_token_size] = [True] * vocab.speech_token_size
-                stopping.add(i)
+                stopping.append(i)
             for unified in rule.allowed_specials(len(output_ids)):
-                closed[k][unified - vocab.speech_offset] = False
+                closed[k][unified - first_special] = False
         index = self._to_device(rows, torch.long)
-        start, end = vocab.speech_offset, vocab.speech_offset + vocab.num_speech_classes
-        logits[index, start:end] = logits[index, start:end].masked_fill(
+        specials = logits[index, first_special : first_special + n_special]
+        logits[index, first_special : first_special + n_special] = specials.masked_fill(
             self._to_device(closed, torch.bool), float("-inf")
         )
+        if stopping:
+            logits[self._to_device(stopping, torch.long), vocab.speech_offset : first_special] = float("-inf")
         ras_rows = [i for i in rows if self.rows[i][0].ras is not None and i not in stopping]
         if ras_rows:
             self._apply_ras(logits, ras_rows)
