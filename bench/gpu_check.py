@@ -91,6 +91,7 @@ flow_mode = "recompute"
 max_batch = {args.max_batch}
 token_first_hop_len = {args.first_hop}
 stream_scale_factor = {args.stream_scale}
+max_speech_per_text_token = {args.speech_per_text_token}
 prefix_voices = {args.prefix_voices}
 hift_graphs = {str(not args.no_hift_graphs).lower()}
 
@@ -253,7 +254,13 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
     parser.add_argument("--first-hop", type=int, default=5, help="token_first_hop_len of the gateway")
     parser.add_argument("--tokens-per-second", type=float, default=30.0)
-    parser.add_argument("--stream-scale", type=int, default=1, help="stream_scale_factor of the gateway (hop growth)")
+    parser.add_argument("--stream-scale", type=int, default=2, help="stream_scale_factor of the gateway (hop growth)")
+    parser.add_argument(
+        "--speech-per-text-token", type=float, default=7.5,
+        help="max_speech_per_text_token of the gateway: random weights never sample eos, so every reply "
+        "runs to this bound; 7.5 is a real speaking rate (25 speech tokens/s, ~3.3 text tokens/s), "
+        "the official bound 20 makes replies ~2.7x too long",
+    )
     parser.add_argument("--prefix-voices", type=int, default=4, help="prefix_voices of the gateway (0 = off)")
     parser.add_argument("--ttfa-p95-ms", type=float, default=400.0)
     parser.add_argument("--flow-dtype", default="bfloat16")

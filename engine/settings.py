@@ -108,6 +108,10 @@ class CosyVoice2Settings:
     # lever for time to first audio).
     token_first_hop_len: int = 25
     stream_scale_factor: int = 1
+    # A reply that reaches this many speech tokens per text token without eos is ended
+    # there (the official maximum ratio, 20). Benchmarks on random weights, which never
+    # sample eos, set a real speaking rate (~7) so that replies last as long as real ones.
+    max_speech_per_text_token: float = 20.0
     # incremental: keep the flow's per-chunk state, so chunk k costs about what chunk 1
     # does (exact; but the state is ~4.9 MB per mel frame at full size in float32, ~5 GB
     # for a 6 s prompt + 16 s of speech). recompute: the official way, re-run the flow
@@ -154,6 +158,8 @@ class CosyVoice2Settings:
             raise ValueError("stream_scale_factor must be >= 1")
         if self.flow_mode not in ("auto", "incremental", "recompute"):
             raise ValueError("flow_mode must be auto, incremental or recompute")
+        if self.max_speech_per_text_token <= 0:
+            raise ValueError("max_speech_per_text_token must be > 0")
         if self.prefix_voices < 0:
             raise ValueError("prefix_voices must be >= 0")
         if not 0 <= self.graph_max_batch <= self.max_batch:

@@ -362,6 +362,22 @@ def test_a_dead_vllm_engine_is_reported() -> None:
     assert "died" in stage.failure()
 
 
+async def test_a_reply_without_eos_ends_at_the_configured_ratio(plain_inputs) -> None:
+    """A model that never samples eos: the final round is stopped by the logits processor's
+    rule at max_speech_per_text_token x the text's tokens, and the stream ends cleanly."""
+    engine = StreamingInputEngine(random_model(seed=2, eos_bias=-100.0))
+    stage = stage_on(engine, greedy=True)
+    stage.max_speech_per_text_token = 1.5
+    done = asyncio.get_running_loop().create_future()
+    stream = stage.open(PROMPT_TEXT, PROMPT_SPEECH, lambda tokens: None, done.set_result)
+    stream.push_text_ids(TEXT)
+    stream.end_text()
+    assert await asyncio.wait_for(done, 30) is None
+    final = stream.rounds[-1]
+    assert final.chunk.final and len(final.emitted) == int(1.5 * len(TEXT))
+    assert engine.round_ends[-1] == "limit" and engine.finished
+
+
 async def test_teacher_forced_replay_scores_what_the_backend_chose(plain_inputs) -> None:
     """The GPU equality check's replay (bench/vllm_equality.py): greedy choices of the same model
     score 0 at every step, rounds ending at fill included; another model's choices do not."""

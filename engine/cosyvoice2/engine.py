@@ -100,6 +100,7 @@ class CosyVoice2Engine(Engine):
             raise EngineError(f"cannot load the CosyVoice2 model: {exc}") from exc
         if self.lm is None:
             self.lm = TorchLMStage(self.models.llm)
+        self.lm.max_speech_per_text_token = settings.max_speech_per_text_token
         self.sample_rate = self.models.configs.sample_rate
         self.voice_store = VoiceStore(self.voices_dir, self.models.frontend)
         if not self.voice_store.list():

@@ -24,7 +24,8 @@ from engine.cosyvoice2.llm import CosyVoice2LM, TorchLMBackend
 log = logging.getLogger(__name__)
 
 # Safety bound on speech per text token (the official offline maximum ratio is 20):
-# a model that never samples eos cannot speak forever.
+# a model that never samples eos cannot speak forever. Each stage reads its own
+# ``max_speech_per_text_token`` (the engine sets it from config).
 MAX_SPEECH_PER_TEXT_TOKEN = 20
 
 
@@ -43,6 +44,9 @@ class LMStream(abc.ABC):
 
 
 class LMStage(abc.ABC):
+    # Speech tokens a reply may have per text token before it is ended without eos.
+    max_speech_per_text_token: float = MAX_SPEECH_PER_TEXT_TOKEN
+
     @abc.abstractmethod
     def open(
         self,
@@ -145,7 +149,7 @@ class _TorchStream(LMStream):
                 emitted += 1
                 self._loop.call_soon_threadsafe(self._on_tokens, [token])
                 # The bound applies once all text is in: until then more text may justify more speech.
-                if self._text_ended and emitted >= MAX_SPEECH_PER_TEXT_TOKEN * max(self._text_tokens, 1):
+                if self._text_ended and emitted >= self._stage.max_speech_per_text_token * max(self._text_tokens, 1):
                     log.warning("speech token limit reached without eos; ending the utterance")
                     break
         except BaseException as exc:  # reported to the utterance, which raises it as EngineError

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.cosyvoice2.llm import BistreamPlanner, Chunk, LLMConfig, offline_chunk
-from engine.cosyvoice2.lm_stage import MAX_SPEECH_PER_TEXT_TOKEN, LMStage, LMStream
+from engine.cosyvoice2.lm_stage import LMStage, LMStream
 from engine.cosyvoice2.sampling import SamplingConfig
 from engine.cosyvoice2.vllm_rounds import RoundRequest, RoundTracker, round_request
 from engine.settings import VLLMSettings
@@ -342,7 +342,7 @@ class _RoundRunner:
             room = self.stage.settings.max_model_len - self.context - len(chunk.ids)
             request = round_request(
                 chunk, self.stage.vocab, None if self.greedy else self.stage.sampling, self.history,
-                min(room - 1, MAX_SPEECH_PER_TEXT_TOKEN * max(self.text_tokens, 1)), room,
+                min(room - 1, int(self.stage.max_speech_per_text_token * max(self.text_tokens, 1))), room,
             )
             self._check_room(request)
             self.context += len(request.prompt_token_ids)
