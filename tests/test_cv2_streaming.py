@@ -134,9 +134,11 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
     alone = [token2wav._flow(token2wav.next_job(state)) for state in streams()]
     jobs = [token2wav.next_job(state) for state in streams()]
     together = token2wav._flows(jobs)
-    # Two voices after their prefixes; with room for one prefix, each call rebuilds the other's.
+    # Two voices after their prefixes; with room for one prefix only, the batch runs without.
+    assert len(after_prefix._flows(jobs)) == len(jobs) and not after_prefix._prefixes
+    after_prefix.prefix_voices = 2
     together_after_prefix = after_prefix._flows(jobs)
-    assert len(after_prefix._prefixes) == 1
+    assert len(after_prefix._prefixes) == 2
     assert not any(job.finalize for job in jobs)
     for a, b, c in zip(alone, together, together_after_prefix):
         assert a.shape == b.shape == c.shape

@@ -240,7 +240,8 @@ class Token2Wav:
         prompt_feat, prompt_feat_len = padded([p.speech_feat[0] for p in prompts])
         embedding = torch.cat([p.embedding for p in prompts])
         prefixes = None
-        if not finalize and self.prefix_voices:
+        # More voices than the cache holds would rebuild prefixes batch after batch.
+        if not finalize and 0 < len({id(p) for p in prompts}) <= self.prefix_voices:
             graphs = self.flow.decoder.graphs
             frames = max(self.mel_ratio * (p.tokens + job.end - self.lookahead) for p, job in zip(prompts, jobs))
             if graphs is None or not graphs.has(len(jobs), frames, True):
