@@ -120,11 +120,13 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
     shorter = models.frontend.prepare(voiced(1.4, 24000), 24000, "Short.")
     token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
     after_prefix = Token2Wav(models.flow, models.hift, scale=1, incremental=False, prefix_voices=1)
+    # One VoicePrompt per voice, as the engine keeps them.
+    prompts = {id(v): VoicePrompt(v.speech_tokens, v.speech_feat, v.embedding) for v in (voice, shorter)}
 
     def streams():
         made = []
         for prompt, n, skip in ((voice, 137, 1), (shorter, 90, 0), (voice, 120, 2)):
-            state = token2wav.new_stream(VoicePrompt(prompt.speech_tokens, prompt.speech_feat, prompt.embedding))
+            state = token2wav.new_stream(prompts[id(prompt)])
             state.tokens, state.tokens_done = list(tokens[:n]), True
             for _ in range(skip):  # different chunk indices
                 token2wav.run([token2wav.next_job(state)])
