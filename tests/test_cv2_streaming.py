@@ -136,8 +136,9 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
     alone = [token2wav._flow(token2wav.next_job(state)) for state in streams()]
     jobs = [token2wav.next_job(state) for state in streams()]
     together = token2wav._flows(jobs)
-    # Two voices after their prefixes; with room for one prefix only, the batch runs without.
-    assert len(after_prefix._flows(jobs)) == len(jobs) and not after_prefix._prefixes
+    # A flow call with more voices than the cache holds runs without prefixes.
+    after_prefix._flow_batched(jobs, False)
+    assert not after_prefix._prefixes
     after_prefix.prefix_voices = 2
     together_after_prefix = after_prefix._flows(jobs)
     assert len(after_prefix._prefixes) == 2
@@ -146,6 +147,32 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
         assert a.shape == b.shape == c.shape
         assert float((a - b).abs().max()) <= 1e-4
         assert float((a - c).abs().max()) <= 1e-4
+
+
+def test_chunks_of_very_different_contexts_run_in_separate_flow_calls(models, voice, tokens, monkeypatch):
+    """Rows of one flow call are padded to its longest: a late chunk of a long turn does not
+    make the first chunks of new turns pay for its context. Each still gets its own mel."""
+    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+
+    def job(skip: int):
+        state = token2wav.new_stream(prompt)
+        state.tokens, state.tokens_done = list(tokens), True
+        for _ in range(skip):
+            token2wav.run([token2wav.next_job(state)])
+        return token2wav.next_job(state)
+
+    jobs = [job(0), job(3), job(0)]
+    widths = [token2wav.job_frames(j) for j in jobs]
+    assert widths[1] > 1.25 * widths[0] and not any(j.finalize for j in jobs)
+    alone = [token2wav._flow(j) for j in jobs]
+    calls = []
+    batched = token2wav.flow.inference_batch
+    monkeypatch.setattr(token2wav.flow, "inference_batch", lambda *a, **k: calls.append(a[0].shape[0]) or batched(*a, **k))
+    together = token2wav._flows(jobs)
+    assert calls == [2, 1]  # the two first chunks together, then the late chunk alone
+    for a, b in zip(alone, together):
+        assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
 
 
 def test_final_chunks_of_several_utterances_batch_exactly(models, voice, tokens):

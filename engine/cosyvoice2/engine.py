@@ -42,7 +42,7 @@ from engine.base import (
 )
 from engine.cosyvoice2.lm_stage import LMStage, LMStream, TorchLMStage
 from engine.cosyvoice2.model import DTYPES, CosyVoice2Models, load_models, missing_files
-from engine.cosyvoice2.token2wav import StreamState, Token2Wav, VoicePrompt
+from engine.cosyvoice2.token2wav import PADDING_LIMIT, StreamState, Token2Wav, VoicePrompt
 from engine.cosyvoice2.voices import UnknownVoiceError, VoiceStore
 from engine.scheduling import PlaybackClock
 from engine.settings import CosyVoice2Settings
@@ -51,10 +51,6 @@ from engine.text import TextNormalizer
 log = logging.getLogger(__name__)
 
 _OUTPUT_CHUNKS = 4  # chunks an utterance may hold before its consumer takes them
-# Batched flow rows are padded to the longest context, so a batch may cost at most this
-# much more than its rows alone; a job that would pad more waits for a batch of its size
-# (unless it is due now: a stall costs more than padding).
-_PADDING_LIMIT = 1.25
 # Early chunks (Token2Wav.next_job(early=True)) only while batches take less than this.
 EARLY_MAX_BATCH_S = 0.3
 _END = object()
@@ -504,7 +500,10 @@ class Token2WavWorker:
                 break
             frames = self.token2wav.job_frames(job)
             padded = (len(batch) + 1) * max(width, frames)
-            if batch and deadline > now and padded > _PADDING_LIMIT * (useful + frames):
+            # A much longer context than the batch's waits for a batch of its size unless it
+            # is due now (Token2Wav runs very different contexts in separate flow calls, but
+            # the batch's audio comes out when its last call ends).
+            if batch and deadline > now and padded > PADDING_LIMIT * (useful + frames):
                 continue
             batch.append((handle, job))
             useful, width = useful + frames, max(width, frames)

@@ -43,6 +43,9 @@ from engine.cosyvoice2.flow import Flow, FlowStreamCache, VoicePrefix
 from engine.cosyvoice2.hift import HiFT
 
 MEL_CACHE_FRAMES = 8
+# Rows of one flow call are padded to its longest context, so a call may cost at most this
+# much more than its rows alone: chunks of very different contexts go in separate calls.
+PADDING_LIMIT = 1.25
 
 
 @dataclass(frozen=True)
@@ -220,9 +223,26 @@ class Token2Wav:
         final = [i for i, job in enumerate(jobs) if job.finalize]
         mels: dict[int, torch.Tensor] = {}
         for rows, finalize in ((streaming, False), (final, True)):
-            if len(rows) > 1 or (rows and not finalize and self.prefix_voices):
-                mels.update(zip(rows, self._flow_batched([jobs[i] for i in rows], finalize)))
+            for group in self._width_groups([jobs[i] for i in rows]):
+                members = [rows[k] for k in group]
+                if len(members) > 1 or (not finalize and self.prefix_voices):
+                    mels.update(zip(members, self._flow_batched([jobs[i] for i in members], finalize)))
         return [mels[i] if i in mels else self._flow(job) for i, job in enumerate(jobs)]
+
+    def _width_groups(self, jobs: list[ChunkJob]) -> list[list[int]]:
+        """Indices of ``jobs`` in groups of similar context, one flow call each, so that no
+        call pads its rows beyond ``PADDING_LIMIT`` times their own work."""
+        groups: list[list[int]] = []
+        useful = 0
+        for i in sorted(range(len(jobs)), key=lambda i: self.job_frames(jobs[i])):
+            frames = self.job_frames(jobs[i])  # the longest so far: the group's width if it joins
+            if groups and (len(groups[-1]) + 1) * frames <= PADDING_LIMIT * (useful + frames):
+                groups[-1].append(i)
+                useful += frames
+            else:
+                groups.append([i])
+                useful = frames
+        return groups
 
     def _flow_batched(self, jobs: list[ChunkJob], finalize: bool) -> list[torch.Tensor]:
         """Chunks of several utterances in one flow call (each row equals running it alone)."""
