@@ -205,12 +205,13 @@ def take_profile(pid: int, path: Path) -> dict | None:
 
 
 async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> None:
-    """Whole replies at once for one session first (time to first audio of the system
-    itself), then the ramp with replies streamed as deltas."""
+    """First audio of the system itself (whole replies, each cut off after its first audio, so
+    that a level holds many), then whole replies, then the ramp with replies streamed as deltas."""
     http = f"http://127.0.0.1:{args.port}"
     url = f"ws://127.0.0.1:{args.port}/v1/stream"
     levels = []
-    plan = [("full", n) for n in args.full_sessions] + [(args.workload, n) for n in args.sessions]
+    plan = [("full-barge-in", n) for n in args.first_audio_sessions] + [("full", n) for n in args.full_sessions]
+    plan += [(args.workload, n) for n in args.sessions]
     for workload, sessions in plan:
         before = scrape(f"{http}/metrics")
         take_profile(gateway_pid, profile_path)
@@ -251,6 +252,8 @@ def main() -> int:
     parser.add_argument("--workload", default="llm", choices=loadgen.WORKLOADS)
     parser.add_argument("--full-sessions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 128],
                         help="levels of whole replies sent at once, run before the --workload levels")
+    parser.add_argument("--first-audio-sessions", type=lambda s: [int(x) for x in s.split(",") if x], default=[1],
+                        help="levels of whole replies cut off after first audio (full-barge-in), run first")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
     parser.add_argument("--first-hop", type=int, default=5, help="token_first_hop_len of the gateway")
     parser.add_argument("--tokens-per-second", type=float, default=30.0)

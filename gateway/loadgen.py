@@ -6,7 +6,9 @@ from the corpus and speaks it in a new context:
 - ``full``: the whole reply in one ``text`` frame, then ``end``;
 - ``llm``: ~4-character deltas at ``--tokens-per-second`` while audio is read;
 - ``barge-in``: like ``llm``, then ``cancel`` at a random (seeded) moment after
-  first audio, and on to the next reply.
+  first audio, and on to the next reply;
+- ``full-barge-in``: like ``full``, then ``cancel`` as in ``barge-in``: many
+  first-audio samples per session, each without text arrival in it.
 
 Per context, on the client's clock:
 
@@ -41,7 +43,7 @@ from pathlib import Path
 from gateway.client import GatewayError, TTSClient
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "bench" / "data"
-WORKLOADS = ("full", "llm", "barge-in")
+WORKLOADS = ("full", "llm", "barge-in", "full-barge-in")
 DELTA_CHARS = 4
 BARGE_IN_AFTER_S = (0.2, 2.0)  # cancel this long after first audio (uniform, seeded)
 
@@ -100,7 +102,8 @@ async def _speak(tts: TTSClient, text: str, record: Record, rng: random.Random, 
     """Run one context to its end (or the deadline), filling in ``record``."""
     loop = asyncio.get_running_loop()
     ctx = tts.context()
-    deltas = [text] if record.workload == "full" else [text[i:i + DELTA_CHARS] for i in range(0, len(text), DELTA_CHARS)]
+    whole = record.workload in ("full", "full-barge-in")
+    deltas = [text] if whole else [text[i:i + DELTA_CHARS] for i in range(0, len(text), DELTA_CHARS)]
     started = None
     first_audio = asyncio.Event()
     stopping = False  # we cancel: send nothing more
@@ -137,7 +140,7 @@ async def _speak(tts: TTSClient, text: str, record: Record, rng: random.Random, 
         await ctx.cancel()
 
     tasks = [asyncio.create_task(send())]
-    if record.workload == "barge-in":
+    if record.workload.endswith("barge-in"):
         tasks.append(asyncio.create_task(barge_in()))
     receiver = asyncio.create_task(receive())
     try:
@@ -277,7 +280,7 @@ async def run(url: str, *, sessions: int = 1, workload: str = "llm", duration: f
 
 def markdown_table(result: dict) -> str:
     cfg = result["config"]
-    rate = f" at {cfg['tokens_per_second']:g} tokens/s" if cfg["workload"] != "full" else ""
+    rate = f" at {cfg['tokens_per_second']:g} tokens/s" if cfg["workload"] not in ("full", "full-barge-in") else ""
     lines = [
         f"Workload `{cfg['workload']}`{rate}, {cfg['duration_s']:g} s per level, corpus {cfg['corpus']}.",
         "",

@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import gateway.loadgen as loadgen
 from tests.conftest import ws_url
 
@@ -42,10 +44,12 @@ async def test_llm_run_writes_json_markdown_and_plots(gateway, tmp_path):
     assert all((tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG" for name in pngs)
 
 
-async def test_barge_in_cancels(gateway):
-    result = await loadgen.run(ws_url(gateway), sessions=2, workload="barge-in", duration=5, seed=1)
+@pytest.mark.parametrize("workload", ["barge-in", "full-barge-in"])
+async def test_barge_in_cancels(gateway, workload):
+    result = await loadgen.run(ws_url(gateway), sessions=2, workload=workload, duration=5, seed=1)
     assert result["summary"]["outcomes"].get("cancelled", 0) >= 1
     assert result["summary"]["errors"] == 0
+    assert result["summary"]["ttfa_ms"]["n"] >= 2
 
 
 async def test_ramp_reports_a_capacity(gateway):
