@@ -137,7 +137,7 @@ async def main() -> int:
         torch_offline = list(backend.generate_offline(text, prompt_text, prompt_speech))
         vllm_offline = await stage.generate_offline(text, prompt_text, prompt_speech, greedy=True, trace=offline_trace)
         torch_bistream = list(backend.generate_bistream(
-            [[t] for t in text], prompt_text, prompt_speech, first_round_budget=True, final_max_tokens=bound,
+            [[t] for t in text], prompt_text, prompt_speech, first_round_budget=True, max_reply_tokens=bound,
         ))
         vllm_bistream = await bistream_on(stage, text, prompt_text, prompt_speech, bistream_trace)
         for mode, ours, reference, trace in (("offline", vllm_offline, torch_offline, offline_trace),

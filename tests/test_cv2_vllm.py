@@ -363,18 +363,26 @@ def test_a_dead_vllm_engine_is_reported() -> None:
 
 
 async def test_a_reply_without_eos_ends_at_the_configured_ratio(plain_inputs) -> None:
-    """A model that never samples eos: the final round is stopped by the logits processor's
-    rule at max_speech_per_text_token x the text's tokens, and the stream ends cleanly."""
-    engine = StreamingInputEngine(random_model(seed=2, eos_bias=-100.0))
+    """A model that never samples eos: the reply is stopped by the logits processor's rule
+    once it has max_speech_per_text_token x the text's tokens, and the stream ends cleanly."""
+    model = random_model(seed=2, eos_bias=-100.0)
+    engine = StreamingInputEngine(model)
     stage = stage_on(engine, greedy=True)
-    stage.max_speech_per_text_token = 1.5
+    stage.max_speech_per_text_token = 6.0
     done = asyncio.get_running_loop().create_future()
-    stream = stage.open(PROMPT_TEXT, PROMPT_SPEECH, lambda tokens: None, done.set_result)
+    tokens: list[int] = []
+    stream = stage.open(PROMPT_TEXT, PROMPT_SPEECH, tokens.extend, done.set_result)
     stream.push_text_ids(TEXT)
     stream.end_text()
     assert await asyncio.wait_for(done, 30) is None
     final = stream.rounds[-1]
-    assert final.chunk.final and len(final.emitted) == int(1.5 * len(TEXT))
+    assert final.chunk.final and sum(len(r.emitted) for r in stream.rounds) == int(6.0 * len(TEXT))
+    assert len(stream.rounds) > 2 and len(final.emitted) > 0
+    # The torch backend under the same bound (the GPU token check's reference) says the same.
+    expected = masking_backend(model).generate_bistream(
+        [[t] for t in TEXT], PROMPT_TEXT, PROMPT_SPEECH, first_round_budget=True, max_reply_tokens=int(6.0 * len(TEXT))
+    )
+    assert tokens == list(expected)
     assert engine.round_ends[-1] == "limit" and engine.finished
 
 

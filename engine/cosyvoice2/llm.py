@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -605,14 +605,20 @@ class TorchLMBackend:
         text_pieces: Iterable[Sequence[int]],
         prompt_text: Sequence[int] = (),
         prompt_speech: Sequence[int] = (),
+        max_reply_tokens: int | None = None,
         **planner_options: Any,
     ) -> Iterator[int]:
-        """Speech tokens while the text arrives in pieces of token ids (see :class:`BistreamPlanner`)."""
+        """Speech tokens while the text arrives in pieces of token ids (see :class:`BistreamPlanner`).
+
+        ``max_reply_tokens``: a bound on the whole reply; the final round may emit what the
+        rounds before it left (at least one token).
+        """
         planner = BistreamPlanner(
             self.vocab, prompt_text, prompt_speech, self.model.config.mix_ratio, **planner_options
         )
         self.reset()
         history: list[int] = []
+        total = 0
         for piece in text_pieces:
             chunk = planner.push_text(piece)
             if chunk is None:
@@ -622,7 +628,11 @@ class TorchLMBackend:
                 emitted.append(speech_class)
                 yield speech_class
             planner.round_done(emitted)
-        yield from self.run(planner.finish(), history)
+            total += len(emitted)
+        final = planner.finish()
+        if max_reply_tokens is not None:
+            final = replace(final, max_tokens=max(1, max_reply_tokens - total))
+        yield from self.run(final, history)
 
 
 __all__ = [

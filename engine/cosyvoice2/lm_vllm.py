@@ -285,7 +285,6 @@ class _RoundRunner:
         self.context = 0  # positions in the request's context
         self.text_tokens = 0  # text tokens received (bounds the final round)
         self._tracker: RoundTracker | None = None
-        self._limit = 0  # the current round's limit (RoundRule.limit)
         self.rounds: list[RoundTracker] = []  # every round given, with what it emitted
         self._round_over = asyncio.Event()
         self.input_error: Exception | None = None  # raised while making a round (see _inputs)
@@ -313,7 +312,7 @@ class _RoundRunner:
                     self.on_tokens(new)
             tracker.finish_reason = completion.finish_reason
             if completion.finish_reason is not None or tracker.done:
-                if tracker.chunk.final and tracker.chunk.max_tokens is None and len(tracker.emitted) >= self._limit:
+                if tracker.chunk.final and tracker.chunk.max_tokens is None and len(self.tokens) >= self._reply_limit():
                     log.warning("speech token limit reached without eos; ending the utterance")
                 tracker.done = True
                 self.context -= 1  # the round's last sampled token does not stay in the context
@@ -342,12 +341,11 @@ class _RoundRunner:
             room = self.stage.settings.max_model_len - self.context - len(chunk.ids)
             request = round_request(
                 chunk, self.stage.vocab, None if self.greedy else self.stage.sampling, self.history,
-                min(room - 1, int(self.stage.max_speech_per_text_token * max(self.text_tokens, 1))), room,
+                min(room - 1, max(1, self._reply_limit() - len(self.tokens))), room,
             )
             self._check_room(request)
             self.context += len(request.prompt_token_ids)
             self._tracker = RoundTracker(chunk, self.stage.vocab)
-            self._limit = request.rule.limit
             self.rounds.append(self._tracker)
             self._round_over.clear()
             yield streaming_input(request, greedy=self.greedy)
@@ -356,6 +354,10 @@ class _RoundRunner:
             await self._round_over.wait()
             emitted = self._tracker.emitted
             self.history = self._tracker.history_after(self.history)
+
+    def _reply_limit(self) -> int:
+        """Speech tokens the whole reply may have: a model that never samples eos ends there."""
+        return int(self.stage.max_speech_per_text_token * max(self.text_tokens, 1))
 
     def _check_room(self, request: RoundRequest) -> None:
         """The round's limit, plus the stop token that ends it, must fit the model's length."""
