@@ -115,7 +115,8 @@ async def test_an_utterance_whose_consumer_lags_is_not_scheduled():
 
 
 async def test_a_much_longer_context_waits_for_a_batch_of_its_size():
-    """Rows are padded to the longest: a long context joins short ones only when it is due now."""
+    """Rows are padded to the longest: a long context joins short ones only when it is due now,
+    and then runs as its own batch after theirs."""
 
     async def batches_for(utterances: dict[str, tuple[int, float | None]]) -> list[list[str]]:
         """utterances: name -> (context frames, seconds of buffered audio left, or None for no audio yet)."""
@@ -142,8 +143,10 @@ async def test_a_much_longer_context_waits_for_a_batch_of_its_size():
         ["short1", "short2"],
         ["long"],
     ]
-    # Due now (no audio yet): it goes in whatever the padding.
-    assert await batches_for({"short": (300, None), "long": (1200, None)}) == [["long", "short"]]
+    # Due now (no audio yet): it is taken at once, but runs after the narrower rows, so that
+    # their audio does not wait for its context.
+    assert await batches_for({"short": (300, None), "long": (1200, None)}) == [["short"], ["long"]]
+    assert await batches_for({"a": (300, None), "long": (1200, None), "b": (320, None)}) == [["a", "b"], ["long"]]
 
 
 class EarlyToken2Wav(FakeToken2Wav):

@@ -42,7 +42,7 @@ from engine.base import (
 )
 from engine.cosyvoice2.lm_stage import LMStage, LMStream, TorchLMStage
 from engine.cosyvoice2.model import DTYPES, CosyVoice2Models, load_models, missing_files
-from engine.cosyvoice2.token2wav import PADDING_LIMIT, StreamState, Token2Wav, VoicePrompt
+from engine.cosyvoice2.token2wav import PADDING_LIMIT, StreamState, Token2Wav, VoicePrompt, width_groups
 from engine.cosyvoice2.voices import UnknownVoiceError, VoiceStore
 from engine.scheduling import PlaybackClock
 from engine.settings import CosyVoice2Settings
@@ -500,9 +500,9 @@ class Token2WavWorker:
                 break
             frames = self.token2wav.job_frames(job)
             padded = (len(batch) + 1) * max(width, frames)
-            # A much longer context than the batch's waits for a batch of its size unless it
-            # is due now (Token2Wav runs very different contexts in separate flow calls, but
-            # the batch's audio comes out when its last call ends).
+            # A much longer context than the batch's, not due yet, waits for a batch of its
+            # size: now it would run on its own after the others (see _run), holding back
+            # whatever arrives meanwhile.
             if batch and deadline > now and padded > PADDING_LIMIT * (useful + frames):
                 continue
             batch.append((handle, job))
@@ -523,38 +523,47 @@ class Token2WavWorker:
                 if self._stopping:
                     return
                 self.running = len(batch)
-            started = time.monotonic()
-            try:
-                audio = self.token2wav.run([job for _, job in batch])
-                error = None
-            except Exception as exc:  # delivered to each utterance of the batch
-                log.exception("token2wav failed")
-                error = EngineError(f"audio generation failed: {exc}")
-            now = time.monotonic()
-            compute_s = (now - started) / max(len(batch), 1)
-            self._recent_batch_s += 0.2 * (now - started - self._recent_batch_s)
+            # Chunks of very different contexts would run as separate flow calls anyway (rows
+            # are padded to a call's longest); as separate runs, narrowest first, the short
+            # ones (new turns' first chunks, mostly) are out before the long ones run.
+            for group in width_groups([self.token2wav.job_frames(job) for _, job in batch]):
+                self._run_batch([batch[i] for i in group])
             with self.lock:
                 self.running = 0
-                totals = self._totals
-                totals["token2wav_batches"] += 1
-                totals["token2wav_chunks"] += len(batch)
-                totals["token2wav_busy_seconds"] += now - started
-                for i, (handle, job) in enumerate(batch):
-                    if handle not in self.handles:
-                        continue  # cancelled while running
-                    if error is not None:
-                        self.handles.discard(handle)
-                        self.loop.call_soon_threadsafe(handle.output.put_nowait, error)
-                        continue
-                    samples = audio[i]
-                    self._account(handle, started, now)
-                    handle.clock.produced(len(samples) / self.token2wav.hift.config.sampling_rate, now)
-                    handle.pending += 1
-                    self.loop.call_soon_threadsafe(handle.output.put_nowait, (samples, compute_s))
-                    if job.finalize:
-                        self._finish(handle)
-                    else:
-                        handle.mark_ready(now)  # the next chunk's tokens may be there already
+
+    def _run_batch(self, batch: list) -> None:
+        """Run one batch of (handle, job) and hand each utterance its audio (or the error)."""
+        started = time.monotonic()
+        try:
+            audio = self.token2wav.run([job for _, job in batch])
+            error = None
+        except Exception as exc:  # delivered to each utterance of the batch
+            log.exception("token2wav failed")
+            error = EngineError(f"audio generation failed: {exc}")
+        now = time.monotonic()
+        compute_s = (now - started) / max(len(batch), 1)
+        self._recent_batch_s += 0.2 * (now - started - self._recent_batch_s)
+        with self.lock:
+            totals = self._totals
+            totals["token2wav_batches"] += 1
+            totals["token2wav_chunks"] += len(batch)
+            totals["token2wav_busy_seconds"] += now - started
+            for i, (handle, job) in enumerate(batch):
+                if handle not in self.handles:
+                    continue  # cancelled while running
+                if error is not None:
+                    self.handles.discard(handle)
+                    self.loop.call_soon_threadsafe(handle.output.put_nowait, error)
+                    continue
+                samples = audio[i]
+                self._account(handle, started, now)
+                handle.clock.produced(len(samples) / self.token2wav.hift.config.sampling_rate, now)
+                handle.pending += 1
+                self.loop.call_soon_threadsafe(handle.output.put_nowait, (samples, compute_s))
+                if job.finalize:
+                    self._finish(handle)
+                else:
+                    handle.mark_ready(now)  # the next chunk's tokens may be there already
 
     def _account(self, handle: StreamHandle, started: float, now: float) -> None:
         """Book a delivered chunk's latency by stage (see totals())."""

@@ -48,6 +48,22 @@ MEL_CACHE_FRAMES = 8
 PADDING_LIMIT = 1.25
 
 
+def width_groups(widths: list[int]) -> list[list[int]]:
+    """Indices of rows of these context widths in groups, narrowest group first, such that
+    padding each group to its widest row costs at most ``PADDING_LIMIT`` times its rows."""
+    groups: list[list[int]] = []
+    useful = 0
+    for i in sorted(range(len(widths)), key=widths.__getitem__):
+        width = widths[i]  # the widest so far: the group's width if the row joins
+        if groups and (len(groups[-1]) + 1) * width <= PADDING_LIMIT * (useful + width):
+            groups[-1].append(i)
+            useful += width
+        else:
+            groups.append([i])
+            useful = width
+    return groups
+
+
 @dataclass(frozen=True)
 class VoicePrompt:
     """A voice's flow conditioning, on the model's device."""
@@ -223,26 +239,12 @@ class Token2Wav:
         final = [i for i, job in enumerate(jobs) if job.finalize]
         mels: dict[int, torch.Tensor] = {}
         for rows, finalize in ((streaming, False), (final, True)):
-            for group in self._width_groups([jobs[i] for i in rows]):
+            for group in width_groups([self.job_frames(jobs[i]) for i in rows]):
                 members = [rows[k] for k in group]
                 if len(members) > 1 or (not finalize and self.prefix_voices):
                     mels.update(zip(members, self._flow_batched([jobs[i] for i in members], finalize)))
         return [mels[i] if i in mels else self._flow(job) for i, job in enumerate(jobs)]
 
-    def _width_groups(self, jobs: list[ChunkJob]) -> list[list[int]]:
-        """Indices of ``jobs`` in groups of similar context, one flow call each, so that no
-        call pads its rows beyond ``PADDING_LIMIT`` times their own work."""
-        groups: list[list[int]] = []
-        useful = 0
-        for i in sorted(range(len(jobs)), key=lambda i: self.job_frames(jobs[i])):
-            frames = self.job_frames(jobs[i])  # the longest so far: the group's width if it joins
-            if groups and (len(groups[-1]) + 1) * frames <= PADDING_LIMIT * (useful + frames):
-                groups[-1].append(i)
-                useful += frames
-            else:
-                groups.append([i])
-                useful = frames
-        return groups
 
     def _flow_batched(self, jobs: list[ChunkJob], finalize: bool) -> list[torch.Tensor]:
         """Chunks of several utterances in one flow call (each row equals running it alone)."""
