@@ -413,7 +413,7 @@ class Token2WavWorker:
         self.max_batch = max_batch
         self.loop = loop
         self.early_chunks = early_chunks
-        self._recent_batch_s = 0.0  # moving average of batch run times
+        self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
         self._wake_at: float | None = None  # when a listener becomes urgent (early chunks)
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
@@ -526,8 +526,11 @@ class Token2WavWorker:
             # Chunks of very different contexts would run as separate flow calls anyway (rows
             # are padded to a call's longest); as separate runs, narrowest first, the short
             # ones (new turns' first chunks, mostly) are out before the long ones run.
+            started = time.monotonic()
             for group in width_groups([self.token2wav.job_frames(job) for _, job in batch]):
                 self._run_batch([batch[i] for i in group])
+            # The whole round of groups: how long until the worker looks at the queue again.
+            self._recent_batch_s += 0.2 * (time.monotonic() - started - self._recent_batch_s)
             with self.lock:
                 self.running = 0
 
@@ -542,7 +545,6 @@ class Token2WavWorker:
             error = EngineError(f"audio generation failed: {exc}")
         now = time.monotonic()
         compute_s = (now - started) / max(len(batch), 1)
-        self._recent_batch_s += 0.2 * (now - started - self._recent_batch_s)
         with self.lock:
             totals = self._totals
             totals["token2wav_batches"] += 1
