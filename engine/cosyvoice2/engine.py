@@ -121,10 +121,9 @@ class CosyVoice2Engine(Engine):
         if device.type == "cuda" and settings.hift_graphs:
             await asyncio.to_thread(self._capture_hift_graphs)
         # After the vocoder graphs: a voice's first _prompt() allows its shapes there.
-        for info in self.voice_store.list()[: settings.prefix_voices]:
+        for info in self.voice_store.list()[: token2wav.prefix_voices]:
             prefix = await asyncio.to_thread(token2wav.prepare_voice, self._prompt(info.id)[0])
-            if prefix is not None:
-                log.info("voice %s: flow prefix of %d frames (%.2f GiB)", info.name, prefix.frames, prefix.nbytes / 2**30)
+            log.info("voice %s: flow prefix of %d frames (%.2f GiB)", info.name, prefix.frames, prefix.nbytes / 2**30)
         self.worker = Token2WavWorker(
             token2wav, settings.max_batch, asyncio.get_running_loop(), early_chunks=settings.early_chunks
         )

@@ -136,8 +136,9 @@ class Token2Wav:
         self.chunk_tokens = flow.config.encoder.static_chunk_size
         # Optional CUDA graphs of the vocoder (engine/cosyvoice2/hift_graphs.py), set by the engine.
         self.hift_graphs = None
-        # Voice prefixes of the decoder, most recently used last (see the module docstring).
-        self.prefix_voices = prefix_voices
+        # Voice prefixes of the decoder, most recently used last (see the module docstring);
+        # recompute mode only: incremental streams keep their own flow state.
+        self.prefix_voices = 0 if incremental else prefix_voices
         self._prefixes: OrderedDict[int, tuple[VoicePrompt, VoicePrefix]] = OrderedDict()
 
     def new_stream(self, prompt: VoicePrompt) -> StreamState:
@@ -265,7 +266,8 @@ class Token2Wav:
         # More voices than the cache holds would rebuild prefixes batch after batch.
         if not finalize and 0 < len({id(p) for p in prompts}) <= self.prefix_voices:
             graphs = self.flow.decoder.graphs
-            frames = max(self.mel_ratio * (p.tokens + job.end - self.lookahead) for p, job in zip(prompts, jobs))
+            # The decoder's width: the look-ahead tokens are context only.
+            frames = max(map(self.job_frames, jobs)) - self.mel_ratio * self.lookahead
             if graphs is None or not graphs.has(len(jobs), frames, True):
                 prefixes = [self._voice_prefix(p) for p in prompts]
         mel, new_len = self.flow.inference_batch(
@@ -276,11 +278,9 @@ class Token2Wav:
             mel[i : i + 1, :, job.state.offset * self.mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
         ]
 
-    def prepare_voice(self, prompt: VoicePrompt) -> VoicePrefix | None:
+    def prepare_voice(self, prompt: VoicePrompt) -> VoicePrefix:
         """Builds the voice's decoder prefix now (at start-up) rather than in its first batch."""
-        if self.prefix_voices and not self.incremental:
-            return self._voice_prefix(prompt)
-        return None
+        return self._voice_prefix(prompt)
 
     def _voice_prefix(self, prompt: VoicePrompt) -> VoicePrefix:
         """The voice's decoder prefix, built on first use; the least recently used beyond
