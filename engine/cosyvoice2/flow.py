@@ -691,11 +691,7 @@ class CFM(nn.Module):
                 frames=0,
                 keys=[mu.new_zeros(2, layer.heads, 0, layer.head_dim) for layer in layers],
                 values=[mu.new_zeros(2, layer.heads, 0, layer.head_dim) for layer in layers],
-                conv_context=[
-                    mu.new_zeros(2, conv.in_channels, conv.context)
-                    for _ in range(N_TIMESTEPS)
-                    for conv in self.estimator.causal_convs
-                ],
+                conv_context=self._zero_conv_context(2, mu),
             )
         cache = CFMStreamCache()
         mask = mu.new_ones(1, 1, frames)
@@ -723,17 +719,22 @@ class CFM(nn.Module):
 
     # -- incremental (streaming) decoding
 
+    def _zero_conv_context(self, rows: int, like: Tensor) -> list[Tensor]:
+        """Every causal conv's left context at the start of a sequence (its zero padding),
+        per Euler step: ``[step * n_conv + conv]`` -> ``[rows, channels, kernel - 1]``."""
+        return [
+            like.new_zeros(rows, conv.in_channels, conv.context)
+            for _ in range(N_TIMESTEPS)
+            for conv in self.estimator.causal_convs
+        ]
+
     def allocate_cache(self, cache: CFMStreamCache, sessions: int, frames: int, like: Tensor) -> None:
         """Grows ``cache`` (``sessions`` rows) so it can hold ``frames`` frames; keeps its contents."""
         chunk = self.config.estimator.static_chunk_size
         rows = 2 * sessions
         if not cache.started:
             cache.committed = [0] * sessions
-            cache.conv_context = [
-                like.new_zeros(rows, conv.in_channels, conv.context)
-                for _ in range(N_TIMESTEPS)
-                for conv in self.estimator.causal_convs
-            ]
+            cache.conv_context = self._zero_conv_context(rows, like)
         elif len(cache.committed) != sessions:
             raise ValueError(f"cache holds {len(cache.committed)} sessions, call has {sessions}")
         if frames <= cache.capacity:
