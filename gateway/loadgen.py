@@ -44,6 +44,7 @@ from gateway.client import GatewayError, TTSClient
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "bench" / "data"
 WORKLOADS = ("full", "llm", "barge-in", "full-barge-in")
+WHOLE_REPLY_WORKLOADS = ("full", "full-barge-in")  # the reply in one text frame; the others stream deltas
 DELTA_CHARS = 4
 BARGE_IN_AFTER_S = (0.2, 2.0)  # cancel this long after first audio (uniform, seeded)
 
@@ -102,8 +103,7 @@ async def _speak(tts: TTSClient, text: str, record: Record, rng: random.Random, 
     """Run one context to its end (or the deadline), filling in ``record``."""
     loop = asyncio.get_running_loop()
     ctx = tts.context()
-    whole = record.workload in ("full", "full-barge-in")
-    deltas = [text] if whole else [text[i:i + DELTA_CHARS] for i in range(0, len(text), DELTA_CHARS)]
+    deltas = [text] if record.workload in WHOLE_REPLY_WORKLOADS else [text[i:i + DELTA_CHARS] for i in range(0, len(text), DELTA_CHARS)]
     started = None
     first_audio = asyncio.Event()
     stopping = False  # we cancel: send nothing more
@@ -280,7 +280,7 @@ async def run(url: str, *, sessions: int = 1, workload: str = "llm", duration: f
 
 def markdown_table(result: dict) -> str:
     cfg = result["config"]
-    rate = f" at {cfg['tokens_per_second']:g} tokens/s" if cfg["workload"] not in ("full", "full-barge-in") else ""
+    rate = f" at {cfg['tokens_per_second']:g} tokens/s" if cfg["workload"] not in WHOLE_REPLY_WORKLOADS else ""
     lines = [
         f"Workload `{cfg['workload']}`{rate}, {cfg['duration_s']:g} s per level, corpus {cfg['corpus']}.",
         "",
