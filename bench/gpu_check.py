@@ -165,7 +165,7 @@ def run_load(url: str, workload: str, sessions: int, args) -> dict:
 def stage_report(before: dict, after: dict, elapsed: float) -> dict:
     """Where the time went over one level, from the gateway's own counters."""
     def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
+        return counter_delta(before, after, name)
 
     totals = {name: round(delta(f"tts_{name}_total"), 3) for name in (
         "llm_generated_tokens", "llm_prompt_tokens", "llm_steps", "llm_inter_token_seconds", "llm_inter_tokens",
@@ -191,6 +191,16 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "event_loop_lag_mean_ms": round(1000 * delta("tts_event_loop_lag_seconds_sum") / lag_n, 2) if lag_n else None,
         "event_loop_lag_share_over_s": lag_over,
     }
+
+
+def counter_delta(before: dict, after: dict, name: str) -> float:
+    """How much a scraped counter grew between two scrapes."""
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def session_list(text: str) -> list[int]:
+    """``1,16,64`` -> [1, 16, 64]; an empty string -> []."""
+    return [int(x) for x in text.split(",") if x]
 
 
 def take_profile(pid: int, path: Path) -> dict | None:
@@ -219,10 +229,8 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
         summary = await asyncio.to_thread(run_load, url, workload, sessions, args)
         elapsed = time.perf_counter() - started
         after = scrape(f"{http}/metrics")
-        queried = after.get("tts_llm_prefix_cache_queried_tokens_total", 0) - before.get(
-            "tts_llm_prefix_cache_queried_tokens_total", 0)
-        hits = after.get("tts_llm_prefix_cache_hit_tokens_total", 0) - before.get(
-            "tts_llm_prefix_cache_hit_tokens_total", 0)
+        queried = counter_delta(before, after, "tts_llm_prefix_cache_queried_tokens_total")
+        hits = counter_delta(before, after, "tts_llm_prefix_cache_hit_tokens_total")
         level = {
             "workload": workload,
             "sessions": sessions,
@@ -248,11 +256,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check")))
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/cv2-full"))
     parser.add_argument("--prompt-wav", type=Path, default=ROOT / ".gpu" / "prompt.wav")
-    parser.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 128, 256])
+    parser.add_argument("--sessions", type=session_list, default=[1, 16, 64, 128, 256])
     parser.add_argument("--workload", default="llm", choices=loadgen.WORKLOADS)
-    parser.add_argument("--full-sessions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 128],
+    parser.add_argument("--full-sessions", type=session_list, default=[1, 16, 64, 128],
                         help="levels of whole replies sent at once, run before the --workload levels")
-    parser.add_argument("--first-audio-sessions", type=lambda s: [int(x) for x in s.split(",") if x], default=[1],
+    parser.add_argument("--first-audio-sessions", type=session_list, default=[1],
                         help="levels of whole replies cut off after first audio (full-barge-in), run first")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
     parser.add_argument("--first-hop", type=int, default=5, help="token_first_hop_len of the gateway")
