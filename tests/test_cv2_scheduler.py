@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.cosyvoice2.engine import _END, Token2WavWorker
+from engine.cosyvoice2.token2wav import cheapest_groups
 
 from .conftest import eventually, until
 
@@ -40,6 +41,10 @@ class FakeToken2Wav:
 
     def job_frames(self, job: FakeJob) -> int:
         return job.state.frames
+
+    def plan(self, jobs):
+        # Calls padded to their longest row, at a small cost per call (as Token2Wav.plan).
+        return cheapest_groups([job.state.frames for job in jobs], lambda rows, width: 100 + rows * width)
 
     def next_job(self, state: FakeState):
         if state.chunks == 0:
@@ -205,3 +210,43 @@ async def test_no_early_chunks_when_turned_off():
         assert fake.batches == [] and queue.empty()
     finally:
         await asyncio.to_thread(worker.stop)
+
+
+def brute_force_cost(widths: list[int], cost) -> int:
+    """The least total cost over every split of the rows into calls (any sets, not just runs)."""
+    def splits(rows: list[int]):
+        if not rows:
+            yield []
+            return
+        first, rest = rows[0], rows[1:]
+        for split in splits(rest):
+            for i in range(len(split)):
+                yield split[:i] + [[first, *split[i]]] + split[i + 1 :]
+            yield [[first], *split]
+
+    return min(sum(cost(len(g), max(widths[i] for i in g)) for g in split) for split in splits(list(range(len(widths)))))
+
+
+def test_cheapest_groups_is_the_least_cost_split():
+    rng = np.random.default_rng(7)
+    for fixed, floor in ((0, 0), (300, 0), (1400, 0), (100, 2000)):
+        def cost(rows, width, fixed=fixed, floor=floor):
+            return max(floor, fixed + rows * width)
+
+        for _ in range(30):
+            widths = [int(w) for w in rng.integers(20, 1500, size=int(rng.integers(1, 7)))]
+            groups = cheapest_groups(widths, cost)
+            assert sorted(i for g in groups for i in g) == list(range(len(widths)))
+            total = sum(cost(len(g), max(widths[i] for i in g)) for g in groups)
+            assert total == brute_force_cost(widths, cost)
+            tops = [max(widths[i] for i in g) for g in groups]
+            assert tops == sorted(tops)  # narrowest call first
+
+
+def test_cheapest_groups_at_the_extremes():
+    widths = [100, 800, 100, 120]
+    # Calls cost nothing beyond their rows: each width alone, narrowest first.
+    assert cheapest_groups(widths, lambda rows, width: rows * width) == [[0, 2], [3], [1]]
+    # A call costs more than any padding: one call.
+    assert cheapest_groups(widths, lambda rows, width: 10_000 + rows * width) == [[0, 2, 3, 1]]
+    assert cheapest_groups([], lambda rows, width: rows * width) == []

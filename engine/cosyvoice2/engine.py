@@ -42,7 +42,7 @@ from engine.base import (
 )
 from engine.cosyvoice2.lm_stage import LMStage, LMStream, TorchLMStage
 from engine.cosyvoice2.model import DTYPES, CosyVoice2Models, load_models, missing_files
-from engine.cosyvoice2.token2wav import PADDING_LIMIT, StreamState, Token2Wav, VoicePrompt, width_groups
+from engine.cosyvoice2.token2wav import PADDING_LIMIT, StreamState, Token2Wav, VoicePrompt
 from engine.cosyvoice2.voices import UnknownVoiceError, VoiceStore
 from engine.scheduling import PlaybackClock
 from engine.settings import CosyVoice2Settings
@@ -522,11 +522,11 @@ class Token2WavWorker:
                 if self._stopping:
                     return
                 self.running = len(batch)
-            # Chunks of very different contexts would run as separate flow calls anyway (rows
-            # are padded to a call's longest); as separate runs, narrowest first, the short
-            # ones (new turns' first chunks, mostly) are out before the long ones run.
+            # The batch runs as the flow calls Token2Wav.plan splits it into, narrowest first,
+            # each delivered when done: the short ones (new turns' first chunks, mostly) are
+            # out before the long ones run.
             started = time.monotonic()
-            for group in width_groups([self.token2wav.job_frames(job) for _, job in batch]):
+            for group in self.token2wav.plan([job for _, job in batch]):
                 self._run_batch([batch[i] for i in group])
             # The whole round of groups: how long until the worker looks at the queue again.
             self._recent_batch_s += 0.2 * (time.monotonic() - started - self._recent_batch_s)

@@ -32,8 +32,10 @@ batches chunks of many utterances (:meth:`Token2Wav.run`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,25 +45,37 @@ from engine.cosyvoice2.flow import Flow, FlowStreamCache, VoicePrefix
 from engine.cosyvoice2.hift import HiFT
 
 MEL_CACHE_FRAMES = 8
-# Rows of one flow call are padded to its longest context, so a call may cost at most this
-# much more than its rows alone: chunks of very different contexts go in separate calls.
+# A flow call's cost, in row-frames (rows x context frames: what its compute grows with).
+# Measured on the H200 (full size, bf16; docs/cosyvoice2.md): a solve costs ~0.028 ms per
+# row-frame, plus ~39 ms per call under a CUDA graph (~1400 row-frames). Run eagerly, the
+# kernel launches of its 10 estimator calls take ~375 ms whatever its size (~13 000
+# row-frames): the GPU waits on the CPU, and a smaller eager call saves nothing.
+CALL_ROW_FRAMES = 1400
+EAGER_FLOOR_ROW_FRAMES = 13000
+# Rows of one flow call are padded to its longest context; the worker keeps a much longer,
+# not yet due context out of a batch whose padding it would raise by more than this.
 PADDING_LIMIT = 1.25
 
 
-def width_groups(widths: list[int]) -> list[list[int]]:
-    """Indices of rows of these context widths in groups, narrowest group first, such that
-    padding each group to its widest row costs at most ``PADDING_LIMIT`` times its rows."""
+def cheapest_groups(widths: list[int], cost: Callable[[int, int], int]) -> list[list[int]]:
+    """Indices of rows of these context widths split into calls, narrowest call first, so
+    that the calls' total ``cost(rows, widest row)`` is the least possible.
+
+    Rows are padded to their call's widest, so the best split takes runs of the rows
+    sorted by width: an exact dynamic programme over the cut points (quadratic in rows).
+    """
+    order = sorted(range(len(widths)), key=widths.__getitem__)
+    best = [0] * (len(order) + 1)  # best[j]: the cheapest split of the j narrowest rows
+    cut = [0] * (len(order) + 1)  # ... whose last call starts at row cut[j]
+    for j in range(1, len(order) + 1):
+        width = widths[order[j - 1]]
+        best[j], cut[j] = min((best[i] + cost(j - i, width), i) for i in range(j))
     groups: list[list[int]] = []
-    useful = 0
-    for i in sorted(range(len(widths)), key=widths.__getitem__):
-        width = widths[i]  # the widest so far: the group's width if the row joins
-        if groups and (len(groups[-1]) + 1) * width <= PADDING_LIMIT * (useful + width):
-            groups[-1].append(i)
-            useful += width
-        else:
-            groups.append([i])
-            useful = width
-    return groups
+    j = len(order)
+    while j:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
 
 
 @dataclass(frozen=True)
@@ -233,19 +247,43 @@ class Token2Wav:
                 return replayed
         return self.hift(mel, cache_source)
 
-    def _flows(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
-        """Each job's new mel. Non-final recompute chunks run as one flow call, and final
-        chunks (full attention, in either mode) as another; the rest run one by one."""
-        streaming = [i for i, job in enumerate(jobs) if not job.finalize and job.state.flow_cache is None]
-        final = [i for i, job in enumerate(jobs) if job.finalize]
-        mels: dict[int, torch.Tensor] = {}
-        for rows, finalize in ((streaming, False), (final, True)):
-            for group in width_groups([self.job_frames(jobs[i]) for i in rows]):
-                members = [rows[k] for k in group]
-                if len(members) > 1 or (not finalize and self.prefix_voices):
-                    mels.update(zip(members, self._flow_batched([jobs[i] for i in members], finalize)))
-        return [mels[i] if i in mels else self._flow(job) for i, job in enumerate(jobs)]
+    def plan(self, jobs: list[ChunkJob]) -> list[list[int]]:
+        """Indices of ``jobs`` in the flow calls that cost least in all (see ``cheapest_groups``),
+        narrowest first: non-final recompute chunks, and final chunks (full attention), each
+        split by width; incremental chunks, which run one by one, together."""
+        incremental = [i for i, job in enumerate(jobs) if not job.finalize and job.state.flow_cache is not None]
+        groups = [incremental] if incremental else []
+        for finalize in (False, True):
+            rows = [
+                i for i, job in enumerate(jobs) if job.finalize == finalize and (finalize or job.state.flow_cache is None)
+            ]
+            widths = [self.job_frames(jobs[i]) for i in rows]
+            cost = functools.partial(self._call_cost, finalize=finalize)
+            groups += [[rows[k] for k in group] for group in cheapest_groups(widths, cost)]
+        return sorted(groups, key=lambda group: max(self.job_frames(jobs[i]) for i in group))
 
+    def _call_cost(self, rows: int, frames: int, finalize: bool) -> int:
+        """A flow call's cost in row-frames (see ``CALL_ROW_FRAMES``)."""
+        cost = CALL_ROW_FRAMES + rows * frames
+        if not self.flow.decoder.noise.is_cuda:  # no launch floor on a CPU
+            return cost
+        graphs = self.flow.decoder.graphs
+        decoder_frames = frames - (0 if finalize else self.mel_ratio * self.lookahead)
+        if graphs is not None and graphs.has(rows, decoder_frames, not finalize):
+            return cost
+        return max(EAGER_FLOOR_ROW_FRAMES, cost)
+
+    def _flows(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
+        """Each job's new mel: batched flow calls as ``plan`` splits them; incremental chunks,
+        and single rows without a voice prefix to use, run one by one."""
+        mels: dict[int, torch.Tensor] = {}
+        for group in self.plan(jobs):
+            finalize = jobs[group[0]].finalize
+            if jobs[group[0]].state.flow_cache is not None and not finalize:
+                continue
+            if len(group) > 1 or (not finalize and self.prefix_voices):
+                mels.update(zip(group, self._flow_batched([jobs[i] for i in group], finalize)))
+        return [mels[i] if i in mels else self._flow(job) for i, job in enumerate(jobs)]
 
     def _flow_batched(self, jobs: list[ChunkJob], finalize: bool) -> list[torch.Tensor]:
         """Chunks of several utterances in one flow call (each row equals running it alone)."""
@@ -355,6 +393,8 @@ class Token2Wav:
     def _cross_fade(self, speech: torch.Tensor, previous_tail: torch.Tensor) -> torch.Tensor:
         """Blend the held-back tail of the last chunk into the start of this one."""
         n = self.cache_samples
-        window = self._window.to(speech.device)
+        if self._window.device != speech.device:  # once: a copy per chunk would wait for the GPU
+            self._window = self._window.to(speech.device)
+        window = self._window
         head = speech[:, :n].double() * window[:n] + previous_tail.double() * window[n:]
         return torch.cat([head.to(speech.dtype), speech[:, n:]], dim=1)
