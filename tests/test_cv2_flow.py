@@ -22,6 +22,7 @@ from engine.cosyvoice2.flow import (
     Flow,
     FlowConfig,
     FlowStreamCache,
+    PrefixBank,
     chunk_attention_mask,
 )
 from tests.reference import official, randomize
@@ -369,6 +370,10 @@ def test_equivalence_flow_after_voice_prefix(flow_pair) -> None:
     with torch.inference_mode():
         prefixes = [ours.voice_prefix(v.prompt_token, v.prompt_feat, v.embedding) for v in voices]
     assert [p.frames for p in prefixes] == [100, 50, 0]
+    # Slots in another order than the voices, one slot left empty, and room for a longer prefix.
+    bank = PrefixBank(ours.decoder, 4, 150, prefixes[0].keys[0])
+    for slot, prefix in zip((2, 0, 3), prefixes):
+        bank.put(slot, prefix)
     rows = [(0, 50), (1, 20), (0, 9), (2, 30), (1, 45)]  # (voice, tokens so far)
 
     def stack(tensors: list[Tensor]) -> Tensor:
@@ -376,6 +381,7 @@ def test_equivalence_flow_after_voice_prefix(flow_pair) -> None:
         return torch.cat([nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1])) for t in tensors])
 
     speech = [voices[v] for v, _ in rows]
+    slots = torch.tensor([(2, 0, 3)[v] for v, _ in rows])
     batch = (
         stack([s.token[:, :n] for s, (_, n) in zip(speech, rows)]), torch.tensor([n for _, n in rows]),
         stack([s.prompt_token for s in speech]), torch.tensor([s.prompt_token.shape[1] for s in speech]),
@@ -384,7 +390,7 @@ def test_equivalence_flow_after_voice_prefix(flow_pair) -> None:
     )
     with torch.inference_mode():
         mel, mel_len = ours.inference_batch(
-            *batch, streaming=True, finalize=False, prefixes=[prefixes[v] for v, _ in rows]
+            *batch, streaming=True, finalize=False, after_prefix=(bank, slots)
         )
     for i, (s, (_, n)) in enumerate(zip(speech, rows)):
         with torch.inference_mode():
@@ -393,7 +399,7 @@ def test_equivalence_flow_after_voice_prefix(flow_pair) -> None:
         assert expected.abs().max() > 1.0
         assert max_err(mel[i : i + 1, :, : expected.shape[2]], expected) <= TOLERANCE, i
     with pytest.raises(ValueError, match="streaming"):
-        ours.inference_batch(*batch, streaming=False, finalize=True, prefixes=[prefixes[v] for v, _ in rows])
+        ours.inference_batch(*batch, streaming=False, finalize=True, after_prefix=(bank, slots))
 
 
 def official_stream(reference: nn.Module, speech: Utterance, hops: list[int]) -> list[Tensor]:

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from bench import flow_graphs as bench_flow_graphs
-from engine.cosyvoice2.flow import CFM, CFMConfig
-from engine.cosyvoice2.flow_graphs import FlowBuckets, GraphKey, pad_inputs, solve_padded
+from engine.cosyvoice2.flow import CFM, CFMConfig, PrefixBank
+from engine.cosyvoice2.flow_graphs import FlowBuckets, GraphKey, pad_inputs, solve_after_padded, solve_padded
 from tests.reference import randomize
 
 LENGTHS = [110, 57, 81]  # 3 rows -> batch bucket 4; 110 frames -> frame bucket 150
@@ -124,6 +124,54 @@ def test_cfm_solve_runs_without_host_sync() -> None:
         mel = cfm(mu, torch.ones(4, 1, 150, device="meta"), torch.zeros(4, 80, device="meta"), cond, streaming,
                   noise=cfm.noise)
         assert mel.shape == (4, 80, 150) and mel.dtype == torch.float32
+
+
+def test_padded_solve_after_voice_prefixes_equals_unpadded(cfm) -> None:
+    """A solve that starts after voice prefixes, padded to its bucket (rows as copies of row 0,
+    slot included), equals the unpadded one and each row alone; rows of two voices whose
+    prefixes (100 and 50 frames) sit in a wider bank (150 frames, one slot empty)."""
+    mu, _, spks, cond = batch_inputs([200, 200], [200, 200], seed=6)
+    with torch.inference_mode():
+        prefixes = [cfm.voice_prefix(mu[v : v + 1], spks[v : v + 1], cond[v : v + 1], frames)
+                    for v, frames in ((0, 100), (1, 50))]
+        bank = PrefixBank(cfm, 3, 150, mu)
+        bank.put(2, prefixes[0])
+        bank.put(0, prefixes[1])
+    rows = [(2, 57), (0, 81), (2, 30)]  # (slot, frames after its prefix)
+    voice_of_slot, start_of_slot = {2: 0, 0: 1}, {2: 100, 0: 50}
+    new_mu, mask, _, new_cond = batch_inputs([n for _, n in rows], [0, 0, 0], seed=7)
+    for row, (slot, n) in enumerate(rows):  # the voices' own conditioning after the prefix
+        start = start_of_slot[slot]
+        new_mu[row, :, :n] = mu[voice_of_slot[slot], :, start : start + n]
+        new_cond[row, :, :n] = cond[voice_of_slot[slot], :, start : start + n]
+    row_spks = spks[[voice_of_slot[slot] for slot, _ in rows]]
+    slots = torch.tensor([slot for slot, _ in rows])
+    buckets = FlowBuckets.up_to(max_batch=8, max_frames=300)
+    with torch.inference_mode():
+        padded = solve_after_padded(cfm, buckets, bank, slots, new_mu, mask, row_spks, new_cond)
+        unpadded = cfm.solve_after(bank, slots, new_mu, mask, row_spks, new_cond)
+        assert unpadded.abs().max() > 1.0
+        assert max_err(padded, unpadded) <= 1e-5
+        for row, (slot, n) in enumerate(rows):
+            alone = cfm.solve_after(bank, slots[row : row + 1], new_mu[row : row + 1, :, :n], mask[row : row + 1, :, :n],
+                                    row_spks[row : row + 1], new_cond[row : row + 1, :, :n])
+            assert max_err(padded[row : row + 1, :, :n], alone) <= 1e-5, row
+            # ... and the same frames of the whole streaming solve of the voice
+            v, start = voice_of_slot[slot], start_of_slot[slot]
+            whole = cfm(mu[v : v + 1, :, : start + n], torch.ones(1, 1, start + n), spks[v : v + 1],
+                        cond[v : v + 1, :, : start + n], True)
+            assert max_err(padded[row : row + 1, :, :n], whole[:, :, start:]) <= 1e-4, row
+
+
+def test_solve_after_voice_prefixes_runs_without_host_sync() -> None:
+    """The region a graph after voice prefixes captures runs on the meta device (see above)."""
+    cfm = CFM(CFMConfig.tiny()).to("meta").eval()
+    mu = torch.zeros(3, 80, 150, device="meta")
+    bank = PrefixBank(cfm, 2, 100, mu)
+    slots = torch.zeros(3, dtype=torch.long, device="meta")
+    mel = cfm.solve_after_eager(bank, slots, mu, torch.ones(3, 1, 150, device="meta"),
+                                torch.zeros(3, 80, device="meta"), mu)
+    assert mel.shape == (3, 80, 150) and mel.dtype == torch.float32
 
 
 def test_cfm_without_graphs_on_cpu_is_the_eager_solve(cfm) -> None:

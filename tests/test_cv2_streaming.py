@@ -89,7 +89,8 @@ def our_stream(models, voice, tokens: list[int], incremental: bool, prefix_voice
     while (job := token2wav.next_job(state)) is not None:
         chunks.append(token2wav.run([job])[0])
     if prefix_voices:  # the stream really started its decoder after a stored prefix
-        assert [prefix.frames for _, prefix in token2wav._prefixes.values()] == [2 * ((voice.speech_tokens.shape[1] - 3) // 25 * 25)]
+        assert len(token2wav._slots) == 1
+        assert token2wav.bank.frames == 2 * ((voice.speech_tokens.shape[1] - 3) // 25 * 25) > 0
     return chunks
 
 
@@ -139,10 +140,10 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
     together = token2wav._flows(jobs)
     # A flow call with more voices than the cache holds runs without prefixes.
     after_prefix._flow_batched(jobs, False)
-    assert not after_prefix._prefixes
+    assert not after_prefix._slots
     after_prefix.prefix_voices = 2
     together_after_prefix = after_prefix._flows(jobs)
-    assert len(after_prefix._prefixes) == 2
+    assert len(after_prefix._slots) == 2
     assert not any(job.finalize for job in jobs)
     for a, b, c in zip(alone, together, together_after_prefix):
         assert a.shape == b.shape == c.shape
@@ -179,6 +180,39 @@ def test_chunks_run_in_the_flow_calls_that_cost_least(models, voice, tokens, mon
     assert made == calls  # split: the two first chunks together, then the late chunk alone
     for a, b in zip(alone, together):
         assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
+
+
+def test_voice_prefix_bank_slots(models, voice, tokens):
+    """Voices take turns in the bank's slots (least recently used out), and a voice whose
+    prefix is wider than a bank of fixed width runs without one; each chunk's mel stays
+    what it is alone."""
+    shorter = models.frontend.prepare(voiced(1.4, 24000), 24000, "Short.")
+    wide, narrow = (VoicePrompt(v.speech_tokens, v.speech_feat, v.embedding) for v in (voice, shorter))
+    plain = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
+
+    def first_job(prompt: VoicePrompt):
+        state = plain.new_stream(prompt)
+        state.tokens, state.tokens_done = list(tokens), True
+        return plain.next_job(state)
+
+    def check(token2wav: Token2Wav, prompt: VoicePrompt) -> None:
+        job = first_job(prompt)
+        (mel,) = token2wav._flows([job])
+        expected = plain._flow(job)
+        assert mel.shape == expected.shape and float((mel - expected).abs().max()) <= 1e-4
+
+    one_slot = Token2Wav(models.flow, models.hift, scale=1, incremental=False, prefix_voices=1)
+    one_slot.prepare_voices([narrow], widest_prompt_tokens=wide.tokens)
+    assert one_slot.bank.frames == 100 and [p for p, _ in one_slot._slots.values()] == [narrow]
+    for prompt in (wide, narrow, wide):
+        check(one_slot, prompt)
+        assert [p for p, _ in one_slot._slots.values()] == [prompt]
+
+    too_narrow = Token2Wav(models.flow, models.hift, scale=1, incremental=False, prefix_voices=2)
+    too_narrow.prepare_voices([narrow], widest_prompt_tokens=narrow.tokens)
+    check(too_narrow, wide)
+    assert too_narrow.bank.frames == 50 and too_narrow._voice_slot(wide) is None
+    assert [p for p, _ in too_narrow._slots.values()] == [narrow]
 
 
 def test_final_chunks_of_several_utterances_batch_exactly(models, voice, tokens):

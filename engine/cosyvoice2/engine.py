@@ -50,6 +50,9 @@ from engine.text import TextNormalizer
 
 log = logging.getLogger(__name__)
 
+# Flow graphs of final chunks (full attention over the whole turn) up to this batch: a
+# batch holds few of them, since each turn has one.
+FINAL_GRAPH_MAX_BATCH = 8
 _OUTPUT_CHUNKS = 4  # chunks an utterance may hold before its consumer takes them
 # Early chunks (Token2Wav.next_job(early=True)) only while batches take less than this.
 EARLY_MAX_BATCH_S = 0.3
@@ -116,14 +119,18 @@ class CosyVoice2Engine(Engine):
             prefix_voices=settings.prefix_voices,
         )
         self.token2wav = token2wav
+        # The voice-prefix bank first: the flow's graphs read it.
+        voices = self.voice_store.list()
+        prompts = [self._prompt(info.id)[0] for info in voices[: token2wav.prefix_voices]]
+        bank = await asyncio.to_thread(token2wav.prepare_voices, prompts, max(v.speech_tokens for v in voices))
+        if bank is not None:
+            log.info(
+                "flow voice prefixes: %d slots of %d frames (%.2f GiB)", bank.slots, bank.frames, bank.nbytes / 2**30
+            )
         if device.type == "cuda" and settings.graph_max_batch > 0:
             await asyncio.to_thread(self._capture_flow_graphs, device)
         if device.type == "cuda" and settings.hift_graphs:
             await asyncio.to_thread(self._capture_hift_graphs)
-        # After the vocoder graphs: a voice's first _prompt() allows its shapes there.
-        for info in self.voice_store.list()[: token2wav.prefix_voices]:
-            prefix = await asyncio.to_thread(token2wav.prepare_voice, self._prompt(info.id)[0])
-            log.info("voice %s: flow prefix of %d frames (%.2f GiB)", info.name, prefix.frames, prefix.nbytes / 2**30)
         self.worker = Token2WavWorker(
             token2wav, settings.max_batch, asyncio.get_running_loop(), early_chunks=settings.early_chunks
         )
@@ -135,9 +142,13 @@ class CosyVoice2Engine(Engine):
 
         settings = self.settings
         buckets = FlowBuckets.up_to(settings.graph_max_batch, settings.graph_max_frames, settings.graph_frame_step)
-        graphs = FlowGraphs(self.models.flow.decoder, buckets)
+        bank = self.token2wav.bank
+        graphs = FlowGraphs(self.models.flow.decoder, buckets, bank=bank)
         frames = buckets.frame_buckets()
-        graphs.capture(buckets.batches, frames, [True, False])  # non-final and final chunks, batched
+        # Non-final chunks start after their voices' prefixes where there is a bank (frames:
+        # those after the prefix), else run whole. Final chunks end turns, a few at a time.
+        graphs.capture(buckets.batches, frames, [True], after_prefix=bank is not None)
+        graphs.capture([b for b in buckets.batches if b <= FINAL_GRAPH_MAX_BATCH], frames, [False])
         self.models.flow.decoder.graphs = graphs
         held = torch.cuda.memory_reserved(device) / 2**30
         log.info(
@@ -154,8 +165,9 @@ class CosyVoice2Engine(Engine):
 
         graphs = HiftGraphs(self.models.hift, self.settings.max_batch)
         self.token2wav.hift_graphs = graphs
-        for info in self.voice_store.list():
-            self._prompt(info.id)  # allows the voice's chunk shapes
+        for info in self.voice_store.list():  # a voice registered later: its first _prompt()
+            for shape in self.token2wav.chunk_shapes(info.speech_tokens):
+                graphs.allow(*shape)
         try:
             graphs.capture_allowed()
         except Exception as exc:  # an optional speed-up: the vocoder still runs, eagerly

@@ -297,24 +297,68 @@ class VoicePrefix:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.conv_context))
 
 
+class PrefixBank:
+    """Voice prefixes in fixed tensors, one slot per voice: what batched calls read.
+
+    ``keys[step * n_attention + layer]`` is ``[slots, 2, heads, frames, head_dim]`` (slot,
+    then the prefix's two rows), zero past a slot's own prefix; ``conv_context`` likewise
+    ``[slots, 2, channels, kernel - 1]``; ``start[slot]`` is the slot's prefix length
+    (0 while empty). ``put`` writes in place, so a CUDA graph that reads the bank
+    (flow_graphs) stays valid as voices come and go.
+    """
+
+    def __init__(self, cfm: CFM, slots: int, frames: int, like: Tensor) -> None:
+        if slots < 1 or frames < 0:
+            raise ValueError(f"a prefix bank needs >= 1 slot and >= 0 frames, got {slots}, {frames}")
+        self.slots = slots
+        self.frames = frames
+        layers = cfm.estimator.attention_layers * N_TIMESTEPS
+        self.keys = [like.new_zeros(slots, 2, layer.heads, frames, layer.head_dim) for layer in layers]
+        self.values = [like.new_zeros(slots, 2, layer.heads, frames, layer.head_dim) for layer in layers]
+        self.conv_context = [like.new_zeros(slots, *c.shape) for c in cfm._zero_conv_context(2, like)]
+        self.start = torch.zeros(slots, dtype=torch.long, device=like.device)
+
+    @classmethod
+    def of(cls, cfm: CFM, prefixes: list[VoicePrefix], like: Tensor) -> PrefixBank:
+        """A bank holding exactly these prefixes, prefix i in slot i."""
+        bank = cls(cfm, len(prefixes), max(p.frames for p in prefixes), like)
+        for slot, prefix in enumerate(prefixes):
+            bank.put(slot, prefix)
+        return bank
+
+    def put(self, slot: int, prefix: VoicePrefix) -> None:
+        if prefix.frames > self.frames:
+            raise ValueError(f"a prefix of {prefix.frames} frames does not fit a bank of {self.frames}")
+        for bank, stored in ((self.keys, prefix.keys), (self.values, prefix.values)):
+            for tensor, part in zip(bank, stored):
+                tensor[slot].zero_()
+                tensor[slot, :, :, : prefix.frames] = part
+        for tensor, part in zip(self.conv_context, prefix.conv_context):
+            tensor[slot] = part
+        self.start[slot] = prefix.frames
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.conv_context))
+
+
 class _PrefixView:
     """One Euler step of a batch whose rows start after their voices' prefixes (read-only).
 
-    ``prefixes[r]``: row r's voice prefix (rows are sessions; CFG doubles them, the
-    conditioned half first, as in ``CFM.solve``).
+    ``slots[r]``: the bank slot of row r's voice (rows are sessions; CFG doubles them, the
+    conditioned half first, as in ``CFM.solve``). Every shape depends on the bank and the
+    batch only, not on the values, so a CUDA graph can hold this.
     """
 
-    def __init__(self, prefixes: list[VoicePrefix], n_attention: int, n_conv: int, device) -> None:
+    def __init__(self, bank: PrefixBank, slots: Tensor, n_attention: int, n_conv: int) -> None:
+        self.bank = bank
         self.n_attention = n_attention
         self.n_conv = n_conv
         self.attention_base = self.conv_base = 0
-        self.width = max(p.frames for p in prefixes)
-        self.start = torch.tensor([p.frames for p in prefixes], device=device).repeat(2)
-        # Row i of the 2B-row batch takes row `branch[i]` (0 conditioned, 1 not) of its voice's tensors.
-        self.branch = torch.arange(2, device=device).repeat_interleave(len(prefixes))
-        self.voices: list[VoicePrefix] = list({id(p): p for p in prefixes}.values())
-        voice_index = {id(v): i for i, v in enumerate(self.voices)}
-        self.voice_of_row = torch.tensor([voice_index[id(p)] for p in prefixes], device=device).repeat(2)
+        self.slot_of_row = slots.repeat(2)
+        self.start = bank.start[self.slot_of_row]
+        # Row i of the 2B-row batch takes row `branch[i]` (0 conditioned, 1 not) of its slot.
+        self.branch = torch.arange(2, device=slots.device).repeat_interleave(len(slots))
 
     def at_step(self, step: int) -> _PrefixView:
         """This view for Euler step ``step`` (the solver asks for the steps in order)."""
@@ -322,38 +366,26 @@ class _PrefixView:
         self.conv_base = step * self.n_conv
         return self
 
-    def _rows(self, per_voice: list[Tensor], frames_dim: int | None) -> Tensor:
-        """Each batch row's slice of its voice's two-row tensor (padded to the widest prefix)."""
-        if len(per_voice) == 1:
-            return per_voice[0][self.branch]
-        if frames_dim is not None:
-            per_voice = [_pad_dim(t, frames_dim, self.width) for t in per_voice]
-        return torch.stack(per_voice)[self.voice_of_row, self.branch]
+    def _rows(self, stored: Tensor) -> Tensor:
+        """Each batch row's part of a bank tensor."""
+        return stored[self.slot_of_row, self.branch]
 
     def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> Tensor:
-        """Queries: the new frames, at start + i. Keys: the prefix frames (j, valid below the
+        """Queries: the new frames, at start + i. Keys: the bank's frames (j, valid below the
         row's own prefix length), then the new frames."""
         start = self.start
-        prefix_pos = torch.arange(self.width, device=positions.device)
+        prefix_pos = torch.arange(self.bank.frames, device=positions.device)
         key_pos = torch.cat([prefix_pos.expand(len(start), -1), start[:, None] + positions], dim=1)
         key_valid = torch.cat([prefix_pos < start[:, None], positions < new_frames[:, None]], dim=1)
         return chunk_attention_mask(key_valid, start[:, None] + positions, chunk, key_pos)
 
     def keys_values(self, slot: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         index = self.attention_base + slot
-        prefix_keys = self._rows([v.keys[index] for v in self.voices], 2)
-        prefix_values = self._rows([v.values[index] for v in self.voices], 2)
-        return torch.cat([prefix_keys, key], dim=2), torch.cat([prefix_values, value], dim=2)
+        keys, values = self.bank.keys[index], self.bank.values[index]
+        return torch.cat([self._rows(keys), key], dim=2), torch.cat([self._rows(values), value], dim=2)
 
     def conv_input(self, slot: int, x: Tensor) -> Tensor:
-        context = self._rows([v.conv_context[self.conv_base + slot] for v in self.voices], None)
-        return torch.cat([context, x], dim=2)
-
-
-def _pad_dim(x: Tensor, dim: int, size: int) -> Tensor:
-    """Zero-pads ``x`` along ``dim`` (of 4) to ``size``."""
-    pad = [0, 0] * (x.dim() - 1 - dim) + [0, size - x.shape[dim]]
-    return F.pad(x, pad)
+        return torch.cat([self._rows(self.bank.conv_context[self.conv_base + slot]), x], dim=2)
 
 
 # ----------------------------------------------------------------------------- estimator layers
@@ -704,17 +736,28 @@ class CFM(nn.Module):
             conv_context=cache.conv_context,
         )
 
-    def solve_after(self, prefixes: list[VoicePrefix], mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
+    def solve_after(self, bank: PrefixBank, slots: Tensor, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
         """Streaming-mode mel of the frames after each row's voice prefix.
 
-        Row b's column i is frame ``prefixes[b].frames + i``: mu, cond ``[B, 80, n]``, mask
-        ``[B, 1, n]``. Equals the same frames of a whole streaming solve (the prefix frames'
-        states are the stored ones), with the fixed noise.
+        Row b's voice prefix is in ``bank`` slot ``slots[b]``, and its column i is frame
+        ``bank.start[slots[b]] + i``: mu, cond ``[B, 80, n]``, mask ``[B, 1, n]``. Equals the
+        same frames of a whole streaming solve (the prefix frames' states are the stored
+        ones), with the fixed noise. With ``graphs`` set, a CUDA call replays a captured
+        graph when one exists for its shape bucket.
         """
-        start = torch.tensor([p.frames for p in prefixes], device=mu.device)
-        noise = _gather_frames(self.noise[:, :, : int(start.max()) + mu.shape[2]].expand(len(prefixes), -1, -1),
-                               start, mu.shape[2])
-        view = _PrefixView(prefixes, len(self.estimator.attention_layers), len(self.estimator.causal_convs), mu.device)
+        if self.graphs is not None and mu.is_cuda:
+            mel = self.graphs.run_after_prefix(slots, mu, mask, spks, cond)
+            if mel is not None:
+                return mel
+        return self.solve_after_eager(bank, slots, mu, mask, spks, cond)
+
+    def solve_after_eager(
+        self, bank: PrefixBank, slots: Tensor, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor
+    ) -> Tensor:
+        """``solve_after`` without graphs (and what its graphs capture)."""
+        noise = _gather_frames(self.noise[:, :, : bank.frames + mu.shape[2]].expand(len(slots), -1, -1),
+                               bank.start[slots], mu.shape[2])
+        view = _PrefixView(bank, slots, len(self.estimator.attention_layers), len(self.estimator.causal_convs))
         return self.solve(noise.to(mu.dtype), mask, mu, spks, cond, True, N_TIMESTEPS, view.at_step)
 
     # -- incremental (streaming) decoding
@@ -904,7 +947,7 @@ class Flow(nn.Module):
         streaming: bool,
         finalize: bool | Tensor,
         noise: Tensor | None = None,
-        prefixes: list[VoicePrefix] | None = None,
+        after_prefix: tuple[PrefixBank, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Batched ``inference``: every row equals running it alone.
 
@@ -912,9 +955,9 @@ class Flow(nn.Module):
         prompt_feat ``[B, Tp, 80]`` / prompt_feat_len (= 2 x prompt tokens); embedding
         ``[B, 192]``. finalize (one flag, or one per row): where False, the last
         ``pre_lookahead_len`` tokens are held back as look-ahead. noise: ``[1 or B, 80,
-        >= frames]`` (default: the official fixed noise). prefixes (streaming only, one per
-        row, from ``voice_prefix``): the decoder starts after each row's voice prefix
-        instead of at frame 0, which gives the same mel for less work.
+        >= frames]`` (default: the official fixed noise). after_prefix (streaming only): a
+        ``PrefixBank`` and each row's slot in it, ``[B]``; the decoder starts after each
+        row's voice prefix instead of at frame 0, which gives the same mel for less work.
         Returns mel ``[B, 80, max new frames]`` (float32) and the new frame counts ``[B]``.
         """
         config = self.config
@@ -927,19 +970,26 @@ class Flow(nn.Module):
         mask = (positions < mel_len[:, None])[:, None].to(mu.dtype)
         prompt_feat_len = prompt_feat_len.to(mu.device)
         new_len = (mel_len - prompt_feat_len).clamp(min=0)
-        if prefixes is not None:
+        if after_prefix is not None:
             if not streaming or noise is not None:
                 raise ValueError("voice prefixes serve streaming calls with the fixed noise")
+            bank, slots = after_prefix
             # The decoder starts after each row's prefix: row b's column i is frame start[b] + i.
-            start = torch.tensor([p.frames for p in prefixes], device=mu.device)
+            start = bank.start[slots]
             width = int((mel_len - start).max())
             mask = (torch.arange(width, device=mu.device) < (mel_len - start)[:, None])[:, None].to(mu.dtype)
             cond = self._prompt_condition(prompt_feat, prompt_feat_len, start, width)
-            mel = self.decoder.solve_after(prefixes, _gather_frames(mu, start, width) * mask, mask, spk, cond)
+            mel = self.decoder.solve_after(bank, slots, _gather_frames(mu, start, width) * mask, mask, spk, cond)
             return self._rows(mel, prompt_feat_len - start, new_len), new_len
         cond = self._prompt_condition(prompt_feat, prompt_feat_len, torch.zeros_like(prompt_feat_len), frames)
         mel = self.decoder(mu, mask, spk, cond, streaming, noise)
         return self._rows(mel, prompt_feat_len, new_len), new_len
+
+    def voice_prefix_frames(self, prompt_tokens: int) -> int:
+        """The length of a voice prefix for a prompt of this many tokens (see ``voice_prefix``)."""
+        config = self.config
+        chunk_tokens = config.encoder.static_chunk_size
+        return max(0, prompt_tokens - config.pre_lookahead_len) // chunk_tokens * chunk_tokens * config.token_mel_ratio
 
     @torch.inference_mode()
     def voice_prefix(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> VoicePrefix:
@@ -950,14 +1000,12 @@ class Flow(nn.Module):
         prompt_token ``[1, P]``, prompt_feat ``[1, 2P, 80]``, embedding ``[1, 192]``.
         """
         config = self.config
-        chunk_tokens = config.encoder.static_chunk_size
-        tokens = max(0, prompt_token.shape[1] - config.pre_lookahead_len) // chunk_tokens * chunk_tokens
         length = torch.tensor([prompt_token.shape[1]], device=prompt_token.device)
         mu, _, spk = encode_tokens(
             self, prompt_token, length, prompt_token[:, :0], torch.zeros_like(length), embedding, True, False,
             config.pre_lookahead_len, config.token_mel_ratio,
         )
-        frames = tokens * config.token_mel_ratio
+        frames = self.voice_prefix_frames(prompt_token.shape[1])
         feat_len = torch.tensor([prompt_feat.shape[1]], device=mu.device)
         cond = self._prompt_condition(prompt_feat, feat_len, torch.zeros_like(feat_len), frames)
         return self.decoder.voice_prefix(mu, spk, cond, frames)

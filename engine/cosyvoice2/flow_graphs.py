@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.cosyvoice2.flow import CFM
+from engine.cosyvoice2.flow import CFM, PrefixBank
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class GraphKey:
     batch: int  # rows of the padded solve (before CFG doubling)
     frames: int
     streaming: bool
+    after_prefix: bool = False  # CFM.solve_after over the bank's voice prefixes (frames: those after them)
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -119,10 +120,10 @@ class FlowBuckets:
         """Every frame bucket, shortest first."""
         return list(range(self.frame_step, self.max_frame_bucket + 1, self.frame_step))
 
-    def key(self, batch: int, frames: int, streaming: bool) -> GraphKey:
+    def key(self, batch: int, frames: int, streaming: bool, after_prefix: bool = False) -> GraphKey:
         """The bucket a call of this shape pads to; outside ``covers`` when it is too large."""
         batch_bucket = next((b for b in self.batches if b >= batch), batch)
-        return GraphKey(batch_bucket, self.frame_bucket(frames), streaming)
+        return GraphKey(batch_bucket, self.frame_bucket(frames), streaming, after_prefix)
 
     def covers(self, key: GraphKey) -> bool:
         return key.batch in self.batches and key.frames <= self.max_frame_bucket
@@ -161,12 +162,26 @@ def solve_padded(
     return cfm(*padded, streaming, noise=cfm.noise)[:rows, :, :length]
 
 
+def solve_after_padded(
+    cfm: CFM, buckets: FlowBuckets, bank: PrefixBank, slots: Tensor, mu: Tensor, mask: Tensor, spks: Tensor,
+    cond: Tensor,
+) -> Tensor:
+    """``cfm.solve_after_eager(bank, slots, ...)`` computed on the inputs padded to their
+    bucket (the slots padded as rows: copies of row 0); returns the unpadded rows and frames."""
+    rows, _, length = mu.shape
+    key = buckets.key(rows, length, True, after_prefix=True)
+    if not buckets.covers(key):
+        raise ValueError(f"{rows} rows x {length} frames is outside the buckets {buckets}")
+    padded = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
+    return cfm.solve_after_eager(bank, pad_rows(slots, key.batch), *padded)[:rows, :, :length]
+
+
 class _CapturedSolve:
     """One graph and the views of the shared static buffers it reads and writes."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: tuple[Tensor, ...], mel: Tensor) -> None:
         self.graph = graph
-        self.inputs = inputs  # mu, mask, spks, cond at the padded shape
+        self.inputs = inputs  # mu, mask, spks, cond (, slots after a prefix) at the padded shape
         self.mel = mel  # float32 [batch, 80, frames]
 
     def replay(self, padded_inputs: tuple[Tensor, ...]) -> None:
@@ -188,12 +203,15 @@ class FlowGraphs:
     Not thread-safe: capture and run from one thread at a time (the token2wav worker).
     """
 
-    def __init__(self, cfm: CFM, buckets: FlowBuckets, *, capture_missing: bool = False) -> None:
+    def __init__(
+        self, cfm: CFM, buckets: FlowBuckets, *, capture_missing: bool = False, bank: PrefixBank | None = None
+    ) -> None:
         weight = next(cfm.parameters())
         if weight.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the flow on a CUDA device, it is on {weight.device}")
         self.cfm = cfm
         self.buckets = buckets
+        self.bank = bank  # what graphs after voice prefixes read (fixed: they bake in its addresses)
         self.capture_missing = capture_missing
         self.device = weight.device
         self.dtype = weight.dtype
@@ -218,15 +236,23 @@ class FlowGraphs:
         self._static_spks = torch.zeros(
             buckets.max_batch * cfm.config.spk_emb_dim, device=self.device, dtype=self.dtype
         )
+        self._static_slots = torch.zeros(buckets.max_batch, device=self.device, dtype=torch.long)
         self.reserved_bytes = self._measure_reserved()
 
     # ------------------------------------------------------------------ capture
 
     @torch.inference_mode()
-    def capture(self, batches: Iterable[int], frames: Iterable[int], streaming_flags: Iterable[bool]) -> None:
+    def capture(
+        self, batches: Iterable[int], frames: Iterable[int], streaming_flags: Iterable[bool], after_prefix: bool = False
+    ) -> None:
         """Captures a graph for every bucket of ``batches`` x ``frames`` x ``streaming_flags``
-        (each value rounded up to its bucket) that has none yet; updates ``reserved_bytes``."""
-        keys = {self.buckets.key(b, f, s) for b in batches for f in frames for s in streaming_flags}
+        (each value rounded up to its bucket) that has none yet; updates ``reserved_bytes``.
+        ``after_prefix``: graphs of ``CFM.solve_after`` over the bank (streaming only)."""
+        if after_prefix and self.bank is None:
+            raise ValueError("graphs after voice prefixes need the prefix bank")
+        keys = {self.buckets.key(b, f, s, after_prefix) for b in batches for f in frames for s in streaming_flags}
+        if after_prefix and not all(key.streaming for key in keys):
+            raise ValueError("a solve after voice prefixes is a streaming solve")
         outside = [key for key in keys if not self.buckets.covers(key)]
         if outside:
             raise ValueError(f"shapes outside the buckets {self.buckets}: {sorted(outside, key=_order)}")
@@ -249,18 +275,25 @@ class FlowGraphs:
             view(self._static_spks, key.batch, self.cfm.config.spk_emb_dim),
             view(self._static_cond, key.batch, channels, key.frames),
         )
+        if key.after_prefix:
+            inputs += (self._static_slots[: key.batch],)
         return inputs, view(self._static_mel, key.batch, channels, key.frames)
 
     def _capture(self, key: GraphKey) -> _CapturedSolve:
         inputs, mel = self._static_views(key)
-        mu, mask, spks, cond = inputs
+        mu, mask, spks, cond = inputs[:4]
         # Any valid inputs will do: the graph records kernels, not values.
         mu.zero_()
         cond.zero_()
         spks.zero_()
         mask.fill_(1)
+        for slots in inputs[4:]:
+            slots.zero_()
 
         def solve() -> None:
+            if key.after_prefix:
+                mel.copy_(self.cfm.solve_after_eager(self.bank, inputs[4], mu, mask, spks, cond))
+                return
             # An explicit noise tensor keeps CFM.forward off the graphs (eager solve);
             # it is the default noise, so the graph computes the default solve.
             mel.copy_(self.cfm(mu, mask, spks, cond, key.streaming, noise=self.cfm.noise))
@@ -286,36 +319,49 @@ class FlowGraphs:
 
     # ------------------------------------------------------------------ serving
 
-    def has(self, rows: int, frames: int, streaming: bool) -> bool:
-        """Whether ``run`` would replay a graph for this shape (capturing it first, if allowed)."""
-        key = self.buckets.key(rows, frames, streaming)
-        return key in self.graphs or (self.capture_missing and self.buckets.covers(key))
+    def has(self, rows: int, frames: int, streaming: bool, after_prefix: bool = False) -> bool:
+        """Whether a call of this shape would replay a graph (capturing it first, if allowed)."""
+        key = self.buckets.key(rows, frames, streaming, after_prefix)
+        return key in self.graphs or (self.capture_missing and self.buckets.covers(key) and self._can_capture(key))
+
+    def _can_capture(self, key: GraphKey) -> bool:
+        return not key.after_prefix or self.bank is not None
 
     @torch.inference_mode()
     def run(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: bool) -> Tensor | None:
         """The solve by graph replay (float32 ``[B, 80, T]``, a fresh tensor), or None when
         this shape has no graph (the caller then runs it eagerly)."""
+        return self._replay(self.buckets.key(mu.shape[0], mu.shape[2], streaming), (mu, mask, spks, cond))
+
+    @torch.inference_mode()
+    def run_after_prefix(self, slots: Tensor, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor) -> Tensor | None:
+        """``CFM.solve_after`` over this object's bank by graph replay, or None as ``run``."""
+        key = self.buckets.key(mu.shape[0], mu.shape[2], True, after_prefix=True)
+        return self._replay(key, (mu, mask, spks, cond, slots))
+
+    def _replay(self, key: GraphKey, inputs: tuple[Tensor, ...]) -> Tensor | None:
+        mu = inputs[0]
         if mu.dtype != self.dtype or mu.device != self.device:
             raise ValueError(
                 f"graphs were captured for {self.dtype} on {self.device}, called with {mu.dtype} on {mu.device}"
             )
         rows, _, length = mu.shape
-        key = self.buckets.key(rows, length, streaming)
         captured = self.graphs.get(key)
         if captured is None:
-            if self.capture_missing and self.buckets.covers(key):
+            if self.capture_missing and self.buckets.covers(key) and self._can_capture(key):
                 log.info("capturing a flow CUDA graph on first use: %s", key)
-                self.capture([key.batch], [key.frames], [key.streaming])
+                self.capture([key.batch], [key.frames], [key.streaming], key.after_prefix)
                 captured = self.graphs[key]
             else:
                 if key not in self._reported_missing:
                     self._reported_missing.add(key)
                     log.info("no flow CUDA graph for %s (%d rows x %d frames): running eagerly", key, rows, length)
                 return None
-        captured.replay(pad_inputs(mu, mask, spks, cond, key.batch, key.frames))
+        padded = pad_inputs(*inputs[:4], key.batch, key.frames) + tuple(pad_rows(x, key.batch) for x in inputs[4:])
+        captured.replay(padded)
         # The output buffer is shared by all graphs: copy it out before any other replay.
         return captured.mel[:rows, :, :length].clone()
 
 
-def _order(key: GraphKey) -> tuple[int, int, bool]:
-    return key.batch, key.frames, key.streaming
+def _order(key: GraphKey) -> tuple[int, int, bool, bool]:
+    return key.batch, key.frames, key.streaming, key.after_prefix

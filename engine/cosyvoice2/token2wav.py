@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.cosyvoice2.flow import Flow, FlowStreamCache, VoicePrefix
+from engine.cosyvoice2.flow import Flow, FlowStreamCache, PrefixBank
 from engine.cosyvoice2.hift import HiFT
 
 MEL_CACHE_FRAMES = 8
@@ -150,10 +150,13 @@ class Token2Wav:
         self.chunk_tokens = flow.config.encoder.static_chunk_size
         # Optional CUDA graphs of the vocoder (engine/cosyvoice2/hift_graphs.py), set by the engine.
         self.hift_graphs = None
-        # Voice prefixes of the decoder, most recently used last (see the module docstring);
+        # Voice prefixes of the decoder in a bank of prefix_voices slots (see the module docstring);
         # recompute mode only: incremental streams keep their own flow state.
         self.prefix_voices = 0 if incremental else prefix_voices
-        self._prefixes: OrderedDict[int, tuple[VoicePrompt, VoicePrefix]] = OrderedDict()
+        self.bank: PrefixBank | None = None
+        self._bank_fixed = False
+        # Voice -> its bank slot, most recently used last (the prompt too: its id stays its own while held).
+        self._slots: OrderedDict[int, tuple[VoicePrompt, int]] = OrderedDict()
 
     def new_stream(self, prompt: VoicePrompt) -> StreamState:
         return StreamState(prompt=prompt, hop=self.hop_len, flow_cache=FlowStreamCache() if self.incremental else None)
@@ -271,6 +274,10 @@ class Token2Wav:
         decoder_frames = frames - (0 if finalize else self.mel_ratio * self.lookahead)
         if graphs is not None and graphs.has(rows, decoder_frames, not finalize):
             return cost
+        if graphs is not None and not finalize and self._slots:
+            after = decoder_frames - min(self.flow.voice_prefix_frames(p.tokens) for p, _ in self._slots.values())
+            if graphs.has(rows, after, True, after_prefix=True):
+                return cost
         return max(EAGER_FLOOR_ROW_FRAMES, cost)
 
     def _flows(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
@@ -300,38 +307,70 @@ class Token2Wav:
         prompt_token, prompt_token_len = padded([p.speech_tokens[0] for p in prompts])
         prompt_feat, prompt_feat_len = padded([p.speech_feat[0] for p in prompts])
         embedding = torch.cat([p.embedding for p in prompts])
-        prefixes = None
-        # More voices than the cache holds would rebuild prefixes batch after batch.
+        after_prefix = None
+        # More voices than the bank holds would rebuild prefixes batch after batch.
         if not finalize and 0 < len({id(p) for p in prompts}) <= self.prefix_voices:
-            graphs = self.flow.decoder.graphs
-            # The decoder's width: the look-ahead tokens are context only.
-            frames = max(map(self.job_frames, jobs)) - self.mel_ratio * self.lookahead
-            if graphs is None or not graphs.has(len(jobs), frames, True):
-                prefixes = [self._voice_prefix(p) for p in prompts]
+            self._make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), prompts[0].speech_feat)
+            slots = [self._voice_slot(p) for p in prompts]
+            if None not in slots and self._prefix_serves(jobs):
+                after_prefix = (self.bank, torch.tensor(slots, device=device))
         mel, new_len = self.flow.inference_batch(
             token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding,
-            streaming=not finalize, finalize=finalize, prefixes=prefixes,
+            streaming=not finalize, finalize=finalize, after_prefix=after_prefix,
         )
         return [
             mel[i : i + 1, :, job.state.offset * self.mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
         ]
 
-    def prepare_voice(self, prompt: VoicePrompt) -> VoicePrefix:
-        """Builds the voice's decoder prefix now (at start-up) rather than in its first batch."""
-        return self._voice_prefix(prompt)
+    def _decoder_frames(self, jobs: list[ChunkJob], finalize: bool) -> int:
+        """The decoder's width for these jobs in one call: the look-ahead tokens are context only."""
+        return max(map(self.job_frames, jobs)) - (0 if finalize else self.mel_ratio * self.lookahead)
 
-    def _voice_prefix(self, prompt: VoicePrompt) -> VoicePrefix:
-        """The voice's decoder prefix, built on first use; the least recently used beyond
-        ``prefix_voices`` voices is dropped."""
+    def _prefix_serves(self, jobs: list[ChunkJob]) -> bool:
+        """Whether starting after the voice prefixes is the faster way to run these non-final
+        jobs: always, unless only the whole solve has a CUDA graph for them."""
+        graphs = self.flow.decoder.graphs
+        frames = self._decoder_frames(jobs, False)
+        if graphs is None or not graphs.has(len(jobs), frames, True):
+            return True
+        after = max(frames - self.flow.voice_prefix_frames(job.state.prompt.tokens) for job in jobs)
+        return graphs.has(len(jobs), after, True, after_prefix=True)
+
+    def prepare_voices(self, prompts: list[VoicePrompt], widest_prompt_tokens: int) -> PrefixBank | None:
+        """At start-up: the bank, as wide as the prefix of a prompt of ``widest_prompt_tokens``
+        (the longest of the registered voices), holding the first voices' prefixes. CUDA graphs
+        of the flow read the bank, so its width is fixed from here on: capture them after
+        this; a voice registered later with a longer prompt runs without its prefix."""
+        if not self.prefix_voices:
+            return None
+        self._make_room(self.flow.voice_prefix_frames(widest_prompt_tokens), next(self.flow.parameters()))
+        self._bank_fixed = True
+        for prompt in prompts[: self.prefix_voices]:
+            self._voice_slot(prompt)
+        return self.bank
+
+    def _make_room(self, frames: int, like: torch.Tensor) -> None:
+        """A bank at least ``frames`` wide, unless its width is fixed (``prepare_voices``)."""
+        if self.bank is None or (frames > self.bank.frames and not self._bank_fixed):
+            self.bank = PrefixBank(self.flow.decoder, self.prefix_voices, frames, like)
+            self._slots.clear()
+
+    def _voice_slot(self, prompt: VoicePrompt) -> int | None:
+        """The voice's slot in the bank, its prefix built on first use in place of the least
+        recently used voice's; None when its prefix is wider than the bank."""
         key = id(prompt)
-        if key in self._prefixes:
-            self._prefixes.move_to_end(key)
-            return self._prefixes[key][1]
-        prefix = self.flow.voice_prefix(prompt.speech_tokens, prompt.speech_feat, prompt.embedding)
-        self._prefixes[key] = (prompt, prefix)  # the prompt too: its id stays its own while held
-        while len(self._prefixes) > self.prefix_voices:
-            self._prefixes.popitem(last=False)
-        return prefix
+        if key in self._slots:
+            self._slots.move_to_end(key)
+            return self._slots[key][1]
+        if self.flow.voice_prefix_frames(prompt.tokens) > self.bank.frames:
+            return None
+        if len(self._slots) < self.prefix_voices:
+            slot = len(self._slots)
+        else:
+            _, (_, slot) = self._slots.popitem(last=False)
+        self.bank.put(slot, self.flow.voice_prefix(prompt.speech_tokens, prompt.speech_feat, prompt.embedding))
+        self._slots[key] = (prompt, slot)
+        return slot
 
     def _flow(self, job: ChunkJob) -> torch.Tensor:
         state, prompt = job.state, job.state.prompt
