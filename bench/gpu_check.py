@@ -89,6 +89,7 @@ dtype = "{args.flow_dtype}"
 llm_backend = "vllm"
 flow_mode = "recompute"
 max_batch = {args.max_batch}
+graph_max_batch = {args.graph_max_batch}
 token_first_hop_len = {args.first_hop}
 stream_scale_factor = {args.stream_scale}
 max_speech_per_text_token = {args.speech_per_text_token}
@@ -276,6 +277,8 @@ def main() -> int:
     parser.add_argument("--ttfa-p95-ms", type=float, default=400.0)
     parser.add_argument("--flow-dtype", default="bfloat16")
     parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--graph-max-batch", type=int, default=64,
+                        help="graph_max_batch of the gateway: flow CUDA graphs of non-final chunks up to this batch")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-hift-graphs", action="store_true", help="the vocoder eager (hift_graphs = false)")

@@ -151,9 +151,13 @@ class CosyVoice2Engine(Engine):
         graphs.capture([b for b in buckets.batches if b <= FINAL_GRAPH_MAX_BATCH], frames, [False])
         self.models.flow.decoder.graphs = graphs
         held = torch.cuda.memory_reserved(device) / 2**30
+        # A small graph of each kind against its eager solve.
+        checked = [buckets.key(3, 250, streaming, after) for streaming, after in ((True, bank is not None), (False, False))]
+        errors = ", ".join(f"{key}: {graphs.replay_error(key):.2e}" for key in checked if key in graphs.graphs)
         log.info(
-            "flow CUDA graphs: %d captured in %.1f s (%.2f GiB); token2wav holds %.1f GiB of %.1f GiB budgeted",
-            len(graphs.graphs), graphs.capture_seconds, graphs.reserved_bytes / 2**30, held,
+            "flow CUDA graphs: %d captured in %.1f s (%.2f GiB); |replay - eager| %s; "
+            "token2wav holds %.1f GiB of %.1f GiB budgeted",
+            len(graphs.graphs), graphs.capture_seconds, graphs.reserved_bytes / 2**30, errors, held,
             settings.vllm.token2wav_memory_gb,
         )
         if held > settings.vllm.token2wav_memory_gb:

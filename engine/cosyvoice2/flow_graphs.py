@@ -310,6 +310,29 @@ class FlowGraphs:
             solve()
         return _CapturedSolve(graph, inputs, mel)
 
+    @torch.inference_mode()
+    def replay_error(self, key: GraphKey) -> float:
+        """Largest |replay - eager solve| of ``key``'s graph on random inputs: a check of the
+        capture on the GPU (the CPU tests cannot replay graphs)."""
+        generator = torch.Generator(self.device).manual_seed(0)
+        channels, batch, frames = self.cfm.config.estimator.out_channels, key.batch, key.frames
+
+        def random(*shape: int) -> Tensor:
+            return torch.randn(*shape, generator=generator, device=self.device).to(self.dtype)
+
+        mu, cond, spks = random(batch, channels, frames), random(batch, channels, frames), random(batch, channels)
+        mask = torch.ones(batch, 1, frames, device=self.device, dtype=self.dtype)
+        if key.after_prefix:
+            slots = torch.arange(batch, device=self.device) % self.bank.slots
+            replayed = self.run_after_prefix(slots, mu, mask, spks, cond)
+            eager = self.cfm.solve_after_eager(self.bank, slots, mu, mask, spks, cond)
+        else:
+            replayed = self.run(mu, mask, spks, cond, key.streaming)
+            eager = self.cfm(mu, mask, spks, cond, key.streaming, noise=self.cfm.noise)
+        if replayed is None:
+            raise ValueError(f"no graph for {key}")
+        return float((replayed - eager).abs().max())
+
     def _measure_reserved(self) -> int:
         # Drops the ordinary allocator's cached blocks (warm-up runs) so that what stays
         # reserved beyond the start is the graphs' pool and the static buffers.
