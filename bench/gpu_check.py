@@ -204,6 +204,21 @@ def session_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+IDLE_NAMES = ("tts_engine_utterances", "tts_engine_running", "tts_engine_queue_depth")
+
+
+def wait_idle(metrics_url: str, timeout: float = 10.0) -> float:
+    """Waits until the gateway holds no utterance and no engine work, so that the last
+    level's tail (a batch still running for its cancelled sessions) does not land in the
+    next level's first audio; returns the seconds waited (``timeout`` if it never was idle)."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        if not any(scrape(metrics_url).get(name, 0.0) for name in IDLE_NAMES):
+            break
+        time.sleep(0.2)
+    return round(time.perf_counter() - started, 1)
+
+
 def take_profile(pid: int, path: Path) -> dict | None:
     """The gateway's thread profile since the last call (bench/stack_sampler.py)."""
     path.unlink(missing_ok=True)
@@ -224,6 +239,7 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
     plan = [("full-barge-in", n) for n in args.first_audio_sessions] + [("full", n) for n in args.full_sessions]
     plan += [(args.workload, n) for n in args.sessions]
     for workload, sessions in plan:
+        idle_wait_s = wait_idle(f"{http}/metrics")
         before = scrape(f"{http}/metrics")
         take_profile(gateway_pid, profile_path)
         started = time.perf_counter()
@@ -242,6 +258,7 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
             "stages": stage_report(before, after, elapsed),
             "profile": take_profile(gateway_pid, profile_path),
             "seconds": round(elapsed, 1),
+            "idle_wait_s": idle_wait_s,
         }
         levels.append(level)
         report.put("levels", levels)

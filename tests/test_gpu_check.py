@@ -83,3 +83,15 @@ def test_stack_sampler_reports_where_each_thread_is(tmp_path):
     time.sleep(0.05)
     sampler.dump()  # counts start afresh after each dump (and the worker has ended)
     assert "busy-worker" not in json.loads(out.read_text())["threads"]
+
+
+def test_a_level_starts_once_the_gateway_is_idle(monkeypatch):
+    busy = [{"tts_engine_running": 1.0}, {"tts_engine_utterances": 3.0}, {"tts_engine_queue_depth": 0.0}]
+    scrapes = []
+    monkeypatch.setattr(gpu_check, "scrape", lambda url: scrapes.append(url) or busy[min(len(scrapes), 3) - 1])
+    monkeypatch.setattr(gpu_check.time, "sleep", lambda seconds: None)
+    gpu_check.wait_idle("http://gateway/metrics")
+    assert len(scrapes) == 3  # busy, busy, idle
+    scrapes.clear()
+    busy[2] = {"tts_engine_running": 1.0}
+    assert gpu_check.wait_idle("http://gateway/metrics", timeout=0.2) >= 0.2  # never idle: gives up

@@ -327,14 +327,11 @@ class Token2Wav:
         return max(map(self.job_frames, jobs)) - (0 if finalize else self.mel_ratio * self.lookahead)
 
     def _prefix_serves(self, jobs: list[ChunkJob]) -> bool:
-        """Whether starting after the voice prefixes is the faster way to run these non-final
-        jobs: always, unless only the whole solve has a CUDA graph for them."""
+        """Whether these non-final jobs start after their voice prefixes: unless a graph of the
+        whole solve serves them (the engine captures those for one row only: a one-row replay
+        is latency-bound, and the prefix's extra gathers cost more than its frames save)."""
         graphs = self.flow.decoder.graphs
-        frames = self._decoder_frames(jobs, False)
-        if graphs is None or not graphs.has(len(jobs), frames, True):
-            return True
-        after = max(frames - self.flow.voice_prefix_frames(job.state.prompt.tokens) for job in jobs)
-        return graphs.has(len(jobs), after, True, after_prefix=True)
+        return graphs is None or not graphs.has(len(jobs), self._decoder_frames(jobs, False), True)
 
     def prepare_voices(self, prompts: list[VoicePrompt], widest_prompt_tokens: int) -> PrefixBank | None:
         """At start-up: the bank, as wide as the prefix of a prompt of ``widest_prompt_tokens``
