@@ -213,7 +213,8 @@ def wait_idle(metrics_url: str, timeout: float = 10.0) -> float:
     next level's first audio; returns the seconds waited (``timeout`` if it never was idle)."""
     started = time.perf_counter()
     while time.perf_counter() - started < timeout:
-        if not any(scrape(metrics_url).get(name, 0.0) for name in IDLE_NAMES):
+        metrics = scrape(metrics_url)
+        if not any(metrics.get(name, 0.0) for name in IDLE_NAMES):
             break
         time.sleep(0.2)
     return round(time.perf_counter() - started, 1)
