@@ -34,8 +34,14 @@ before any other replay can overwrite it. ``FlowGraphs.reserved_bytes`` is the g
 of ``torch.cuda.memory_reserved`` since construction (pool + static buffers), for the
 engine to check against its memory budget.
 
-A graph bakes in the addresses of the weights and of ``CFM.noise``: capture after the
-model has its final device and dtype, and do not move it afterwards.
+Graphs after voice prefixes (``GraphKey.after_prefix``) capture ``CFM.solve_after_eager``
+over one ``PrefixBank``: the rows' bank slots are one more static input (padded rows copy
+row 0's slot too), and the bank's tensors are read in place, so voices may come and go
+between replays (``PrefixBank.put`` writes in place). ``solve_after_padded`` is its padded
+eager twin for the CPU tests.
+
+A graph bakes in the addresses of the weights, of ``CFM.noise`` and of the bank: capture
+after the model has its final device and dtype, and do not move them afterwards.
 """
 
 from __future__ import annotations

@@ -15,10 +15,11 @@ Chunking follows the official CosyVoice2 streaming path:
   flushes everything.
 
 The flow runs in one of two exact modes. ``recompute`` is the official one: every chunk
-re-runs the flow over prompt + all tokens so far, so chunk k costs O(k). A batch that no
-CUDA graph serves starts its decoder after each voice's shared prompt prefix instead
-(``Flow.voice_prefix``, kept for the ``prefix_voices`` most recent voices): the same mel
-for less work, since the prompt's whole chunks come out the same in every call.
+re-runs the flow over prompt + all tokens so far, so chunk k costs O(k). A batch of more
+than one row starts its decoder after each voice's shared prompt prefix instead
+(``Flow.voice_prefix``, kept in a ``PrefixBank`` of ``prefix_voices`` slots for the most
+recently used voices): the same mel for less work, since the prompt's whole chunks come out
+the same in every call.
 ``incremental`` keeps the flow's per-chunk state (``Flow.inference_chunk``) and computes
 only the new chunk: the same mel within float rounding, at a memory cost per session
 (see engine/cosyvoice2/flow.py). In both, the final chunk is what the official path
