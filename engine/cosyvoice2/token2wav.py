@@ -257,29 +257,35 @@ class Token2Wav:
         split by width; incremental chunks, which run one by one, together."""
         incremental = [i for i, job in enumerate(jobs) if not job.finalize and job.state.flow_cache is not None]
         groups = [incremental] if incremental else []
+        # The shortest prefix in the bank: what a call after the prefixes saves at least.
+        prefix = min((self.flow.voice_prefix_frames(p.tokens) for p, _ in self._slots.values()), default=None)
         for finalize in (False, True):
             rows = [
                 i for i, job in enumerate(jobs) if job.finalize == finalize and (finalize or job.state.flow_cache is None)
             ]
             widths = [self.job_frames(jobs[i]) for i in rows]
-            cost = functools.partial(self._call_cost, finalize=finalize)
+            cost = functools.partial(self._call_cost, finalize=finalize, prefix=prefix)
             groups += [[rows[k] for k in group] for group in cheapest_groups(widths, cost)]
         return sorted(groups, key=lambda group: max(self.job_frames(jobs[i]) for i in group))
 
-    def _call_cost(self, rows: int, frames: int, finalize: bool) -> int:
-        """A flow call's cost in row-frames (see ``CALL_ROW_FRAMES``)."""
+    def _call_cost(self, rows: int, frames: int, finalize: bool, prefix: int | None) -> int:
+        """A flow call's cost in row-frames (see ``CALL_ROW_FRAMES``); ``prefix``: the frames a
+        call after the voice prefixes starts at (None: no bank)."""
         cost = CALL_ROW_FRAMES + rows * frames
         if not self.flow.decoder.noise.is_cuda:  # no launch floor on a CPU
             return cost
         graphs = self.flow.decoder.graphs
-        decoder_frames = frames - (0 if finalize else self.mel_ratio * self.lookahead)
-        if graphs is not None and graphs.has(rows, decoder_frames, not finalize):
+        width = self._decoder_width(frames, finalize)
+        if graphs is not None and (
+            graphs.has(rows, width, not finalize)
+            or (not finalize and prefix is not None and graphs.has(rows, width - prefix, True, after_prefix=True))
+        ):
             return cost
-        if graphs is not None and not finalize and self._slots:
-            after = decoder_frames - min(self.flow.voice_prefix_frames(p.tokens) for p, _ in self._slots.values())
-            if graphs.has(rows, after, True, after_prefix=True):
-                return cost
         return max(EAGER_FLOOR_ROW_FRAMES, cost)
+
+    def _decoder_width(self, frames: int, finalize: bool) -> int:
+        """The decoder's width for a call of this context: the look-ahead tokens are context only."""
+        return frames - (0 if finalize else self.mel_ratio * self.lookahead)
 
     def _flows(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
         """Each job's new mel: batched flow calls as ``plan`` splits them; incremental chunks,
@@ -323,16 +329,13 @@ class Token2Wav:
             mel[i : i + 1, :, job.state.offset * self.mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
         ]
 
-    def _decoder_frames(self, jobs: list[ChunkJob], finalize: bool) -> int:
-        """The decoder's width for these jobs in one call: the look-ahead tokens are context only."""
-        return max(map(self.job_frames, jobs)) - (0 if finalize else self.mel_ratio * self.lookahead)
-
     def _prefix_serves(self, jobs: list[ChunkJob]) -> bool:
         """Whether these non-final jobs start after their voice prefixes: unless a graph of the
         whole solve serves them (the engine captures those for one row only: a one-row replay
         is latency-bound, and the prefix's extra gathers cost more than its frames save)."""
         graphs = self.flow.decoder.graphs
-        return graphs is None or not graphs.has(len(jobs), self._decoder_frames(jobs, False), True)
+        width = self._decoder_width(max(map(self.job_frames, jobs)), False)
+        return graphs is None or not graphs.has(len(jobs), width, True)
 
     def prepare_voices(self, prompts: list[VoicePrompt], widest_prompt_tokens: int) -> PrefixBank | None:
         """At start-up: the bank, as wide as the prefix of a prompt of ``widest_prompt_tokens``
