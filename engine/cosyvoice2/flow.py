@@ -292,10 +292,6 @@ class VoicePrefix:
     values: list[Tensor]
     conv_context: list[Tensor]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.conv_context))
-
 
 class PrefixBank:
     """Voice prefixes in fixed tensors, one slot per voice: what batched calls read.
@@ -317,14 +313,6 @@ class PrefixBank:
         self.values = [like.new_zeros(slots, 2, layer.heads, frames, layer.head_dim) for layer in layers]
         self.conv_context = [like.new_zeros(slots, *c.shape) for c in cfm._zero_conv_context(2, like)]
         self.start = torch.zeros(slots, dtype=torch.long, device=like.device)
-
-    @classmethod
-    def of(cls, cfm: CFM, prefixes: list[VoicePrefix], like: Tensor) -> PrefixBank:
-        """A bank holding exactly these prefixes, prefix i in slot i."""
-        bank = cls(cfm, len(prefixes), max(p.frames for p in prefixes), like)
-        for slot, prefix in enumerate(prefixes):
-            bank.put(slot, prefix)
-        return bank
 
     def put(self, slot: int, prefix: VoicePrefix) -> None:
         if prefix.frames > self.frames:

@@ -326,7 +326,8 @@ class FlowGraphs:
         def random(*shape: int) -> Tensor:
             return torch.randn(*shape, generator=generator, device=self.device).to(self.dtype)
 
-        mu, cond, spks = random(batch, channels, frames), random(batch, channels, frames), random(batch, channels)
+        mu, cond = random(batch, channels, frames), random(batch, channels, frames)
+        spks = random(batch, self.cfm.config.spk_emb_dim)
         mask = torch.ones(batch, 1, frames, device=self.device, dtype=self.dtype)
         if key.after_prefix:
             slots = torch.arange(batch, device=self.device) % self.bank.slots
