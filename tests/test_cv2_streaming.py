@@ -137,12 +137,12 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
 
     alone = [token2wav._flow(token2wav.next_job(state)) for state in streams()]
     jobs = [token2wav.next_job(state) for state in streams()]
-    together = token2wav._flows(jobs)
-    # A flow call with more voices than the cache holds runs without prefixes.
+    together = token2wav._flow_batched(jobs, False)
+    # A flow call with more voices than the bank holds runs without prefixes.
     after_prefix._flow_batched(jobs, False)
     assert not after_prefix._slots
     after_prefix.prefix_voices = 2
-    together_after_prefix = after_prefix._flows(jobs)
+    together_after_prefix = after_prefix._flow_batched(jobs, False)
     assert len(after_prefix._slots) == 2
     assert not any(job.finalize for job in jobs)
     for a, b, c in zip(alone, together, together_after_prefix):
@@ -151,12 +151,16 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
         assert float((a - c).abs().max()) <= 1e-4
 
 
-@pytest.mark.parametrize("call_row_frames, calls", [(0, [2, 1]), (None, [3])])
-def test_chunks_run_in_the_flow_calls_that_cost_least(models, voice, tokens, monkeypatch, call_row_frames, calls):
-    """Rows of one flow call are padded to its longest. Where a call costs nothing beyond its
-    rows, a late chunk of a long turn runs alone, and the first chunks of new turns do not
-    pay for its context; at the per-call cost measured on the GPU, these tiny contexts share
-    one call. Either way each chunk gets its own mel."""
+@pytest.mark.parametrize("call_row_frames, skips, calls", [
+    (0, [1, 3, 1], [2, 1]),  # calls cost nothing beyond their rows: the wider chunk alone
+    (None, [1, 3, 1], [3]),  # the per-call cost measured on the GPU: these tiny contexts share one call
+    (None, [0, 3, 0], [2, 1]),  # first chunks never wait for a later chunk's call
+])
+def test_chunks_run_in_the_flow_calls_that_cost_least(models, voice, tokens, monkeypatch, call_row_frames, skips,
+                                                      calls):
+    """Rows of one flow call are padded to its longest: a batch is split into the calls of
+    least total cost, except that a new turn's first chunks run apart from later chunks.
+    Each chunk still gets its own mel."""
     if call_row_frames is not None:
         monkeypatch.setattr(token2wav_module, "CALL_ROW_FRAMES", call_row_frames)
     token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
@@ -169,15 +173,15 @@ def test_chunks_run_in_the_flow_calls_that_cost_least(models, voice, tokens, mon
             token2wav.run([token2wav.next_job(state)])
         return token2wav.next_job(state)
 
-    jobs = [job(0), job(3), job(0)]
+    jobs = [job(skip) for skip in skips]
     widths = [token2wav.job_frames(j) for j in jobs]
-    assert widths[1] > 1.5 * widths[0] and not any(j.finalize for j in jobs)
+    assert widths[1] > 1.2 * widths[0] and widths[0] == widths[2] and not any(j.finalize for j in jobs)
     alone = [token2wav._flow(j) for j in jobs]
     made = []
     batched = token2wav.flow.inference_batch
     monkeypatch.setattr(token2wav.flow, "inference_batch", lambda *a, **k: made.append(a[0].shape[0]) or batched(*a, **k))
     together = token2wav._flows(jobs)
-    assert made == calls  # split: the two first chunks together, then the late chunk alone
+    assert made == calls
     for a, b in zip(alone, together):
         assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
 

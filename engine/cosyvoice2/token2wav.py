@@ -252,21 +252,32 @@ class Token2Wav:
         return self.hift(mel, cache_source)
 
     def plan(self, jobs: list[ChunkJob]) -> list[list[int]]:
-        """Indices of ``jobs`` in the flow calls that cost least in all (see ``cheapest_groups``),
-        narrowest first: non-final recompute chunks, and final chunks (full attention), each
-        split by width; incremental chunks, which run one by one, together."""
-        incremental = [i for i, job in enumerate(jobs) if not job.finalize and job.state.flow_cache is not None]
+        """Indices of ``jobs`` in flow calls, in the order to run them.
+
+        Non-final recompute chunks and final chunks (full attention) go in separate calls,
+        and so do first chunks (no audio out yet) and later ones: a new turn's first chunk
+        must not wait for a long turn's call, which a single row's padding would otherwise
+        often make the cheaper choice. Each such kind is split into the calls that cost least
+        in all (see ``cheapest_groups``). Calls of first chunks run first, then the rest,
+        narrowest first; incremental chunks, which run one by one, go together.
+        """
+        kinds: dict[tuple[bool, bool], list[int]] = {}
+        incremental = []
+        for i, job in enumerate(jobs):
+            if not job.finalize and job.state.flow_cache is not None:
+                incremental.append(i)
+            else:
+                kinds.setdefault((job.finalize, job.state.offset == 0), []).append(i)
         groups = [incremental] if incremental else []
         # The shortest prefix in the bank: what a call after the prefixes saves at least.
         prefix = min((self.flow.voice_prefix_frames(p.tokens) for p, _ in self._slots.values()), default=None)
-        for finalize in (False, True):
-            rows = [
-                i for i, job in enumerate(jobs) if job.finalize == finalize and (finalize or job.state.flow_cache is None)
-            ]
+        for (finalize, _), rows in kinds.items():
             widths = [self.job_frames(jobs[i]) for i in rows]
             cost = functools.partial(self._call_cost, finalize=finalize, prefix=prefix)
             groups += [[rows[k] for k in group] for group in cheapest_groups(widths, cost)]
-        return sorted(groups, key=lambda group: max(self.job_frames(jobs[i]) for i in group))
+        return sorted(groups, key=lambda group: (
+            min(jobs[i].state.offset for i in group) > 0, max(self.job_frames(jobs[i]) for i in group)
+        ))
 
     def _call_cost(self, rows: int, frames: int, finalize: bool, prefix: int | None) -> int:
         """A flow call's cost in row-frames (see ``CALL_ROW_FRAMES``); ``prefix``: the frames a
