@@ -133,10 +133,10 @@ class CosyVoice2Settings:
     graph_max_batch: int = 16
     graph_max_frames: int = 1200
     graph_frame_step: int = 100
-    # Recompute mode: a streaming batch that no flow graph serves starts the decoder after
-    # the voice prompt's whole chunks, whose state is the same in every call and is kept
-    # for this many recently used voices (~2.3 MB per prompt frame at full size in bf16:
-    # ~0.35 GB for a 3.6 s prompt). Exact; 0 = off.
+    # Recompute mode: a streaming batch (on a GPU, of more than one row) starts the decoder
+    # after the voice prompt's whole chunks, whose state is the same in every call and is kept in a
+    # bank of this many slots for the most recently used voices (~2.3 MB per prompt frame
+    # and slot at full size in bf16: ~0.32 GB for a 3.6 s prompt). Exact; 0 = off.
     prefix_voices: int = 4
     # GPU: CUDA graphs of the HiFT vocoder for the streamed chunk shapes at every batch
     # bucket up to max_batch (engine/cosyvoice2/hift_graphs.py); final chunks run eagerly.

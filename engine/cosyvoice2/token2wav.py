@@ -15,8 +15,8 @@ Chunking follows the official CosyVoice2 streaming path:
   flushes everything.
 
 The flow runs in one of two exact modes. ``recompute`` is the official one: every chunk
-re-runs the flow over prompt + all tokens so far, so chunk k costs O(k). A batch of more
-than one row starts its decoder after each voice's shared prompt prefix instead
+re-runs the flow over prompt + all tokens so far, so chunk k costs O(k). A batch (on a
+GPU, of more than one row) starts its decoder after each voice's shared prompt prefix instead
 (``Flow.voice_prefix``, kept in a ``PrefixBank`` of ``prefix_voices`` slots for the most
 recently used voices): the same mel for less work, since the prompt's whole chunks come out
 the same in every call.
@@ -326,11 +326,12 @@ class Token2Wav:
         prompt_feat, prompt_feat_len = padded([p.speech_feat[0] for p in prompts])
         embedding = torch.cat([p.embedding for p in prompts])
         after_prefix = None
-        # More voices than the bank holds would rebuild prefixes batch after batch.
-        if not finalize and 0 < len({id(p) for p in prompts}) <= self.prefix_voices:
+        # More voices than the bank holds would rebuild prefixes batch after batch. Asked
+        # first whether a prefix serves: taking a slot may build a voice's prefix.
+        if not finalize and 0 < len({id(p) for p in prompts}) <= self.prefix_voices and self._prefix_serves(jobs):
             self._make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), prompts[0].speech_feat)
             slots = [self._voice_slot(p) for p in prompts]
-            if None not in slots and self._prefix_serves(jobs):
+            if None not in slots:
                 after_prefix = (self.bank, torch.tensor(slots, device=device))
         mel, new_len = self.flow.inference_batch(
             token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding,
