@@ -92,6 +92,7 @@ max_batch = {args.max_batch}
 graph_max_batch = {args.graph_max_batch}
 token_first_hop_len = {args.first_hop}
 stream_scale_factor = {args.stream_scale}
+token_max_hop_len = {args.max_hop}
 max_speech_per_text_token = {args.speech_per_text_token}
 prefix_voices = {args.prefix_voices}
 hift_graphs = {str(not args.no_hift_graphs).lower()}
@@ -285,6 +286,8 @@ def main() -> int:
     parser.add_argument("--first-hop", type=int, default=5, help="token_first_hop_len of the gateway")
     parser.add_argument("--tokens-per-second", type=float, default=30.0)
     parser.add_argument("--stream-scale", type=int, default=2, help="stream_scale_factor of the gateway (hop growth)")
+    parser.add_argument("--max-hop", type=int, default=200,
+                        help="token_max_hop_len of the gateway: the hop grows up to this (8 s chunks late in a reply)")
     parser.add_argument(
         "--speech-per-text-token", type=float, default=7.5,
         help="max_speech_per_text_token of the gateway: random weights never sample eos, so every reply "

@@ -21,12 +21,17 @@ class FakeState:
     finished: bool = False
     tokens: list = field(default_factory=list)
     frames: int = 300  # context of its chunks, in mel frames
+    first: bool = False  # its next chunk is its first: no audio yet
 
 
 @dataclass(frozen=True)
 class FakeJob:
     state: FakeState
     finalize: bool
+
+    @property
+    def first(self) -> bool:
+        return self.state.first
 
 
 class FakeToken2Wav:
@@ -56,6 +61,7 @@ class FakeToken2Wav:
         for job in jobs:
             job.state.chunks -= 1
             job.state.finished = job.finalize
+            job.state.first = False
         time.sleep(0.01)
         return [np.zeros(100, np.float32) for _ in jobs]
 
@@ -152,6 +158,33 @@ async def test_a_much_longer_context_waits_for_a_batch_of_its_size():
     # their audio does not wait for its context.
     assert await batches_for({"short": (300, None), "long": (1200, None)}) == [["short"], ["long"]]
     assert await batches_for({"a": (300, None), "long": (1200, None), "b": (320, None)}) == [["a", "b"], ["long"]]
+
+
+async def test_a_new_turns_first_chunk_runs_between_the_calls_of_a_round():
+    """A batch runs as several flow calls; a first chunk that becomes ready during one goes
+    next, before the rest of the round."""
+    fake = FakeToken2Wav()
+    worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop())
+    queues = {name: asyncio.Queue() for name in ("short", "mid", "long", "new")}
+    run = fake.run
+
+    def run_and_start_a_turn(jobs):
+        if len(fake.batches) == 0:  # during the round's first call, a new turn's tokens arrive
+            worker.add(FakeState("new", 2, first=True), queues["new"])
+        return run(jobs)
+
+    fake.run = run_and_start_a_turn
+    try:
+        # Padded to the longest row, these three contexts are cheapest as three calls.
+        for name, frames in (("short", 300), ("mid", 1200), ("long", 3000)):
+            worker.add(FakeState(name, 1, frames=frames), queues[name])
+        with worker.lock:
+            worker.wake.notify()
+        for queue in queues.values():
+            await until(queue.get())
+        assert fake.batches[:4] == [["short"], ["new"], ["mid"], ["long"]]
+    finally:
+        await asyncio.to_thread(worker.stop)
 
 
 class EarlyToken2Wav(FakeToken2Wav):

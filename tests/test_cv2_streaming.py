@@ -186,6 +186,28 @@ def test_chunks_run_in_the_flow_calls_that_cost_least(models, voice, tokens, mon
         assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
 
 
+def test_a_call_of_several_rows_is_held_to_the_call_limit(models, voice, tokens, monkeypatch):
+    """A flow call runs to its end while new turns wait: calls of several rows stay within
+    MAX_CALL_ROW_FRAMES even where one call would cost less; each chunk keeps its mel."""
+    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+
+    def job():
+        state = token2wav.new_stream(prompt)
+        state.tokens, state.tokens_done = list(tokens), True
+        token2wav.run([token2wav.next_job(state)])
+        return token2wav.next_job(state)
+
+    jobs = [job() for _ in range(5)]
+    width = token2wav.job_frames(jobs[0])
+    assert [len(g) for g in token2wav.plan(jobs)] == [5]
+    monkeypatch.setattr(token2wav_module, "MAX_CALL_ROW_FRAMES", token2wav_module.CALL_ROW_FRAMES + 2 * width)
+    assert sorted(len(g) for g in token2wav.plan(jobs)) == [1, 2, 2]
+    alone = [token2wav._flow(j) for j in jobs]
+    for a, b in zip(alone, token2wav._flows(jobs)):
+        assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
+
+
 def test_voice_prefix_bank_slots(models, voice, tokens):
     """Voices take turns in the bank's slots (least recently used out), and a voice whose
     prefix is wider than a bank of fixed width runs without one; each chunk's mel stays

@@ -542,16 +542,46 @@ class Token2WavWorker:
                 if self._stopping:
                     return
                 self.running = len(batch)
-            # The batch runs as the flow calls Token2Wav.plan splits it into, narrowest first,
-            # each delivered when done: the short ones (new turns' first chunks, mostly) are
-            # out before the long ones run.
             started = time.monotonic()
-            for group in self.token2wav.plan([job for _, job in batch]):
-                self._run_batch([batch[i] for i in group])
-            # The whole round of groups: how long until the worker looks at the queue again.
+            self._run_calls(batch)
+            # The whole round of calls: how long until the worker looks at the queue again.
             self._recent_batch_s += 0.2 * (time.monotonic() - started - self._recent_batch_s)
             with self.lock:
                 self.running = 0
+
+    def _run_calls(self, batch: list) -> None:
+        """Run a batch as the flow calls ``Token2Wav.plan`` splits it into, in its order (new
+        turns' first chunks, then narrowest first), each delivered when done.
+
+        A call runs to its end, and the rest of the batch may take many calls: between calls,
+        first chunks that became ready meanwhile go next, so that a new turn waits for one
+        call, not for the whole round.
+        """
+        taken = {handle for handle, _ in batch}
+        calls = [[batch[i] for i in group] for group in self.token2wav.plan([job for _, job in batch])]
+        while calls:
+            self._run_batch(calls.pop(0))
+            arrived = self._new_first_chunks(taken)
+            if arrived:
+                taken.update(handle for handle, _ in arrived)
+                plan = self.token2wav.plan([job for _, job in arrived])
+                calls[:0] = [[arrived[i] for i in group] for group in plan]
+
+    def _new_first_chunks(self, taken: set[StreamHandle]) -> list:
+        """(handle, job) of first chunks ready to run, of utterances not in ``taken``, longest
+        waiting first."""
+        with self.lock:
+            now = time.monotonic()
+            arrived = []
+            for handle in self.handles:
+                if handle in taken or handle.pending >= _OUTPUT_CHUNKS:
+                    continue
+                job = self.token2wav.next_job(handle.state)
+                if job is not None and job.first:
+                    arrived.append((handle.clock.deadline(now), id(handle), handle, job))
+            arrived.sort(key=lambda item: item[:2])
+            self.running += min(len(arrived), self.max_batch)
+            return [(handle, job) for _, _, handle, job in arrived[: self.max_batch]]
 
     def _run_batch(self, batch: list) -> None:
         """Run one batch of (handle, job) and hand each utterance its audio (or the error)."""

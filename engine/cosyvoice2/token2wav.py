@@ -53,12 +53,16 @@ MEL_CACHE_FRAMES = 8
 # row-frames): the GPU waits on the CPU, and a smaller eager call saves nothing.
 CALL_ROW_FRAMES = 1400
 EAGER_FLOOR_ROW_FRAMES = 13000
+# A call runs to its end, and whatever becomes urgent meanwhile (a new turn's first chunk)
+# waits for it: a call of several rows is held to about an eager call's launch floor of
+# work (~0.4 s), so eager calls, which cost that anyway, are not split for it.
+MAX_CALL_ROW_FRAMES = EAGER_FLOOR_ROW_FRAMES
 # Rows of one flow call are padded to its longest context; the worker keeps a much longer,
 # not yet due context out of a batch whose padding it would raise by more than this.
 PADDING_LIMIT = 1.25
 
 
-def cheapest_groups(widths: list[int], cost: Callable[[int, int], int]) -> list[list[int]]:
+def cheapest_groups(widths: list[int], cost: Callable[[int, int], float]) -> list[list[int]]:
     """Indices of rows of these context widths split into calls, narrowest call first, so
     that the calls' total ``cost(rows, widest row)`` is the least possible.
 
@@ -118,6 +122,11 @@ class ChunkJob:
     finalize: bool
     advance: int  # tokens this chunk turns into audio
     early: bool = False  # taken before its regular size because the listener is running out
+
+    @property
+    def first(self) -> bool:
+        """The utterance's first chunk: its listener has no audio yet."""
+        return self.state.offset == 0
 
 
 class Token2Wav:
@@ -258,7 +267,7 @@ class Token2Wav:
         and so do first chunks (no audio out yet) and later ones: a new turn's first chunk
         must not wait for a long turn's call, which a single row's padding would otherwise
         often make the cheaper choice. Each such kind is split into the calls that cost least
-        in all (see ``cheapest_groups``). Calls of first chunks run first, then the rest,
+        in all (see ``cheapest_groups``), none of several rows above ``MAX_CALL_ROW_FRAMES``. Calls of first chunks run first, then the rest,
         narrowest first; incremental chunks, which run one by one, go together.
         """
         kinds: dict[tuple[bool, bool], list[int]] = {}
@@ -267,7 +276,7 @@ class Token2Wav:
             if not job.finalize and job.state.flow_cache is not None:
                 incremental.append(i)
             else:
-                kinds.setdefault((job.finalize, job.state.offset == 0), []).append(i)
+                kinds.setdefault((job.finalize, job.first), []).append(i)
         groups = [incremental] if incremental else []
         # The shortest prefix in the bank: what a call after the prefixes saves at least.
         prefix = min((self.flow.voice_prefix_frames(p.tokens) for p, _ in self._slots.values()), default=None)
@@ -276,13 +285,16 @@ class Token2Wav:
             cost = functools.partial(self._call_cost, finalize=finalize, prefix=prefix)
             groups += [[rows[k] for k in group] for group in cheapest_groups(widths, cost)]
         return sorted(groups, key=lambda group: (
-            min(jobs[i].state.offset for i in group) > 0, max(self.job_frames(jobs[i]) for i in group)
+            not any(jobs[i].first for i in group), max(self.job_frames(jobs[i]) for i in group)
         ))
 
-    def _call_cost(self, rows: int, frames: int, finalize: bool, prefix: int | None) -> int:
-        """A flow call's cost in row-frames (see ``CALL_ROW_FRAMES``); ``prefix``: the frames a
-        call after the voice prefixes starts at (None: no bank)."""
+    def _call_cost(self, rows: int, frames: int, finalize: bool, prefix: int | None) -> float:
+        """A flow call's cost in row-frames (see ``CALL_ROW_FRAMES``), infinite for a call of
+        several rows above ``MAX_CALL_ROW_FRAMES``; ``prefix``: the frames a call after the
+        voice prefixes starts at (None: no bank)."""
         cost = CALL_ROW_FRAMES + rows * frames
+        if rows > 1 and cost > MAX_CALL_ROW_FRAMES:
+            return math.inf
         if not self.flow.decoder.noise.is_cuda:  # no launch floor on a CPU
             return cost
         graphs = self.flow.decoder.graphs
