@@ -128,10 +128,11 @@ class CosyVoice2Settings:
     # GPU: CUDA graphs of the flow solve, captured before the gateway reports ready (a
     # batch-1 chunk drops from ~280 ms eager to ~50 ms). Batches up to graph_max_batch
     # (padded to 1, 2, 4, ...), contexts up to graph_max_frames (prompt + speech so far,
-    # 50 frames per second, padded to graph_frame_step); larger calls run eagerly, where
-    # a full batch is compute-bound anyway. 0 turns graphs off.
+    # 50 frames per second, padded to a multiple of graph_frame_step, coarser beyond 12
+    # of them), batch x frames within a call's work limit (Token2Wav.plan keeps calls
+    # there); other calls run eagerly. 0 turns graphs off.
     graph_max_batch: int = 16
-    graph_max_frames: int = 1200
+    graph_max_frames: int = 3200
     graph_frame_step: int = 100
     # Recompute mode: a streaming batch (on a GPU, of more than one row) starts the decoder
     # after the voice prompt's whole chunks, whose state is the same in every call and is kept in a

@@ -62,6 +62,31 @@ def test_flow_buckets() -> None:
         FlowBuckets((1, 4, 2), 50, 100)
 
 
+def test_wide_frame_buckets_are_coarser() -> None:
+    """Every frame_step up to 12 steps; beyond, the step doubles as the width does, so a
+    wide call pads by at most ~1/6 of its frames."""
+    buckets = FlowBuckets.up_to(max_batch=64, max_frames=3000, frame_step=100)
+    assert buckets.frame_buckets() == [*range(100, 1300, 100), 1400, 1600, 1800, 2000, 2200, 2400, 2800, 3200]
+    assert buckets.max_frame_bucket == 3200
+    assert buckets.key(1, 1201, True).frames == 1400 and buckets.key(1, 2401, True).frames == 2800
+    assert buckets.covers(buckets.key(1, 3200, True)) and not buckets.covers(buckets.key(1, 3201, True))
+    for frames in range(1, 3201):
+        bucket = buckets.frame_bucket(frames)
+        assert frames <= bucket and (bucket - frames) <= max(100, bucket / 6), frames
+
+
+def test_graph_keys_within_a_row_frame_budget() -> None:
+    buckets = FlowBuckets.up_to(max_batch=64, max_frames=3000, frame_step=100)
+    keys = buckets.keys(buckets.batches, buckets.frame_buckets(), [True], max_row_frames=13000)
+    assert all(key.batch == 1 or key.batch * key.frames <= 13000 for key in keys)
+    assert {key.batch for key in keys if key.frames == 100} == {1, 2, 4, 8, 16, 32, 64}
+    assert {key.batch for key in keys if key.frames == 3200} == {1, 2, 4}
+    assert len(keys) == 88
+    assert len(buckets.keys(buckets.batches, buckets.frame_buckets(), [True])) == 7 * 20
+    with pytest.raises(ValueError):
+        buckets.keys([128], [100], [True])  # more rows than the largest batch bucket
+
+
 def test_pad_inputs_repeats_a_real_row_and_masks_padding_frames() -> None:
     mu, mask, spks, cond = batch_inputs(LENGTHS, PROMPTS, seed=2)
     padded = pad_inputs(mu, mask, spks, cond, batch=5, frames=150)

@@ -42,7 +42,7 @@ from engine.base import (
 )
 from engine.cosyvoice2.lm_stage import LMStage, LMStream, TorchLMStage
 from engine.cosyvoice2.model import DTYPES, CosyVoice2Models, load_models, missing_files
-from engine.cosyvoice2.token2wav import PADDING_LIMIT, StreamState, Token2Wav, VoicePrompt
+from engine.cosyvoice2.token2wav import MAX_CALL_ROW_FRAMES, PADDING_LIMIT, StreamState, Token2Wav, VoicePrompt
 from engine.cosyvoice2.voices import UnknownVoiceError, VoiceStore
 from engine.scheduling import PlaybackClock
 from engine.settings import CosyVoice2Settings
@@ -148,11 +148,14 @@ class CosyVoice2Engine(Engine):
         # Non-final chunks start after their voices' prefixes where there is a bank (frames:
         # those after the prefix), else run whole; one row runs whole either way (the faster
         # replay on the H200: 85 vs 103 ms for a first chunk with the vocoder). Final chunks
-        # end turns, a few at a time.
-        graphs.capture([1] if bank is not None else buckets.batches, frames, [True])
+        # end turns, a few at a time. Token2Wav.plan keeps calls of several rows within
+        # MAX_CALL_ROW_FRAMES, so larger graphs would not be replayed.
+        budget = MAX_CALL_ROW_FRAMES
+        graphs.capture([1] if bank is not None else buckets.batches, frames, [True], max_row_frames=budget)
         if bank is not None:
-            graphs.capture(buckets.batches, frames, [True], after_prefix=True)
-        graphs.capture([b for b in buckets.batches if b <= FINAL_GRAPH_MAX_BATCH], frames, [False])
+            graphs.capture(buckets.batches, frames, [True], after_prefix=True, max_row_frames=budget)
+        final_batches = [b for b in buckets.batches if b <= FINAL_GRAPH_MAX_BATCH]
+        graphs.capture(final_batches, frames, [False], max_row_frames=budget)
         self.models.flow.decoder.graphs = graphs
         held = torch.cuda.memory_reserved(device) / 2**30
         # A small graph of each kind against its eager solve.

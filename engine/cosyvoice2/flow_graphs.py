@@ -46,6 +46,8 @@ after the model has its final device and dtype, and do not move them afterwards.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import logging
 import math
 import time
@@ -88,10 +90,17 @@ def pad_rows(x: Tensor, rows: int) -> Tensor:
     return torch.cat([x, x[:1].expand(rows - x.shape[0], *x.shape[1:])])
 
 
+# Frame buckets are the multiples of frame_step up to this many steps; beyond, the step
+# doubles each time the width does. A wide call is then padded by at most ~1/6 of its
+# frames, and contexts of a minute need a few more graphs rather than dozens.
+FINE_FRAME_STEPS = 12
+
+
 @dataclass(frozen=True)
 class FlowBuckets:
     """The shapes graphs can exist for: batch buckets, and frame buckets of every multiple of
-    ``frame_step`` frames up to ``max_frames`` (rounded up)."""
+    ``frame_step`` frames up to ``FINE_FRAME_STEPS`` steps, coarser beyond, up to
+    ``max_frames`` (rounded up)."""
 
     batches: tuple[int, ...]
     frame_step: int
@@ -117,14 +126,28 @@ class FlowBuckets:
 
     @property
     def max_frame_bucket(self) -> int:
-        return self.frame_bucket(self.max_frames)
+        return self._frame_buckets[-1]
 
     def frame_bucket(self, frames: int) -> int:
-        return max(1, math.ceil(frames / self.frame_step)) * self.frame_step
+        """The bucket of ``frames`` (beyond the largest: a multiple of frame_step, not covered)."""
+        buckets = self._frame_buckets
+        if frames > buckets[-1]:
+            return math.ceil(frames / self.frame_step) * self.frame_step
+        return buckets[bisect.bisect_left(buckets, frames)]
 
     def frame_buckets(self) -> list[int]:
         """Every frame bucket, shortest first."""
-        return list(range(self.frame_step, self.max_frame_bucket + 1, self.frame_step))
+        return list(self._frame_buckets)
+
+    @functools.cached_property
+    def _frame_buckets(self) -> tuple[int, ...]:
+        buckets = [self.frame_step]
+        while buckets[-1] < self.max_frames:
+            step = self.frame_step
+            while buckets[-1] >= FINE_FRAME_STEPS * step:
+                step *= 2
+            buckets.append(buckets[-1] + step)
+        return tuple(buckets)
 
     def key(self, batch: int, frames: int, streaming: bool, after_prefix: bool = False) -> GraphKey:
         """The bucket a call of this shape pads to; outside ``covers`` when it is too large."""
@@ -133,6 +156,23 @@ class FlowBuckets:
 
     def covers(self, key: GraphKey) -> bool:
         return key.batch in self.batches and key.frames <= self.max_frame_bucket
+
+    def keys(
+        self, batches: Iterable[int], frames: Iterable[int], streaming_flags: Iterable[bool], after_prefix: bool = False,
+        max_row_frames: int | None = None,
+    ) -> set[GraphKey]:
+        """The buckets of ``batches`` x ``frames`` x ``streaming_flags``; with ``max_row_frames``
+        only those of one row or of at most that many rows x frames. Raises ValueError for
+        shapes outside the buckets."""
+        keys = {self.key(b, f, s, after_prefix) for b in batches for f in frames for s in streaming_flags}
+        if max_row_frames is not None:
+            keys = {key for key in keys if key.batch == 1 or key.batch * key.frames <= max_row_frames}
+        if after_prefix and not all(key.streaming for key in keys):
+            raise ValueError("a solve after voice prefixes is a streaming solve")
+        outside = [key for key in keys if not self.covers(key)]
+        if outside:
+            raise ValueError(f"shapes outside the buckets {self}: {sorted(outside, key=_order)}")
+        return keys
 
 
 def pad_inputs(
@@ -249,19 +289,16 @@ class FlowGraphs:
 
     @torch.inference_mode()
     def capture(
-        self, batches: Iterable[int], frames: Iterable[int], streaming_flags: Iterable[bool], after_prefix: bool = False
+        self, batches: Iterable[int], frames: Iterable[int], streaming_flags: Iterable[bool], after_prefix: bool = False,
+        max_row_frames: int | None = None,
     ) -> None:
         """Captures a graph for every bucket of ``batches`` x ``frames`` x ``streaming_flags``
         (each value rounded up to its bucket) that has none yet; updates ``reserved_bytes``.
-        ``after_prefix``: graphs of ``CFM.solve_after`` over the bank (streaming only)."""
+        ``after_prefix``: graphs of ``CFM.solve_after`` over the bank (streaming only).
+        ``max_row_frames``: only buckets of one row or of at most this many rows x frames."""
         if after_prefix and self.bank is None:
             raise ValueError("graphs after voice prefixes need the prefix bank")
-        keys = {self.buckets.key(b, f, s, after_prefix) for b in batches for f in frames for s in streaming_flags}
-        if after_prefix and not all(key.streaming for key in keys):
-            raise ValueError("a solve after voice prefixes is a streaming solve")
-        outside = [key for key in keys if not self.buckets.covers(key)]
-        if outside:
-            raise ValueError(f"shapes outside the buckets {self.buckets}: {sorted(outside, key=_order)}")
+        keys = self.buckets.keys(batches, frames, streaming_flags, after_prefix, max_row_frames)
         started = time.perf_counter()
         # Largest first: smaller graphs then fit in the pool blocks the larger ones freed.
         for key in sorted(keys - self.graphs.keys(), key=_order, reverse=True):

@@ -289,20 +289,19 @@ class Token2Wav:
         ))
 
     def _call_cost(self, rows: int, frames: int, finalize: bool, prefix: int | None) -> float:
-        """A flow call's cost in row-frames (see ``CALL_ROW_FRAMES``), infinite for a call of
-        several rows above ``MAX_CALL_ROW_FRAMES``; ``prefix``: the frames a call after the
-        voice prefixes starts at (None: no bank)."""
-        cost = CALL_ROW_FRAMES + rows * frames
+        """A flow call's cost in row-frames (see ``CALL_ROW_FRAMES``) for ``rows`` contexts of
+        up to ``frames``, infinite for a call of several rows above ``MAX_CALL_ROW_FRAMES``;
+        ``prefix``: the frames a call after the voice prefixes starts at (None: no bank)."""
+        graphs = self.flow.decoder.graphs if self.flow.decoder.noise.is_cuda else None
+        width = self._decoder_width(frames, finalize)
+        whole_graph = graphs is not None and graphs.has(rows, width, not finalize)
+        after_prefix = not finalize and prefix is not None and not whole_graph  # as _flow_batched decides
+        cost = CALL_ROW_FRAMES + rows * (frames - prefix if after_prefix else frames)
         if rows > 1 and cost > MAX_CALL_ROW_FRAMES:
             return math.inf
-        if not self.flow.decoder.noise.is_cuda:  # no launch floor on a CPU
+        if not self.flow.decoder.noise.is_cuda or whole_graph:  # no launch floor on a CPU
             return cost
-        graphs = self.flow.decoder.graphs
-        width = self._decoder_width(frames, finalize)
-        if graphs is not None and (
-            graphs.has(rows, width, not finalize)
-            or (not finalize and prefix is not None and graphs.has(rows, width - prefix, True, after_prefix=True))
-        ):
+        if after_prefix and graphs is not None and graphs.has(rows, width - prefix, True, after_prefix=True):
             return cost
         return max(EAGER_FLOOR_ROW_FRAMES, cost)
 
