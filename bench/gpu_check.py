@@ -96,6 +96,7 @@ token_max_hop_len = {args.max_hop}
 max_speech_per_text_token = {args.speech_per_text_token}
 prefix_voices = {args.prefix_voices}
 hift_graphs = {str(not args.no_hift_graphs).lower()}
+first_chunk_lane = {str(not args.no_first_chunk_lane).lower()}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
@@ -171,8 +172,8 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
 
     totals = {name: round(delta(f"tts_{name}_total"), 3) for name in (
         "llm_generated_tokens", "llm_prompt_tokens", "llm_steps", "llm_inter_token_seconds", "llm_inter_tokens",
-        "token2wav_batches", "token2wav_chunks",
-        "token2wav_busy_seconds", "late_chunks_llm_bound", "late_chunks_token2wav_bound")}
+        "token2wav_batches", "token2wav_chunks", "token2wav_busy_seconds", "first_lane_batches", "first_lane_chunks",
+        "first_lane_busy_seconds", "late_chunks_llm_bound", "late_chunks_token2wav_bound")}
     firsts = delta("tts_first_audio_chunks_total")
     first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None
                       for stage in ("llm_first_token", "llm_chunk", "token2wav_wait", "token2wav_run")}
@@ -303,6 +304,8 @@ def main() -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-hift-graphs", action="store_true", help="the vocoder eager (hift_graphs = false)")
+    parser.add_argument("--no-first-chunk-lane", action="store_true",
+                        help="first chunks wait for the main token2wav thread (first_chunk_lane = false)")
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's pipelined scheduling on")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-equality", action="store_true")

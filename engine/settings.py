@@ -123,6 +123,10 @@ class CosyVoice2Settings:
     # token2wav worker has time for it. Keeps text streamed at LLM speed from stalling
     # between the short first chunk and the second; off = the official chunking only.
     early_chunks: bool = True
+    # GPU: a second token2wav worker thread runs new turns' first chunks on a CUDA stream of
+    # the highest priority, with CUDA graphs of its own, so that first audio does not wait
+    # for the flow call in flight (engine/cosyvoice2/engine.py, Token2WavWorker).
+    first_chunk_lane: bool = True
     flow_mode: str = "auto"
     max_batch: int = 16  # token2wav chunks run together
     # GPU: CUDA graphs of the flow solve, captured before the gateway reports ready (a

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.cosyvoice2.engine import _END, Token2WavWorker
-from engine.cosyvoice2.token2wav import cheapest_groups
+from engine.cosyvoice2.token2wav import Lane, cheapest_groups
 
 from .conftest import eventually, until
 
@@ -47,7 +48,7 @@ class FakeToken2Wav:
     def job_frames(self, job: FakeJob) -> int:
         return job.state.frames
 
-    def plan(self, jobs):
+    def plan(self, jobs, lane=None):
         # Calls padded to their longest row, at a small cost per call (as Token2Wav.plan).
         return cheapest_groups([job.state.frames for job in jobs], lambda rows, width: 100 + rows * width)
 
@@ -56,7 +57,7 @@ class FakeToken2Wav:
             return None
         return FakeJob(state, finalize=state.chunks == 1)
 
-    def run(self, jobs):
+    def run(self, jobs, lane=None):
         self.batches.append([job.state.name for job in jobs])
         for job in jobs:
             job.state.chunks -= 1
@@ -79,7 +80,7 @@ async def test_the_listener_closest_to_running_dry_goes_first():
             now = time.monotonic()
             handles["a"].clock.produced(30.0, now - 1)
             handles["b"].clock.produced(2.0, now - 1)
-            worker.wake.notify()
+            worker.wake.notify_all()
         for name in "abc":
             await until(queues[name].get())
             assert await until(queues[name].get()) is _END
@@ -96,7 +97,7 @@ async def test_ready_chunks_of_many_utterances_run_as_one_batch():
         for i, queue in enumerate(queues):
             worker.add(FakeState(str(i), 1), queue)
         with worker.lock:
-            worker.wake.notify()
+            worker.wake.notify_all()
         for queue in queues:
             await until(queue.get())
         assert sorted(fake.batches[0]) == ["0", "1", "2", "3", "4"]
@@ -111,7 +112,7 @@ async def test_an_utterance_whose_consumer_lags_is_not_scheduled():
         queue: asyncio.Queue = asyncio.Queue()
         handle = worker.add(FakeState("slow", 20), queue)
         with worker.lock:
-            worker.wake.notify()
+            worker.wake.notify_all()
         await eventually(lambda: queue.qsize() == 4)  # the output bound
         await asyncio.sleep(0.1)
         assert queue.qsize() == 4 and len(fake.batches) == 4
@@ -143,7 +144,7 @@ async def test_a_much_longer_context_waits_for_a_batch_of_its_size():
                 for name, (_, left) in utterances.items():
                     if left is not None:
                         handles[name].clock.produced(1.0 + left, now - 1.0)
-                worker.wake.notify()
+                worker.wake.notify_all()
             for queue in queues.values():
                 await until(queue.get())
             return [sorted(batch) for batch in fake.batches]
@@ -168,10 +169,10 @@ async def test_a_new_turns_first_chunk_runs_between_the_calls_of_a_round():
     queues = {name: asyncio.Queue() for name in ("short", "mid", "long", "new")}
     run = fake.run
 
-    def run_and_start_a_turn(jobs):
+    def run_and_start_a_turn(jobs, lane=None):
         if len(fake.batches) == 0:  # during the round's first call, a new turn's tokens arrive
             worker.add(FakeState("new", 2, first=True), queues["new"])
-        return run(jobs)
+        return run(jobs, lane)
 
     fake.run = run_and_start_a_turn
     try:
@@ -179,11 +180,85 @@ async def test_a_new_turns_first_chunk_runs_between_the_calls_of_a_round():
         for name, frames in (("short", 300), ("mid", 1200), ("long", 3000)):
             worker.add(FakeState(name, 1, frames=frames), queues[name])
         with worker.lock:
-            worker.wake.notify()
+            worker.wake.notify_all()
         for queue in queues.values():
             await until(queue.get())
         assert fake.batches[:4] == [["short"], ["new"], ["mid"], ["long"]]
     finally:
+        await asyncio.to_thread(worker.stop)
+
+
+async def test_the_first_chunk_lane_runs_a_new_turn_while_a_call_is_in_flight():
+    """With a first-chunk lane, a new turn's first chunk runs on the lane's thread at once,
+    while the main thread is still in its call; the turn's later chunks go to the main thread."""
+    fake = FakeToken2Wav()
+    lanes = []
+    release = threading.Event()
+    run = fake.run
+
+    def run_recording_lanes(jobs, lane=None):
+        lanes.append(lane)
+        if lane is None:
+            assert release.wait(10)  # the main thread's call lasts until released
+        return run(jobs, lane)
+
+    fake.run = run_recording_lanes
+    lane = Lane()  # on a CPU: no stream and no graphs of its own
+    worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
+    try:
+        queues = {"long": asyncio.Queue(), "new": asyncio.Queue()}
+        worker.add(FakeState("long", 2), queues["long"])
+        with worker.lock:
+            worker.wake.notify_all()
+        await eventually(lambda: worker.running == 1)  # the main thread is in its call
+        worker.add(FakeState("new", 2, first=True), queues["new"])
+        with worker.lock:
+            worker.wake.notify_all()
+        await until(queues["new"].get())
+        assert queues["long"].empty() and not release.is_set()
+        release.set()
+        for name in ("long", "long", "new"):
+            await until(queues[name].get())
+        # Calls in the order they started; batches in the order they ran through.
+        assert lanes[:2] == [None, lane] and fake.batches[:2] == [["new"], ["long"]]
+        assert sorted(name for batch in fake.batches[2:] for name in batch) == ["long", "new"]
+        assert lanes[2:] == [None] * len(fake.batches[2:])
+    finally:
+        release.set()
+        await asyncio.to_thread(worker.stop)
+
+
+async def test_while_the_lane_is_busy_the_main_thread_takes_first_chunks():
+    """A burst of new turns: first chunks the busy lane cannot take run on the main thread."""
+    fake = FakeToken2Wav()
+    lanes = []
+    release = threading.Event()
+    run = fake.run
+
+    def run_recording_lanes(jobs, lane=None):
+        lanes.append(lane)
+        if lane is not None:
+            assert release.wait(10)  # the lane's call lasts until released
+        return run(jobs, lane)
+
+    fake.run = run_recording_lanes
+    lane = Lane()
+    worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
+    try:
+        queues = {"a": asyncio.Queue(), "b": asyncio.Queue()}
+        worker.add(FakeState("a", 2, first=True), queues["a"])
+        with worker.lock:
+            worker.wake.notify_all()
+        await eventually(lambda: lanes == [lane])
+        worker.add(FakeState("b", 2, first=True), queues["b"])
+        with worker.lock:
+            worker.wake.notify_all()
+        await until(queues["b"].get())
+        assert lanes[:2] == [lane, None] and queues["a"].empty()
+        release.set()
+        await until(queues["a"].get())
+    finally:
+        release.set()
         await asyncio.to_thread(worker.stop)
 
 
@@ -199,7 +274,7 @@ class EarlyToken2Wav(FakeToken2Wav):
             return FakeJob(state, finalize=False)
         return None
 
-    def run(self, jobs):
+    def run(self, jobs, lane=None):
         self.batches.append([f"{job.state.name}:{len(job.state.tokens)}" for job in jobs])
         for job in jobs:
             del job.state.tokens[: self.HOP]
@@ -219,7 +294,7 @@ async def test_a_listener_about_to_run_dry_gets_the_tokens_there_are():
             now = time.monotonic()
             a.clock.produced(1.0, now - 0.7)  # runs dry in 0.3 s
             b.clock.produced(10.0, now - 0.7)  # 9.3 s of audio left
-            worker.wake.notify()
+            worker.wake.notify_all()
         started = time.monotonic()
         await until(playing.get(), 5)
         waited = time.monotonic() - started
@@ -238,7 +313,7 @@ async def test_no_early_chunks_when_turned_off():
         handle = worker.add(FakeState("a", 0, tokens=[1, 2, 3]), queue)
         with worker.lock:
             handle.clock.produced(0.2, time.monotonic() - 0.5)  # already dry
-            worker.wake.notify()
+            worker.wake.notify_all()
         await asyncio.sleep(0.3)
         assert fake.batches == [] and queue.empty()
     finally:

@@ -42,7 +42,14 @@ from engine.base import (
 )
 from engine.cosyvoice2.lm_stage import LMStage, LMStream, TorchLMStage
 from engine.cosyvoice2.model import DTYPES, CosyVoice2Models, load_models, missing_files
-from engine.cosyvoice2.token2wav import MAX_CALL_ROW_FRAMES, PADDING_LIMIT, StreamState, Token2Wav, VoicePrompt
+from engine.cosyvoice2.token2wav import (
+    MAX_CALL_ROW_FRAMES,
+    PADDING_LIMIT,
+    Lane,
+    StreamState,
+    Token2Wav,
+    VoicePrompt,
+)
 from engine.cosyvoice2.voices import UnknownVoiceError, VoiceStore
 from engine.scheduling import PlaybackClock
 from engine.settings import CosyVoice2Settings
@@ -56,6 +63,8 @@ FINAL_GRAPH_MAX_BATCH = 8
 _OUTPUT_CHUNKS = 4  # chunks an utterance may hold before its consumer takes them
 # Early chunks (Token2Wav.next_job(early=True)) only while batches take less than this.
 EARLY_MAX_BATCH_S = 0.3
+# First chunks the first-chunk lane runs in one call (its graphs' largest batch).
+FIRST_LANE_MAX_BATCH = 8
 _END = object()
 
 
@@ -131,8 +140,12 @@ class CosyVoice2Engine(Engine):
             await asyncio.to_thread(self._capture_flow_graphs, device)
         if device.type == "cuda" and settings.hift_graphs:
             await asyncio.to_thread(self._capture_hift_graphs)
+        lane = None
+        if device.type == "cuda" and settings.first_chunk_lane:
+            lane = await asyncio.to_thread(self._first_chunk_lane, device)
         self.worker = Token2WavWorker(
-            token2wav, settings.max_batch, asyncio.get_running_loop(), early_chunks=settings.early_chunks
+            token2wav, settings.max_batch, asyncio.get_running_loop(), early_chunks=settings.early_chunks,
+            first_chunk_lane=lane,
         )
         await self._warm_up()
 
@@ -189,6 +202,33 @@ class CosyVoice2Engine(Engine):
             "HiFT CUDA graphs: %d captured in %.1f s; largest |replay - eager| %.2e",
             len(graphs.graphs), graphs.capture_seconds, graphs.max_error,
         )
+
+    def _first_chunk_lane(self, device: torch.device) -> Lane:
+        """The first-chunk lane: a stream of the highest priority and its own graphs of every
+        voice's first chunk (flow run whole, and the vocoder) up to FIRST_LANE_MAX_BATCH."""
+        from engine.cosyvoice2.flow_graphs import FlowBuckets, FlowGraphs
+        from engine.cosyvoice2.hift_graphs import HiftGraphs
+
+        settings, token2wav = self.settings, self.token2wav
+        priority = -1000  # lower is higher; torch maps a value past the range to the highest priority
+        voices = self.voice_store.list()
+        widths = sorted({token2wav.first_chunk_frames(info.speech_tokens) for info in voices})
+        buckets = FlowBuckets.up_to(FIRST_LANE_MAX_BATCH, widths[-1], settings.graph_frame_step)
+        flow_graphs = FlowGraphs(self.models.flow.decoder, buckets, priority=priority)
+        flow_graphs.capture(buckets.batches, widths, [True])
+        hift_graphs = None
+        if settings.hift_graphs:
+            hift_graphs = HiftGraphs(self.models.hift, FIRST_LANE_MAX_BATCH, priority=priority)
+            for info in voices:
+                hift_graphs.allow(*token2wav.chunk_shapes(info.speech_tokens)[0])
+            hift_graphs.capture_allowed()
+        log.info(
+            "first-chunk lane: %d flow and %d vocoder CUDA graphs in %.1f s (%.2f GiB)",
+            len(flow_graphs.graphs), len(hift_graphs.graphs) if hift_graphs else 0,
+            flow_graphs.capture_seconds + (hift_graphs.capture_seconds if hift_graphs else 0),
+            flow_graphs.reserved_bytes / 2**30,
+        )
+        return Lane(torch.cuda.Stream(device, priority=priority), flow_graphs, hift_graphs)
 
     async def _warm_up(self) -> None:
         """Speak one short line end to end so the first real request pays no start-up cost."""
@@ -390,6 +430,7 @@ class StreamHandle:
         self.state = state
         self.output = output
         self.pending = 0  # chunks delivered, not yet taken by the consumer
+        self.busy = False  # a worker thread holds its next chunk
         self.clock = PlaybackClock()
         self.text_at: float | None = None
         self.first_token_at: float | None = None
@@ -407,13 +448,13 @@ class StreamHandle:
                 self.first_token_at = now
             self.state.tokens.extend(tokens)
             self.mark_ready(now)
-            self.worker.wake.notify()
+            self.worker.wake.notify_all()
 
     def tokens_done(self) -> None:
         with self.worker.lock:
             self.state.tokens_done = True
             self.mark_ready(time.monotonic())
-            self.worker.wake.notify()
+            self.worker.wake.notify_all()
 
     def mark_ready(self, now: float) -> None:
         if self.ready_at is None and self.worker.token2wav.next_job(self.state) is not None:
@@ -422,19 +463,29 @@ class StreamHandle:
     def taken(self) -> None:
         with self.worker.lock:
             self.pending -= 1
-            self.worker.wake.notify()
+            self.worker.wake.notify_all()
 
 
 class Token2WavWorker:
-    """One thread that runs token2wav for every utterance, most urgent first, in batches."""
+    """One thread that runs token2wav for every utterance, most urgent first, in batches.
+
+    With a ``first_chunk_lane`` (a GPU's second stream and graphs, see ``token2wav.Lane``)
+    a second thread runs new turns' first chunks there, up to ``FIRST_LANE_MAX_BATCH`` at a
+    time, as soon as they are ready: a first chunk then does not wait for the flow call in
+    flight. While the lane is busy, the main thread takes first chunks too (a burst of new
+    turns). A handle is ``busy`` while either thread holds its next chunk.
+    """
 
     def __init__(
-        self, token2wav: Token2Wav, max_batch: int, loop: asyncio.AbstractEventLoop, *, early_chunks: bool = True
+        self, token2wav: Token2Wav, max_batch: int, loop: asyncio.AbstractEventLoop, *, early_chunks: bool = True,
+        first_chunk_lane: Lane | None = None,
     ) -> None:
         self.token2wav = token2wav
         self.max_batch = max_batch
         self.loop = loop
         self.early_chunks = early_chunks
+        self.first_chunk_lane = first_chunk_lane
+        self._lane_busy = False
         self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
         self._wake_at: float | None = None  # when a listener becomes urgent (early chunks)
         self.lock = threading.Lock()
@@ -444,8 +495,13 @@ class Token2WavWorker:
         # Running totals for the metrics (see totals()).
         self._totals: collections.Counter[str] = collections.Counter()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="cosyvoice2-token2wav", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name="cosyvoice2-token2wav", daemon=True)]
+        if first_chunk_lane is not None:
+            self._threads.append(
+                threading.Thread(target=self._run_first_chunk_lane, name="cosyvoice2-token2wav-first", daemon=True)
+            )
+        for thread in self._threads:
+            thread.start()
 
     def add(self, state: StreamState, output: asyncio.Queue) -> StreamHandle:
         handle = StreamHandle(self, state, output)
@@ -481,8 +537,9 @@ class Token2WavWorker:
     def stop(self) -> None:
         with self.lock:
             self._stopping = True
-            self.wake.notify()
-        self._thread.join()
+            self.wake.notify_all()
+        for thread in self._threads:
+            thread.join()
 
     def _early_margin(self) -> float | None:
         """How long before a listener runs dry its tokens are spoken early (None: not now).
@@ -500,9 +557,11 @@ class Token2WavWorker:
         self._wake_at = None
         ready = []
         for handle in self.handles:
-            if handle.pending >= _OUTPUT_CHUNKS:
+            if handle.pending >= _OUTPUT_CHUNKS or handle.busy:
                 continue
             job = self.token2wav.next_job(handle.state)
+            if job is not None and self._for_lane(job) and not self._lane_busy:
+                continue  # the lane is free to take it now
             if job is None and margin is not None and handle.clock.first_audio_at is not None:
                 early = self.token2wav.next_job(handle.state, early=True)
                 urgent_at = handle.clock.deadline(now) - margin
@@ -535,6 +594,17 @@ class Token2WavWorker:
         self.handles.discard(handle)
         self.loop.call_soon_threadsafe(handle.output.put_nowait, _END)
 
+    def _for_lane(self, job) -> bool:
+        """Whether the first-chunk lane runs this job (it has graphs for first chunks only)."""
+        return self.first_chunk_lane is not None and job.first and not job.finalize
+
+    def _take(self, batch: list) -> list:
+        """Mark a batch's handles busy (under the lock) and count its chunks as running."""
+        for handle, _ in batch:
+            handle.busy = True
+        self.running += len(batch)
+        return batch
+
     def _run(self) -> None:
         while True:
             with self.lock:
@@ -544,53 +614,68 @@ class Token2WavWorker:
                     batch = self._next_batch()
                 if self._stopping:
                     return
-                self.running = len(batch)
+                self._take(batch)
             started = time.monotonic()
             self._run_calls(batch)
             # The whole round of calls: how long until the worker looks at the queue again.
             self._recent_batch_s += 0.2 * (time.monotonic() - started - self._recent_batch_s)
+
+    def _run_first_chunk_lane(self) -> None:
+        lane = self.first_chunk_lane
+        while True:
             with self.lock:
-                self.running = 0
+                batch = self._ready_first_chunks(FIRST_LANE_MAX_BATCH)
+                while not batch and not self._stopping:
+                    self.wake.wait()
+                    batch = self._ready_first_chunks(FIRST_LANE_MAX_BATCH)
+                if self._stopping:
+                    return
+                self._take(batch)
+                self._lane_busy = True
+            for group in self.token2wav.plan([job for _, job in batch], lane):
+                self._run_batch([batch[i] for i in group], lane)
+            with self.lock:
+                self._lane_busy = False
+                self.wake.notify_all()  # first chunks the main thread left to the lane
 
     def _run_calls(self, batch: list) -> None:
         """Run a batch as the flow calls ``Token2Wav.plan`` splits it into, in its order (new
         turns' first chunks, then narrowest first), each delivered when done.
 
-        A call runs to its end, and the rest of the batch may take many calls: between calls,
-        first chunks that became ready meanwhile go next, so that a new turn waits for one
-        call, not for the whole round.
+        A call runs to its end, and the rest of the batch may take many calls: without a
+        first-chunk lane, first chunks that became ready meanwhile go next, so that a new turn
+        waits for one call, not for the whole round.
         """
-        taken = {handle for handle, _ in batch}
         calls = [[batch[i] for i in group] for group in self.token2wav.plan([job for _, job in batch])]
         while calls:
             self._run_batch(calls.pop(0))
-            arrived = self._new_first_chunks(taken)
+            if self.first_chunk_lane is not None:
+                continue
+            with self.lock:
+                arrived = self._take(self._ready_first_chunks(self.max_batch))
             if arrived:
-                taken.update(handle for handle, _ in arrived)
                 plan = self.token2wav.plan([job for _, job in arrived])
                 calls[:0] = [[arrived[i] for i in group] for group in plan]
 
-    def _new_first_chunks(self, taken: set[StreamHandle]) -> list:
-        """(handle, job) of first chunks ready to run, of utterances not in ``taken``, longest
-        waiting first."""
-        with self.lock:
-            now = time.monotonic()
-            arrived = []
-            for handle in self.handles:
-                if handle in taken or handle.pending >= _OUTPUT_CHUNKS:
-                    continue
-                job = self.token2wav.next_job(handle.state)
-                if job is not None and job.first:
-                    arrived.append((handle.clock.deadline(now), id(handle), handle, job))
-            arrived.sort(key=lambda item: item[:2])
-            self.running += min(len(arrived), self.max_batch)
-            return [(handle, job) for _, _, handle, job in arrived[: self.max_batch]]
+    def _ready_first_chunks(self, limit: int) -> list:
+        """Under the lock: (handle, job) of up to ``limit`` first chunks ready to run, of
+        handles no thread holds, longest waiting first (with a lane: the lane's jobs only)."""
+        now = time.monotonic()
+        ready = []
+        for handle in self.handles:
+            if handle.busy or handle.pending >= _OUTPUT_CHUNKS:
+                continue
+            job = self.token2wav.next_job(handle.state)
+            if job is not None and job.first and (self.first_chunk_lane is None or self._for_lane(job)):
+                ready.append((handle.clock.deadline(now), id(handle), handle, job))
+        ready.sort(key=lambda item: item[:2])
+        return [(handle, job) for _, _, handle, job in ready[:limit]]
 
-    def _run_batch(self, batch: list) -> None:
+    def _run_batch(self, batch: list, lane: Lane | None = None) -> None:
         """Run one batch of (handle, job) and hand each utterance its audio (or the error)."""
         started = time.monotonic()
         try:
-            audio = self.token2wav.run([job for _, job in batch])
+            audio = self.token2wav.run([job for _, job in batch], lane)
             error = None
         except Exception as exc:  # delivered to each utterance of the batch
             log.exception("token2wav failed")
@@ -599,10 +684,13 @@ class Token2WavWorker:
         compute_s = (now - started) / max(len(batch), 1)
         with self.lock:
             totals = self._totals
-            totals["token2wav_batches"] += 1
-            totals["token2wav_chunks"] += len(batch)
-            totals["token2wav_busy_seconds"] += now - started
+            kind = "token2wav" if lane is None else "first_lane"
+            totals[f"{kind}_batches"] += 1
+            totals[f"{kind}_chunks"] += len(batch)
+            totals[f"{kind}_busy_seconds"] += now - started
+            self.running -= len(batch)
             for i, (handle, job) in enumerate(batch):
+                handle.busy = False
                 if handle not in self.handles:
                     continue  # cancelled while running
                 if error is not None:

@@ -678,17 +678,19 @@ class CFM(nn.Module):
         streaming: bool = False,
         noise: Tensor | None = None,
         n_timesteps: int = N_TIMESTEPS,
+        graphs: FlowGraphs | None = None,
     ) -> Tensor:
         """Mel ``[B, 80, T]`` for mu/cond ``[B, 80, T]``, mask ``[B, 1, T]``, spks ``[B, 80]``.
 
         noise: ``[1 or B, 80, >= T]``, sliced to its first T frames (default: ``self.noise``).
-        With ``graphs`` set, a CUDA call with the default noise and step count replays a
-        captured graph of the whole solve when one exists for its shape bucket.
+        With ``graphs`` (default: ``self.graphs``), a CUDA call with the default noise and step
+        count replays a captured graph of the whole solve when one exists for its shape bucket.
         """
         frames = mu.shape[2]
+        graphs = graphs or self.graphs
         if noise is None:
-            if self.graphs is not None and n_timesteps == N_TIMESTEPS and mu.is_cuda:
-                mel = self.graphs.run(mu, mask, spks, cond, streaming)
+            if graphs is not None and n_timesteps == N_TIMESTEPS and mu.is_cuda:
+                mel = graphs.run(mu, mask, spks, cond, streaming)
                 if mel is not None:
                     return mel
             noise = self.noise
@@ -912,6 +914,7 @@ class Flow(nn.Module):
         streaming: bool,
         finalize: bool,
         noise: Tensor | None = None,
+        graphs: FlowGraphs | None = None,
     ) -> Tensor:
         """Mel ``[B, 80, T_new]`` of the new tokens (prompt frames cut off), as the official ``inference``.
 
@@ -919,7 +922,7 @@ class Flow(nn.Module):
         """
         return self.inference_batch(
             token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding, streaming,
-            finalize, noise,
+            finalize, noise, graphs=graphs,
         )[0]
 
     @torch.inference_mode()
@@ -936,6 +939,7 @@ class Flow(nn.Module):
         finalize: bool | Tensor,
         noise: Tensor | None = None,
         after_prefix: tuple[PrefixBank, Tensor] | None = None,
+        graphs: FlowGraphs | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Batched ``inference``: every row equals running it alone.
 
@@ -946,7 +950,9 @@ class Flow(nn.Module):
         >= frames]`` (default: the official fixed noise). after_prefix (streaming only): a
         ``PrefixBank`` and each row's slot in it, ``[B]``; the decoder starts after each
         row's voice prefix instead of at frame 0, which gives the same mel for less work.
-        Returns mel ``[B, 80, max new frames]`` (float32) and the new frame counts ``[B]``.
+        graphs (not with after_prefix): the CUDA graphs to replay instead of the decoder's
+        own, e.g. a second worker thread's. Returns mel ``[B, 80, max new frames]`` (float32)
+        and the new frame counts ``[B]``.
         """
         config = self.config
         mu, mel_len, spk = encode_tokens(
@@ -959,8 +965,8 @@ class Flow(nn.Module):
         prompt_feat_len = prompt_feat_len.to(mu.device)
         new_len = (mel_len - prompt_feat_len).clamp(min=0)
         if after_prefix is not None:
-            if not streaming or noise is not None:
-                raise ValueError("voice prefixes serve streaming calls with the fixed noise")
+            if not streaming or noise is not None or graphs is not None:
+                raise ValueError("voice prefixes serve streaming calls with the fixed noise and the decoder's graphs")
             bank, slots = after_prefix
             # The decoder starts after each row's prefix: row b's column i is frame start[b] + i.
             start = bank.start[slots]
@@ -970,7 +976,7 @@ class Flow(nn.Module):
             mel = self.decoder.solve_after(bank, slots, _gather_frames(mu, start, width) * mask, mask, spk, cond)
             return self._rows(mel, prompt_feat_len - start, new_len), new_len
         cond = self._prompt_condition(prompt_feat, prompt_feat_len, torch.zeros_like(prompt_feat_len), frames)
-        mel = self.decoder(mu, mask, spk, cond, streaming, noise)
+        mel = self.decoder(mu, mask, spk, cond, streaming, noise, graphs=graphs)
         return self._rows(mel, prompt_feat_len, new_len), new_len
 
     def voice_prefix_frames(self, prompt_tokens: int) -> int:

@@ -27,8 +27,9 @@ that a replay equals the eager solve is checked only on a GPU, by bench/flow_gra
 
 Memory: all graphs share one private memory pool. Their inputs and output live in one
 set of static buffers sized for the largest bucket, outside the pool and shared by all
-graphs too. Sharing is safe because replays never overlap (they all run on the
-token2wav worker thread, on one stream) and nothing stays live in the pool between
+graphs too. Sharing is safe because replays of one ``FlowGraphs`` never overlap (they
+run on one worker thread, on one stream; the first-chunk lane has its own ``FlowGraphs``,
+see token2wav.Lane) and nothing stays live in the pool between
 replays: the result is copied out of the shared output buffer right after each replay,
 before any other replay can overwrite it. ``FlowGraphs.reserved_bytes`` is the growth
 of ``torch.cuda.memory_reserved`` since construction (pool + static buffers), for the
@@ -246,11 +247,12 @@ class FlowGraphs:
     bucket inside ``buckets`` is captured on first use instead (a pause of one warm-up
     solve plus one capture, on the serving path).
 
-    Not thread-safe: capture and run from one thread at a time (the token2wav worker).
+    Not thread-safe: capture and run from one thread at a time (one token2wav worker thread).
     """
 
     def __init__(
-        self, cfm: CFM, buckets: FlowBuckets, *, capture_missing: bool = False, bank: PrefixBank | None = None
+        self, cfm: CFM, buckets: FlowBuckets, *, capture_missing: bool = False, bank: PrefixBank | None = None,
+        priority: int = 0,
     ) -> None:
         weight = next(cfm.parameters())
         if weight.device.type != "cuda":
@@ -266,8 +268,8 @@ class FlowGraphs:
         self._reported_missing: set[GraphKey] = set()
         self._pool = torch.cuda.graph_pool_handle()
         # Warm-up and capture run on this stream: the per-stream library state the
-        # warm-up sets up is then the one the capture uses.
-        self._stream = torch.cuda.Stream(self.device)
+        # warm-up sets up is then the one the capture uses. Captured kernels keep its priority.
+        self._stream = torch.cuda.Stream(self.device, priority=priority)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         self._reserved_at_start = torch.cuda.memory_reserved(self.device)

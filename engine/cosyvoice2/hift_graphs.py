@@ -81,7 +81,7 @@ class HiftGraphs:
     the caller runs eagerly (final chunks, batches over the largest bucket).
     """
 
-    def __init__(self, hift: HiFT, max_batch: int) -> None:
+    def __init__(self, hift: HiFT, max_batch: int, *, priority: int = 0) -> None:
         weight = next(hift.parameters())
         if weight.device.type != "cuda":
             raise ValueError(f"CUDA graphs need HiFT on a CUDA device, it is on {weight.device}")
@@ -94,7 +94,8 @@ class HiftGraphs:
         self.capture_seconds = 0.0
         self.max_error = 0.0  # largest |replay - eager| seen when checking a capture
         self._pool = torch.cuda.graph_pool_handle()
-        self._stream = torch.cuda.Stream(self.device)
+        # Captured kernels keep the priority of the stream they were captured on.
+        self._stream = torch.cuda.Stream(self.device, priority=priority)
 
     def allow(self, frames: int, cached: int) -> None:
         if frames < 1 or cached < 0:

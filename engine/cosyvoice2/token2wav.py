@@ -38,12 +38,17 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.cosyvoice2.flow import Flow, FlowStreamCache, PrefixBank
 from engine.cosyvoice2.hift import HiFT
+
+if TYPE_CHECKING:
+    from engine.cosyvoice2.flow_graphs import FlowGraphs
+    from engine.cosyvoice2.hift_graphs import HiftGraphs
 
 MEL_CACHE_FRAMES = 8
 # A flow call's cost, in row-frames (rows x context frames: what its compute grows with).
@@ -129,6 +134,18 @@ class ChunkJob:
         return self.state.offset == 0
 
 
+@dataclass(frozen=True)
+class Lane:
+    """What a second worker thread runs chunks on while the first runs others: its own CUDA
+    stream (of high priority, so that its kernels go first on a busy GPU) and its own CUDA
+    graphs (graphs that share a memory pool or static buffers must not replay at the same
+    time). It runs without voice prefixes: the bank's slots change on the first thread."""
+
+    stream: torch.cuda.Stream | None = None
+    flow_graphs: FlowGraphs | None = None
+    hift_graphs: HiftGraphs | None = None
+
+
 class Token2Wav:
     def __init__(
         self,
@@ -176,6 +193,10 @@ class Token2Wav:
         chunk boundary (with first_hop_len = hop_len: the official hop + padding to the boundary)."""
         chunk = self.chunk_tokens
         return math.ceil((prompt_tokens + self.first_hop_len) / chunk) * chunk - prompt_tokens
+
+    def first_chunk_frames(self, prompt_tokens: int) -> int:
+        """The decoder's width for a first chunk run whole: prompt + first hop, in mel frames."""
+        return self.mel_ratio * (prompt_tokens + self.first_hop(prompt_tokens))
 
     def chunk_shapes(self, prompt_tokens: int) -> list[tuple[int, int]]:
         """The vocoder input shapes (mel frames, cached excitation samples) of a voice's
@@ -230,45 +251,54 @@ class Token2Wav:
     # ------------------------------------------------------------------ running chunks
 
     @torch.inference_mode()
-    def run(self, jobs: list[ChunkJob]) -> list[np.ndarray]:
+    def run(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[np.ndarray]:
         """Run chunks of several utterances; returns each one's new audio (float32, 24 kHz).
 
         In recompute mode the flow runs once for all non-final chunks (rows padded to the
         longest; each row equals running it alone), and once for all final chunks;
         incremental non-final chunks run per utterance (each holds its own state). HiFT runs once
         for every group of chunks of the same shape, which in steady state is all of them
-        (cached 8 frames + one hop).
+        (cached 8 frames + one hop). ``lane``: run on a second thread's stream and graphs
+        (None: the engine's own).
         """
-        inputs = [self._hift_input(job, mel) for job, mel in zip(jobs, self._flows(jobs))]
-        groups: dict[tuple, list[int]] = {}
-        for i, (mel, cache_source) in enumerate(inputs):
-            groups.setdefault((mel.shape[2], cache_source.shape[2]), []).append(i)
-        speech: list[torch.Tensor | None] = [None] * len(jobs)
-        source: list[torch.Tensor | None] = [None] * len(jobs)
-        for rows in groups.values():
-            mel = torch.cat([inputs[i][0] for i in rows])
-            cache_source = torch.cat([inputs[i][1] for i in rows])
-            wav, src = self._vocode(mel, cache_source)
-            for k, i in enumerate(rows):
-                speech[i], source[i] = wav[k : k + 1], src[k : k + 1]
-        return [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
+        with torch.cuda.stream(lane.stream if lane is not None else None):
+            inputs = [self._hift_input(job, mel) for job, mel in zip(jobs, self._flows(jobs, lane))]
+            groups: dict[tuple, list[int]] = {}
+            for i, (mel, cache_source) in enumerate(inputs):
+                groups.setdefault((mel.shape[2], cache_source.shape[2]), []).append(i)
+            speech: list[torch.Tensor | None] = [None] * len(jobs)
+            source: list[torch.Tensor | None] = [None] * len(jobs)
+            for rows in groups.values():
+                mel = torch.cat([inputs[i][0] for i in rows])
+                cache_source = torch.cat([inputs[i][1] for i in rows])
+                wav, src = self._vocode(mel, cache_source, lane)
+                for k, i in enumerate(rows):
+                    speech[i], source[i] = wav[k : k + 1], src[k : k + 1]
+            return [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
 
-    def _vocode(self, mel: torch.Tensor, cache_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.hift_graphs is not None:
-            replayed = self.hift_graphs.run(mel, cache_source)
+    def _vocode(
+        self, mel: torch.Tensor, cache_source: torch.Tensor, lane: Lane | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        graphs = self.hift_graphs if lane is None else lane.hift_graphs
+        if graphs is not None:
+            replayed = graphs.run(mel, cache_source)
             if replayed is not None:
                 return replayed
         return self.hift(mel, cache_source)
 
-    def plan(self, jobs: list[ChunkJob]) -> list[list[int]]:
+    def _flow_graphs(self, lane: Lane | None) -> FlowGraphs | None:
+        return self.flow.decoder.graphs if lane is None else lane.flow_graphs
+
+    def plan(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[list[int]]:
         """Indices of ``jobs`` in flow calls, in the order to run them.
 
         Non-final recompute chunks and final chunks (full attention) go in separate calls,
         and so do first chunks (no audio out yet) and later ones: a new turn's first chunk
         must not wait for a long turn's call, which a single row's padding would otherwise
         often make the cheaper choice. Each such kind is split into the calls that cost least
-        in all (see ``cheapest_groups``), none of several rows above ``MAX_CALL_ROW_FRAMES``. Calls of first chunks run first, then the rest,
-        narrowest first; incremental chunks, which run one by one, go together.
+        in all (see ``cheapest_groups``), none of several rows above ``MAX_CALL_ROW_FRAMES``.
+        Calls of first chunks run first, then the rest, narrowest first; incremental chunks,
+        which run one by one, go together. ``lane``: the calls run there (see ``run``).
         """
         kinds: dict[tuple[bool, bool], list[int]] = {}
         incremental = []
@@ -280,19 +310,26 @@ class Token2Wav:
         groups = [incremental] if incremental else []
         # The shortest prefix in the bank: what a call after the prefixes saves at least.
         prefix = min((self.flow.voice_prefix_frames(p.tokens) for p, _ in self._slots.values()), default=None)
+        graphs = self._flow_graphs(lane)
         for (finalize, _), rows in kinds.items():
             widths = [self.job_frames(jobs[i]) for i in rows]
-            cost = functools.partial(self._call_cost, finalize=finalize, prefix=prefix)
+            cost = functools.partial(
+                self._call_cost, finalize=finalize, prefix=prefix if lane is None else None, graphs=graphs
+            )
             groups += [[rows[k] for k in group] for group in cheapest_groups(widths, cost)]
         return sorted(groups, key=lambda group: (
             not any(jobs[i].first for i in group), max(self.job_frames(jobs[i]) for i in group)
         ))
 
-    def _call_cost(self, rows: int, frames: int, finalize: bool, prefix: int | None) -> float:
+    def _call_cost(
+        self, rows: int, frames: int, finalize: bool, prefix: int | None, graphs: FlowGraphs | None
+    ) -> float:
         """A flow call's cost in row-frames (see ``CALL_ROW_FRAMES``) for ``rows`` contexts of
         up to ``frames``, infinite for a call of several rows above ``MAX_CALL_ROW_FRAMES``;
-        ``prefix``: the frames a call after the voice prefixes starts at (None: no bank)."""
-        graphs = self.flow.decoder.graphs if self.flow.decoder.noise.is_cuda else None
+        ``prefix``: the frames a call after the voice prefixes starts at (None: none);
+        ``graphs``: the flow graphs the call would replay."""
+        if not self.flow.decoder.noise.is_cuda:
+            graphs = None
         width = self._decoder_width(frames, finalize)
         whole_graph = graphs is not None and graphs.has(rows, width, not finalize)
         after_prefix = not finalize and prefix is not None and not whole_graph  # as _flow_batched decides
@@ -309,19 +346,19 @@ class Token2Wav:
         """The decoder's width for a call of this context: the look-ahead tokens are context only."""
         return frames - (0 if finalize else self.mel_ratio * self.lookahead)
 
-    def _flows(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
+    def _flows(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[torch.Tensor]:
         """Each job's new mel: batched flow calls as ``plan`` splits them; incremental chunks,
         and single rows without a voice prefix to use, run one by one."""
         mels: dict[int, torch.Tensor] = {}
-        for group in self.plan(jobs):
+        for group in self.plan(jobs, lane):
             finalize = jobs[group[0]].finalize
             if jobs[group[0]].state.flow_cache is not None and not finalize:
                 continue
-            if len(group) > 1 or (not finalize and self.prefix_voices):
-                mels.update(zip(group, self._flow_batched([jobs[i] for i in group], finalize)))
-        return [mels[i] if i in mels else self._flow(job) for i, job in enumerate(jobs)]
+            if len(group) > 1 or (not finalize and self.prefix_voices and lane is None):
+                mels.update(zip(group, self._flow_batched([jobs[i] for i in group], finalize, lane)))
+        return [mels[i] if i in mels else self._flow(job, lane) for i, job in enumerate(jobs)]
 
-    def _flow_batched(self, jobs: list[ChunkJob], finalize: bool) -> list[torch.Tensor]:
+    def _flow_batched(self, jobs: list[ChunkJob], finalize: bool, lane: Lane | None = None) -> list[torch.Tensor]:
         """Chunks of several utterances in one flow call (each row equals running it alone)."""
         prompts = [job.state.prompt for job in jobs]
         device = prompts[0].speech_feat.device
@@ -339,14 +376,17 @@ class Token2Wav:
         after_prefix = None
         # More voices than the bank holds would rebuild prefixes batch after batch. Asked
         # first whether a prefix serves: taking a slot may build a voice's prefix.
-        if not finalize and 0 < len({id(p) for p in prompts}) <= self.prefix_voices and self._prefix_serves(jobs):
+        if (
+            lane is None and not finalize and 0 < len({id(p) for p in prompts}) <= self.prefix_voices
+            and self._prefix_serves(jobs)
+        ):
             self._make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), prompts[0].speech_feat)
             slots = [self._voice_slot(p) for p in prompts]
             if None not in slots:
                 after_prefix = (self.bank, torch.tensor(slots, device=device))
         mel, new_len = self.flow.inference_batch(
             token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding,
-            streaming=not finalize, finalize=finalize, after_prefix=after_prefix,
+            streaming=not finalize, finalize=finalize, after_prefix=after_prefix, graphs=self._flow_graphs(lane),
         )
         return [
             mel[i : i + 1, :, job.state.offset * self.mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
@@ -396,7 +436,7 @@ class Token2Wav:
         self._slots[key] = (prompt, slot)
         return slot
 
-    def _flow(self, job: ChunkJob) -> torch.Tensor:
+    def _flow(self, job: ChunkJob, lane: Lane | None = None) -> torch.Tensor:
         state, prompt = job.state, job.state.prompt
         device = prompt.speech_feat.device
         token = torch.tensor([state.tokens[: job.end]], dtype=torch.int32, device=device)
@@ -412,12 +452,12 @@ class Token2Wav:
         if job.finalize:
             # The official path speaks the last chunk with full (not chunk-causal) attention
             # over prompt + all tokens: one pass that costs O(utterance), once.
-            mel = self.flow.inference(*args, streaming=False, finalize=True)
+            mel = self.flow.inference(*args, streaming=False, finalize=True, graphs=self._flow_graphs(lane))
         elif state.flow_cache is not None:
             mel, _ = self.flow.inference_chunk(state.flow_cache, *args, finalize=False)
             return mel
         else:
-            mel = self.flow.inference(*args, streaming=True, finalize=False)
+            mel = self.flow.inference(*args, streaming=True, finalize=False, graphs=self._flow_graphs(lane))
         return mel[:, :, state.offset * self.mel_ratio :]
 
     def _hift_input(self, job: ChunkJob, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
