@@ -172,8 +172,9 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
 
     totals = {name: round(delta(f"tts_{name}_total"), 3) for name in (
         "llm_generated_tokens", "llm_prompt_tokens", "llm_steps", "llm_inter_token_seconds", "llm_inter_tokens",
-        "token2wav_batches", "token2wav_chunks", "token2wav_busy_seconds", "first_lane_batches", "first_lane_chunks",
-        "first_lane_busy_seconds", "late_chunks_llm_bound", "late_chunks_token2wav_bound")}
+        "token2wav_batches", "token2wav_chunks", "token2wav_busy_seconds", "token2wav_first_lane_batches",
+        "token2wav_first_lane_chunks", "token2wav_first_lane_busy_seconds", "late_chunks_llm_bound",
+        "late_chunks_token2wav_bound")}
     firsts = delta("tts_first_audio_chunks_total")
     first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None
                       for stage in ("llm_first_token", "llm_chunk", "token2wav_wait", "token2wav_run")}

@@ -208,6 +208,50 @@ def test_a_call_of_several_rows_is_held_to_the_call_limit(models, voice, tokens,
         assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
 
 
+class GraphsWithNoShapes:
+    """Stands in for the flow's CUDA graphs on a CPU (where they are never replayed): holds
+    no shape, so every decision that asks for graphs takes its no-graph branch."""
+
+    def has(self, rows, frames, streaming, after_prefix=False):
+        return False
+
+
+@pytest.mark.parametrize("use_lane", [False, True])
+def test_chunks_run_with_graphs_set_on_either_thread(models, voice, tokens, monkeypatch, use_lane):
+    """With the decoder's graphs set, batched streaming chunks after voice prefixes (the
+    engine's thread) and a lane's calls (its own graphs, no prefixes) both run, each chunk
+    with its own mel."""
+    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False, prefix_voices=1)
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    token2wav.prepare_voices([prompt], prompt.tokens)
+
+    def job(skip: int):
+        state = token2wav.new_stream(prompt)
+        state.tokens, state.tokens_done = list(tokens), True
+        for _ in range(skip):
+            token2wav.run([token2wav.next_job(state)])
+        return token2wav.next_job(state)
+
+    jobs = [job(0), job(0), job(1)]
+    alone = [token2wav._flow(j) for j in jobs]
+    own, lanes = GraphsWithNoShapes(), GraphsWithNoShapes()
+    monkeypatch.setattr(models.flow.decoder, "graphs", own)
+    calls = []
+    batched = models.flow.inference_batch
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("after_prefix") is not None, kwargs.get("graphs")))
+        return batched(*args, **kwargs)
+
+    monkeypatch.setattr(models.flow, "inference_batch", recording)
+    lane = token2wav_module.Lane(flow_graphs=lanes) if use_lane else None
+    together = token2wav._flows(jobs, lane)
+    for a, b in zip(alone, together):
+        assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
+    # The engine's thread: after the prefixes, with the decoder's own graphs; a lane: its own, whole.
+    assert calls and set(calls) == ({(False, lanes)} if use_lane else {(True, None)})
+
+
 def test_voice_prefix_bank_slots(models, voice, tokens):
     """Voices take turns in the bank's slots (least recently used out), and a voice whose
     prefix is wider than a bank of fixed width runs without one; each chunk's mel stays

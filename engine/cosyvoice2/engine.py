@@ -684,7 +684,7 @@ class Token2WavWorker:
         compute_s = (now - started) / max(len(batch), 1)
         with self.lock:
             totals = self._totals
-            kind = "token2wav" if lane is None else "first_lane"
+            kind = "token2wav" if lane is None else "token2wav_first_lane"
             totals[f"{kind}_batches"] += 1
             totals[f"{kind}_chunks"] += len(batch)
             totals[f"{kind}_busy_seconds"] += now - started

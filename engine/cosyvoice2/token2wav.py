@@ -146,6 +146,11 @@ class Lane:
     hift_graphs: HiftGraphs | None = None
 
 
+def _own_graphs(lane: Lane | None) -> FlowGraphs | None:
+    """The flow graphs a call passes to the flow: a lane's own, or None for the decoder's."""
+    return lane.flow_graphs if lane is not None else None
+
+
 class Token2Wav:
     def __init__(
         self,
@@ -287,6 +292,7 @@ class Token2Wav:
         return self.hift(mel, cache_source)
 
     def _flow_graphs(self, lane: Lane | None) -> FlowGraphs | None:
+        """The flow graphs a call on this lane replays (None: the engine's own thread)."""
         return self.flow.decoder.graphs if lane is None else lane.flow_graphs
 
     def plan(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[list[int]]:
@@ -386,7 +392,7 @@ class Token2Wav:
                 after_prefix = (self.bank, torch.tensor(slots, device=device))
         mel, new_len = self.flow.inference_batch(
             token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding,
-            streaming=not finalize, finalize=finalize, after_prefix=after_prefix, graphs=self._flow_graphs(lane),
+            streaming=not finalize, finalize=finalize, after_prefix=after_prefix, graphs=_own_graphs(lane),
         )
         return [
             mel[i : i + 1, :, job.state.offset * self.mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
@@ -452,12 +458,12 @@ class Token2Wav:
         if job.finalize:
             # The official path speaks the last chunk with full (not chunk-causal) attention
             # over prompt + all tokens: one pass that costs O(utterance), once.
-            mel = self.flow.inference(*args, streaming=False, finalize=True, graphs=self._flow_graphs(lane))
+            mel = self.flow.inference(*args, streaming=False, finalize=True, graphs=_own_graphs(lane))
         elif state.flow_cache is not None:
             mel, _ = self.flow.inference_chunk(state.flow_cache, *args, finalize=False)
             return mel
         else:
-            mel = self.flow.inference(*args, streaming=True, finalize=False, graphs=self._flow_graphs(lane))
+            mel = self.flow.inference(*args, streaming=True, finalize=False, graphs=_own_graphs(lane))
         return mel[:, :, state.offset * self.mel_ratio :]
 
     def _hift_input(self, job: ChunkJob, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
