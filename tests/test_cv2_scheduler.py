@@ -188,22 +188,29 @@ async def test_a_new_turns_first_chunk_runs_between_the_calls_of_a_round():
         await asyncio.to_thread(worker.stop)
 
 
-async def test_the_first_chunk_lane_runs_a_new_turn_while_a_call_is_in_flight():
-    """With a first-chunk lane, a new turn's first chunk runs on the lane's thread at once,
-    while the main thread is still in its call; the turn's later chunks go to the main thread."""
+def lane_recording_fake(blocked: Lane | None) -> tuple[FakeToken2Wav, list, threading.Event]:
+    """A fake that records the lane of every call (None: the main thread) and holds the
+    calls of ``blocked`` (a lane, or None for the main thread) until the event is set."""
     fake = FakeToken2Wav()
-    lanes = []
+    lanes: list = []
     release = threading.Event()
     run = fake.run
 
     def run_recording_lanes(jobs, lane=None):
         lanes.append(lane)
-        if lane is None:
-            assert release.wait(10)  # the main thread's call lasts until released
+        if lane is blocked:
+            assert release.wait(10)
         return run(jobs, lane)
 
     fake.run = run_recording_lanes
+    return fake, lanes, release
+
+
+async def test_the_first_chunk_lane_runs_a_new_turn_while_a_call_is_in_flight():
+    """With a first-chunk lane, a new turn's first chunk runs on the lane's thread at once,
+    while the main thread is still in its call; the turn's later chunks go to the main thread."""
     lane = Lane()  # on a CPU: no stream and no graphs of its own
+    fake, lanes, release = lane_recording_fake(blocked=None)
     worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
     try:
         queues = {"long": asyncio.Queue(), "new": asyncio.Queue()}
@@ -230,19 +237,8 @@ async def test_the_first_chunk_lane_runs_a_new_turn_while_a_call_is_in_flight():
 
 async def test_while_the_lane_is_busy_the_main_thread_takes_first_chunks():
     """A burst of new turns: first chunks the busy lane cannot take run on the main thread."""
-    fake = FakeToken2Wav()
-    lanes = []
-    release = threading.Event()
-    run = fake.run
-
-    def run_recording_lanes(jobs, lane=None):
-        lanes.append(lane)
-        if lane is not None:
-            assert release.wait(10)  # the lane's call lasts until released
-        return run(jobs, lane)
-
-    fake.run = run_recording_lanes
     lane = Lane()
+    fake, lanes, release = lane_recording_fake(blocked=lane)
     worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
     try:
         queues = {"a": asyncio.Queue(), "b": asyncio.Queue()}

@@ -151,6 +151,15 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
         assert float((a - c).abs().max()) <= 1e-4
 
 
+def chunk_after(token2wav: Token2Wav, prompt: VoicePrompt, tokens, skip: int):
+    """A new stream of all ``tokens``: its chunk after ``skip`` chunks have run."""
+    state = token2wav.new_stream(prompt)
+    state.tokens, state.tokens_done = list(tokens), True
+    for _ in range(skip):
+        token2wav.run([token2wav.next_job(state)])
+    return token2wav.next_job(state)
+
+
 @pytest.mark.parametrize("call_row_frames, skips, calls", [
     (0, [1, 3, 1], [2, 1]),  # calls cost nothing beyond their rows: the wider chunk alone
     (None, [1, 3, 1], [3]),  # the per-call cost measured on the GPU: these tiny contexts share one call
@@ -166,14 +175,7 @@ def test_chunks_run_in_the_flow_calls_that_cost_least(models, voice, tokens, mon
     token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
 
-    def job(skip: int):
-        state = token2wav.new_stream(prompt)
-        state.tokens, state.tokens_done = list(tokens), True
-        for _ in range(skip):
-            token2wav.run([token2wav.next_job(state)])
-        return token2wav.next_job(state)
-
-    jobs = [job(skip) for skip in skips]
+    jobs = [chunk_after(token2wav, prompt, tokens, skip) for skip in skips]
     widths = [token2wav.job_frames(j) for j in jobs]
     assert widths[1] > 1.2 * widths[0] and widths[0] == widths[2] and not any(j.finalize for j in jobs)
     alone = [token2wav._flow(j) for j in jobs]
@@ -192,13 +194,7 @@ def test_a_call_of_several_rows_is_held_to_the_call_limit(models, voice, tokens,
     token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
 
-    def job():
-        state = token2wav.new_stream(prompt)
-        state.tokens, state.tokens_done = list(tokens), True
-        token2wav.run([token2wav.next_job(state)])
-        return token2wav.next_job(state)
-
-    jobs = [job() for _ in range(5)]
+    jobs = [chunk_after(token2wav, prompt, tokens, 1) for _ in range(5)]
     width = token2wav.job_frames(jobs[0])
     assert [len(g) for g in token2wav.plan(jobs)] == [5]
     monkeypatch.setattr(token2wav_module, "MAX_CALL_ROW_FRAMES", token2wav_module.CALL_ROW_FRAMES + 2 * width)
@@ -225,14 +221,7 @@ def test_chunks_run_with_graphs_set_on_either_thread(models, voice, tokens, monk
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
     token2wav.prepare_voices([prompt], prompt.tokens)
 
-    def job(skip: int):
-        state = token2wav.new_stream(prompt)
-        state.tokens, state.tokens_done = list(tokens), True
-        for _ in range(skip):
-            token2wav.run([token2wav.next_job(state)])
-        return token2wav.next_job(state)
-
-    jobs = [job(0), job(0), job(1)]
+    jobs = [chunk_after(token2wav, prompt, tokens, skip) for skip in (0, 0, 1)]
     alone = [token2wav._flow(j) for j in jobs]
     own, lanes = GraphsWithNoShapes(), GraphsWithNoShapes()
     monkeypatch.setattr(models.flow.decoder, "graphs", own)
