@@ -334,15 +334,15 @@ class Token2Wav:
         up to ``frames``, infinite for a call of several rows above ``MAX_CALL_ROW_FRAMES``;
         ``prefix``: the frames a call after the voice prefixes starts at (None: none);
         ``graphs``: the flow graphs the call would replay."""
-        if not self.flow.decoder.noise.is_cuda:
-            graphs = None
+        on_gpu = self.flow.decoder.noise.is_cuda
+        graphs = graphs if on_gpu else None
         width = self._decoder_width(frames, finalize)
         whole_graph = graphs is not None and graphs.has(rows, width, not finalize)
         after_prefix = not finalize and prefix is not None and not whole_graph  # as _flow_batched decides
         cost = CALL_ROW_FRAMES + rows * (frames - prefix if after_prefix else frames)
         if rows > 1 and cost > MAX_CALL_ROW_FRAMES:
             return math.inf
-        if not self.flow.decoder.noise.is_cuda or whole_graph:  # no launch floor on a CPU
+        if not on_gpu or whole_graph:  # no launch floor on a CPU
             return cost
         if after_prefix and graphs is not None and graphs.has(rows, width - prefix, True, after_prefix=True):
             return cost
