@@ -52,6 +52,9 @@ class FakeToken2Wav:
         # Calls padded to their longest row, at a small cost per call (as Token2Wav.plan).
         return cheapest_groups([job.state.frames for job in jobs], lambda rows, width: 100 + rows * width)
 
+    def lane_serves(self, job, lane) -> bool:
+        return job.state.frames <= 1000  # the lane has graphs for first chunks of up to 1000 frames
+
     def next_job(self, state: FakeState):
         if state.chunks == 0:
             return None
@@ -188,7 +191,7 @@ async def test_a_new_turns_first_chunk_runs_between_the_calls_of_a_round():
         await asyncio.to_thread(worker.stop)
 
 
-def lane_recording_fake(blocked: Lane | None) -> tuple[FakeToken2Wav, list, threading.Event]:
+def lane_recording_fake(blocked: Lane | str | None) -> tuple[FakeToken2Wav, list, threading.Event]:
     """A fake that records the lane of every call (None: the main thread) and holds the
     calls of ``blocked`` (a lane, or None for the main thread) until the event is set."""
     fake = FakeToken2Wav()
@@ -255,6 +258,30 @@ async def test_while_the_lane_is_busy_the_main_thread_takes_first_chunks():
         await until(queues["a"].get())
     finally:
         release.set()
+        await asyncio.to_thread(worker.stop)
+
+
+async def test_a_first_chunk_the_lane_has_no_graph_for_runs_on_the_main_thread():
+    """A voice registered while serving has no graphs on the lane: its first chunk goes to the
+    main thread even while the lane is free, and the lane runs the others."""
+    lane = Lane()
+    fake, lanes, release = lane_recording_fake(blocked="nothing")
+    release.set()
+    worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
+    try:
+        queues = {"new voice": asyncio.Queue(), "known voice": asyncio.Queue()}
+        worker.add(FakeState("new voice", 2, first=True, frames=1200), queues["new voice"])
+        with worker.lock:
+            worker.wake.notify_all()
+        await until(queues["new voice"].get())
+        worker.add(FakeState("known voice", 2, first=True), queues["known voice"])
+        with worker.lock:
+            worker.wake.notify_all()
+        await until(queues["known voice"].get())
+        # Each one's first chunk (their second chunks are final: the main thread's anyway).
+        calls = list(zip(fake.batches, lanes))
+        assert calls[0] == (["new voice"], None) and (["known voice"], lane) in calls
+    finally:
         await asyncio.to_thread(worker.stop)
 
 

@@ -296,6 +296,9 @@ class CosyVoice2Engine(Engine):
             if graphs is not None:
                 for shape in self.token2wav.chunk_shapes(prompt.tokens):
                     graphs.allow(*shape)
+            lane = self.worker.first_chunk_lane if self.worker is not None else None
+            if lane is not None and lane.hift_graphs is not None:  # captured on the lane's first use
+                lane.hift_graphs.allow(*self.token2wav.chunk_shapes(prompt.tokens)[0])
         return prompt, prepared.prompt_text_ids[0].tolist(), prepared.speech_tokens[0].tolist()
 
     # ------------------------------------------------------------ utterances
@@ -595,8 +598,10 @@ class Token2WavWorker:
         self.loop.call_soon_threadsafe(handle.output.put_nowait, _END)
 
     def _for_lane(self, job) -> bool:
-        """Whether the first-chunk lane runs this job (it has graphs for first chunks only)."""
-        return self.first_chunk_lane is not None and job.first and not job.finalize
+        """Whether the first-chunk lane runs this job: a first chunk of a voice it has graphs
+        for (a voice registered while serving has none there; the main thread takes it)."""
+        lane = self.first_chunk_lane
+        return lane is not None and job.first and not job.finalize and self.token2wav.lane_serves(job, lane)
 
     def _take(self, batch: list) -> list:
         """Mark a batch's handles busy (under the lock) and count its chunks as running."""

@@ -291,6 +291,12 @@ class Token2Wav:
                 return replayed
         return self.hift(mel, cache_source)
 
+    def lane_serves(self, job: ChunkJob, lane: Lane) -> bool:
+        """Whether ``lane`` has a flow graph for this job run alone (its graphs cover the
+        voices registered at start-up; without graphs, as on a CPU, it runs anything)."""
+        graphs = lane.flow_graphs
+        return graphs is None or graphs.has(1, self._decoder_width(self.job_frames(job), job.finalize), True)
+
     def _flow_graphs(self, lane: Lane | None) -> FlowGraphs | None:
         """The flow graphs a call on this lane replays (None: the engine's own thread)."""
         return self.flow.decoder.graphs if lane is None else lane.flow_graphs
