@@ -239,6 +239,10 @@ def test_chunks_run_with_graphs_set_on_either_thread(models, voice, tokens, monk
         assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
     # The engine's thread: after the prefixes, with the decoder's own graphs; a lane: its own, whole.
     assert calls and set(calls) == ({(False, lanes)} if use_lane else {(True, None)})
+    # The lane's graphs are captured at first_chunk_frames: the width its first chunks ask for.
+    assert jobs[0].first and token2wav._decoder_width(token2wav.job_frames(jobs[0]), False) == (
+        token2wav.first_chunk_frames(prompt.tokens)
+    )
     # A lane without graphs (a CPU) runs any chunk; one with graphs only those it has a shape for.
     assert token2wav.lane_serves(jobs[0], token2wav_module.Lane())
     assert not token2wav.lane_serves(jobs[0], token2wav_module.Lane(flow_graphs=lanes))
