@@ -637,23 +637,23 @@ class Token2WavWorker:
                     return
                 self._take(batch)
                 self._lane_busy = True
-            for group in self.token2wav.plan([job for _, job in batch], lane):
-                self._run_batch([batch[i] for i in group], lane)
+            self._run_calls(batch, lane)
             with self.lock:
                 self._lane_busy = False
                 self.wake.notify_all()  # first chunks the main thread left to the lane
 
-    def _run_calls(self, batch: list) -> None:
+    def _run_calls(self, batch: list, lane: Lane | None = None) -> None:
         """Run a batch as the flow calls ``Token2Wav.plan`` splits it into, in its order (new
-        turns' first chunks, then narrowest first), each delivered when done.
+        turns' first chunks, then narrowest first), each delivered when done; ``lane``: on the
+        first-chunk lane.
 
         A call runs to its end, and the rest of the batch may take many calls: without a
         first-chunk lane, first chunks that became ready meanwhile go next, so that a new turn
         waits for one call, not for the whole round.
         """
-        calls = [[batch[i] for i in group] for group in self.token2wav.plan([job for _, job in batch])]
+        calls = [[batch[i] for i in group] for group in self.token2wav.plan([job for _, job in batch], lane)]
         while calls:
-            self._run_batch(calls.pop(0))
+            self._run_batch(calls.pop(0), lane)
             if self.first_chunk_lane is not None:
                 continue
             with self.lock:
