@@ -687,7 +687,7 @@ class CFM(nn.Module):
         count replays a captured graph of the whole solve when one exists for its shape bucket.
         """
         frames = mu.shape[2]
-        graphs = graphs or self.graphs
+        graphs = graphs if graphs is not None else self.graphs
         if noise is None:
             if graphs is not None and n_timesteps == N_TIMESTEPS and mu.is_cuda:
                 mel = graphs.run(mu, mask, spks, cond, streaming)
