@@ -23,6 +23,7 @@ from engine.cosyvoice2.flow import (
     FlowConfig,
     FlowStreamCache,
     PrefixBank,
+    attention_bias,
     chunk_attention_mask,
 )
 from tests.reference import official, randomize
@@ -152,6 +153,18 @@ def test_flow_cfm_batched_rows_equal_single(cfm_pair) -> None:
 
 
 # ----------------------------------------------------------------------------- masks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_bias_gives_the_boolean_masks_attention_exactly(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(3, 2, 60, 16, generator=generator).to(dtype) for _ in range(3))
+    allowed = chunk_attention_mask(torch.arange(60)[None] < torch.tensor([[60], [41], [9]]), torch.arange(60)[None], 25)
+    bias = attention_bias(allowed, dtype)
+    assert bias.dtype == dtype and set(bias.unique().tolist()) == {0.0, float("-inf")}
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed)
+    got = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias)
+    assert torch.equal(got, expected)
 
 
 def test_flow_chunk_mask_equals_official_without_host_sync() -> None:
