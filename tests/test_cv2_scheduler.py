@@ -48,16 +48,9 @@ class FakeToken2Wav:
     def job_frames(self, job: FakeJob) -> int:
         return job.state.frames
 
-    @staticmethod
-    def cost(rows: int, width: int) -> int:
-        """Calls are padded to their longest row, at a small cost per call (as in Token2Wav)."""
-        return 100 + rows * width
-
     def plan(self, jobs, lane=None):
-        return cheapest_groups([job.state.frames for job in jobs], self.cost)
-
-    def call_cost(self, jobs, lane=None) -> int:
-        return self.cost(len(jobs), max(job.state.frames for job in jobs))
+        # Calls padded to their longest row, at a small cost per call (as Token2Wav.plan).
+        return cheapest_groups([job.state.frames for job in jobs], lambda rows, width: 100 + rows * width)
 
     def lane_serves(self, job, lane) -> bool:
         return job.state.frames <= 1000  # the lane has graphs for first chunks of up to 1000 frames
@@ -196,50 +189,6 @@ async def test_a_new_turns_first_chunk_runs_between_the_calls_of_a_round():
         assert fake.batches[:4] == [["short"], ["new"], ["mid"], ["long"]]
     finally:
         await asyncio.to_thread(worker.stop)
-
-
-async def test_far_ahead_work_is_cut_to_end_before_a_listener_runs_dry():
-    """Chunks not due yet run in a call short enough to end before any other listener's audio
-    runs out (its next chunk can then run in time); with no listener that close, in one call."""
-
-    async def far_ahead_calls(dry_listener: bool) -> list[list[str]]:
-        fake = FakeToken2Wav()
-        run = fake.run
-
-        def run_for_its_cost(jobs, lane=None):
-            time.sleep(fake.call_cost(jobs) * 1e-4)  # 1000 row-frames: 0.1 s
-            return run(jobs, lane)
-
-        fake.run = run_for_its_cost
-        worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop(), early_chunks=False)
-        try:
-            # A due chunk first: the worker learns what a unit of cost takes.
-            warm = asyncio.Queue()
-            worker.add(FakeState("warm", 1), warm)
-            with worker.lock:
-                worker.wake.notify_all()
-            await until(warm.get())
-            await eventually(lambda: worker._seconds_per_cost is not None)
-            queues = {name: asyncio.Queue() for name in "abc"}
-            far = [worker.add(FakeState(name, 2, frames=1000), queues[name]) for name in "abc"]
-            # Playing, 0.3 s of audio left, its next tokens not there yet.
-            dry = worker.add(FakeState("dry", 0), asyncio.Queue()) if dry_listener else None
-            with worker.lock:
-                now = time.monotonic()
-                for handle in far:
-                    handle.clock.produced(10.0, now)  # due in 10 s
-                if dry is not None:
-                    dry.clock.produced(0.3, now)
-                worker.wake.notify_all()
-            for queue in queues.values():
-                await until(queue.get())
-            return fake.batches[1:]
-        finally:
-            await asyncio.to_thread(worker.stop)
-
-    assert [sorted(batch) for batch in await far_ahead_calls(dry_listener=False)][0] == ["a", "b", "c"]
-    cut = await far_ahead_calls(dry_listener=True)
-    assert len(cut[0]) < 3 and sorted(name for batch in cut[:3] for name in batch)[:3] == ["a", "b", "c"]
 
 
 def lane_recording_fake(blocked: Lane | str | None) -> tuple[FakeToken2Wav, list, threading.Event]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -490,8 +489,7 @@ class Token2WavWorker:
         self.early_chunks = early_chunks
         self.first_chunk_lane = first_chunk_lane
         self._lane_busy = False
-        self._recent_batch_s = 0.0  # moving average of a call's run time
-        self._seconds_per_cost: float | None = None  # moving average, per unit of Token2Wav.call_cost
+        self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
         self._wake_at: float | None = None  # when a listener becomes urgent (early chunks)
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
@@ -557,8 +555,6 @@ class Token2WavWorker:
         return 2 * self._recent_batch_s + 0.05
 
     def _next_batch(self) -> list:
-        """Under the lock: the candidates for the next call, (deadline, handle, job), most urgent
-        first, up to ``max_batch``."""
         now = time.monotonic()
         margin = self._early_margin()
         self._wake_at = None
@@ -593,45 +589,9 @@ class Token2WavWorker:
             # whatever arrives meanwhile.
             if batch and deadline > now and padded > PADDING_LIMIT * (useful + frames):
                 continue
-            batch.append((deadline, handle, job))
+            batch.append((handle, job))
             useful, width = useful + frames, max(width, frames)
         return batch
-
-    def _choose_call(self, candidates: list, playing: list[tuple[float, StreamHandle]]) -> tuple[list, list]:
-        """The one flow call to run next, out of ``_next_batch``'s candidates, and the rest;
-        ``playing``: (audio left, handle) of the listeners with audio left. Both as (handle,
-        job) pairs. Runs without the lock: planning many rows takes milliseconds.
-
-        ``Token2Wav.plan`` splits the candidates into calls, and the call holding the most
-        urgent chunk runs. Chunks already due count as equally urgent, and then the plan's
-        order decides (first chunks, then the narrowest contexts), as a short call delays the
-        rest least. One call at a time: what becomes urgent meanwhile waits for one call, not
-        for a round of them.
-
-        A call that is not due yet is far-ahead work (a turn's final chunk, the later chunks of
-        a fast turn). It is cut, least urgent rows first, to what ends before any other
-        listener's audio runs out, so that a listener about to run dry does not wait for it.
-        """
-        now = time.monotonic()
-        groups = self.token2wav.plan([job for _, _, job in candidates])
-
-        def urgency(index: int) -> tuple[float, int]:
-            return max(now, min(candidates[i][0] for i in groups[index])), index
-
-        chosen = sorted((candidates[i] for i in groups[min(range(len(groups)), key=urgency)]), key=lambda c: c[:1])
-        if chosen[0][0] > now and self._seconds_per_cost is not None:
-            in_call = {handle for _, handle, _ in chosen}
-            budget = min((left for left, handle in playing if handle not in in_call), default=math.inf)
-            while len(chosen) > 1 and self._estimated_s([job for _, _, job in chosen]) > budget:
-                chosen.pop()
-        in_call = {id(handle) for _, handle, _ in chosen}
-        return (
-            [(handle, job) for _, handle, job in chosen],
-            [(handle, job) for _, handle, job in candidates if id(handle) not in in_call],
-        )
-
-    def _estimated_s(self, jobs: list) -> float:
-        return self.token2wav.call_cost(jobs) * self._seconds_per_cost
 
     def _finish(self, handle: StreamHandle) -> None:
         self.handles.discard(handle)
@@ -650,42 +610,20 @@ class Token2WavWorker:
         self.running += len(batch)
         return batch
 
-    def _release(self, batch: list) -> None:
-        """Under the lock: undo ``_take`` for chunks that will not run now."""
-        for handle, _ in batch:
-            handle.busy = False
-        self.running -= len(batch)
-        self.wake.notify_all()
-
     def _run(self) -> None:
         while True:
             with self.lock:
-                candidates = self._next_batch()
-                while not candidates and not self._stopping:
+                batch = self._next_batch()
+                while not batch and not self._stopping:
                     self.wake.wait(None if self._wake_at is None else max(0.0, self._wake_at - time.monotonic()))
-                    candidates = self._next_batch()
+                    batch = self._next_batch()
                 if self._stopping:
                     return
-                self._take([(handle, job) for _, handle, job in candidates])
-                now = time.monotonic()
-                playing = [
-                    (handle.clock.deadline(now) - now, handle) for handle in self.handles
-                    if handle.clock.first_audio_at is not None and handle.clock.deadline(now) > now
-                ]
-            call, rest = self._choose_call(candidates, playing)
-            if rest:
-                with self.lock:
-                    self._release(rest)
-            cost = self.token2wav.call_cost([job for _, job in call])
+                self._take(batch)
             started = time.monotonic()
-            self._run_batch(call)
-            elapsed = time.monotonic() - started
-            # How long until the worker looks at the queue again, and what a unit of cost takes.
-            self._recent_batch_s += 0.2 * (elapsed - self._recent_batch_s)
-            per_cost = elapsed / cost
-            self._seconds_per_cost = per_cost if self._seconds_per_cost is None else (
-                self._seconds_per_cost + 0.2 * (per_cost - self._seconds_per_cost)
-            )
+            self._run_calls(batch)
+            # The whole round of calls: how long until the worker looks at the queue again.
+            self._recent_batch_s += 0.2 * (time.monotonic() - started - self._recent_batch_s)
 
     def _run_first_chunk_lane(self) -> None:
         lane = self.first_chunk_lane
@@ -699,22 +637,41 @@ class Token2WavWorker:
                     return
                 self._take(batch)
                 self._lane_busy = True
-            for group in self.token2wav.plan([job for _, job in batch], lane):
-                self._run_batch([batch[i] for i in group], lane)
+            self._run_calls(batch, lane)
             with self.lock:
                 self._lane_busy = False
                 self.wake.notify_all()  # first chunks the main thread left to the lane
 
+    def _run_calls(self, batch: list, lane: Lane | None = None) -> None:
+        """Run a batch as the flow calls ``Token2Wav.plan`` splits it into, in its order (new
+        turns' first chunks, then narrowest first), each delivered when done; ``lane``: on the
+        first-chunk lane.
+
+        A call runs to its end, and the rest of the batch may take many calls: without a
+        first-chunk lane, first chunks that became ready meanwhile go next, so that a new turn
+        waits for one call, not for the whole round.
+        """
+        calls = [[batch[i] for i in group] for group in self.token2wav.plan([job for _, job in batch], lane)]
+        while calls:
+            self._run_batch(calls.pop(0), lane)
+            if self.first_chunk_lane is not None:
+                continue
+            with self.lock:
+                arrived = self._take(self._ready_first_chunks(self.max_batch))
+            if arrived:
+                plan = self.token2wav.plan([job for _, job in arrived])
+                calls[:0] = [[arrived[i] for i in group] for group in plan]
+
     def _ready_first_chunks(self, limit: int) -> list:
-        """Under the lock: (handle, job) of up to ``limit`` first chunks the lane may run, of
-        handles no thread holds, longest waiting first."""
+        """Under the lock: (handle, job) of up to ``limit`` first chunks ready to run, of
+        handles no thread holds, longest waiting first (with a lane: the lane's jobs only)."""
         now = time.monotonic()
         ready = []
         for handle in self.handles:
             if handle.busy or handle.pending >= _OUTPUT_CHUNKS:
                 continue
             job = self.token2wav.next_job(handle.state)
-            if job is not None and self._for_lane(job):
+            if job is not None and job.first and (self.first_chunk_lane is None or self._for_lane(job)):
                 ready.append((handle.clock.deadline(now), id(handle), handle, job))
         ready.sort(key=lambda item: item[:2])
         return [(handle, job) for _, _, handle, job in ready[:limit]]

@@ -320,29 +320,28 @@ class Token2Wav:
             else:
                 kinds.setdefault((job.finalize, job.first), []).append(i)
         groups = [incremental] if incremental else []
+        # The shortest prefix in the bank: what a call after the prefixes saves at least.
+        prefix = min((self.flow.voice_prefix_frames(p.tokens) for p, _ in self._slots.values()), default=None)
+        graphs = self._flow_graphs(lane)
         for (finalize, _), rows in kinds.items():
             widths = [self.job_frames(jobs[i]) for i in rows]
-            cost = functools.partial(self._call_cost, finalize=finalize, lane=lane)
+            cost = functools.partial(
+                self._call_cost, finalize=finalize, prefix=prefix if lane is None else None, graphs=graphs
+            )
             groups += [[rows[k] for k in group] for group in cheapest_groups(widths, cost)]
         return sorted(groups, key=lambda group: (
             not any(jobs[i].first for i in group), max(self.job_frames(jobs[i]) for i in group)
         ))
 
-    def call_cost(self, jobs: list[ChunkJob], lane: Lane | None = None) -> float:
-        """The cost of one flow call of ``jobs`` (of one kind, as ``plan`` groups them), in the
-        row-frames ``plan`` weighs calls by."""
-        return self._call_cost(len(jobs), max(self.job_frames(job) for job in jobs), jobs[0].finalize, lane)
-
-    def _call_cost(self, rows: int, frames: int, finalize: bool, lane: Lane | None) -> float:
+    def _call_cost(
+        self, rows: int, frames: int, finalize: bool, prefix: int | None, graphs: FlowGraphs | None
+    ) -> float:
         """A flow call's cost in row-frames (see ``CALL_ROW_FRAMES``) for ``rows`` contexts of
         up to ``frames``, infinite for a call of several rows above ``MAX_CALL_ROW_FRAMES``;
-        ``lane``: where it runs (the lane's calls replay its own graphs, with no voice prefix)."""
+        ``prefix``: the frames a call after the voice prefixes starts at (None: none);
+        ``graphs``: the flow graphs the call would replay."""
         on_gpu = self.flow.decoder.noise.is_cuda
-        graphs = self._flow_graphs(lane) if on_gpu else None
-        # The shortest prefix in the bank: what a call after the prefixes saves at least.
-        prefix = None if lane is not None else min(
-            (self.flow.voice_prefix_frames(p.tokens) for p, _ in self._slots.values()), default=None
-        )
+        graphs = graphs if on_gpu else None
         width = self._decoder_width(frames, finalize)
         whole_graph = graphs is not None and graphs.has(rows, width, not finalize)
         after_prefix = not finalize and prefix is not None and not whole_graph  # as _flow_batched decides
