@@ -202,6 +202,7 @@ def main() -> None:
             cfm.estimator = plain_estimator
             started = time.perf_counter()
             if variant in ("compile", "flex_compile"):
+                torch._dynamo.reset()  # compile this variant's attention, not the last one's
                 cfm.estimator = torch.compile(plain_estimator, dynamic=False)
 
             backend = BACKENDS.get(variant)
