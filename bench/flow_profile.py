@@ -4,17 +4,18 @@ Builds the full-size flow decoder (random weights, as ``bench/flow_graphs.py``) 
 each ``rows x frames`` shape, times one streaming solve (10 Euler steps, CFG) replayed from
 a CUDA graph, in these variants:
 
-- ``bool``: the decoder as it is;
-- ``bias``: the attention mask turned into an additive bias once per estimator call, not
-  inside each of its 56 attention calls;
+- ``bool``: the boolean mask handed to SDPA, which turns it into a bias in each of its 56
+  attention calls (the decoder before ``flow.attention_bias``);
+- ``bias``: the decoder as it is: the mask turned into an additive bias once per estimator call;
 - ``bias_efficient`` / ``bias_cudnn``: ``bias`` with SDPA held to one kernel;
 - ``flex``: FlexAttention over a chunk-causal block mask (skips masked blocks);
 - ``compile`` / ``flex_compile``: ``torch.compile`` of the estimator (inductor fuses the
   elementwise work), with SDPA and a bias / with FlexAttention.
 
-For ``bool`` and the best variant it also records a profile of one eager solve, summed by
+For each variant not compiled it also records a profile of one eager solve, summed by
 kernel family (gemm, attention, conv, norm, elementwise, copy). The JSON says how far each
-variant's mel is from ``bool``'s.
+variant's mel is from ``bool``'s. On a CPU (``--device cpu --size tiny``) it only times the
+eager solves: a smoke test of the script.
 
     python bench/flow_profile.py --shapes 1x320,8x1600,32x400 --json out.json
 """
@@ -83,22 +84,12 @@ def kernel_profile(solve, rows: int) -> dict:
     }
 
 
-def use_bias(enabled: bool) -> None:
-    """Swap the decoder's mask helper for one that returns an additive bias in the model dtype."""
-    if not hasattr(flow_module, "_bool_mask"):
-        flow_module._bool_mask = flow_module.chunk_attention_mask
-    original = flow_module._bool_mask
-    if not enabled:
-        flow_module.chunk_attention_mask = original
-        return
-
-    def bias(*args, **kwargs) -> Tensor:
-        allowed = original(*args, **kwargs)
-        return torch.zeros(allowed.shape, dtype=use_bias.dtype, device=allowed.device).masked_fill_(
-            ~allowed, float("-inf")
-        )
-
-    flow_module.chunk_attention_mask = bias
+def use_bool_mask(enabled: bool) -> None:
+    """The ``bool`` variant: hand SDPA the boolean mask, as the decoder did before it turned
+    the mask into a bias once per estimator call (``flow.attention_bias``)."""
+    if not hasattr(flow_module, "_attention_bias"):
+        flow_module._attention_bias = flow_module.attention_bias
+    flow_module.attention_bias = (lambda allowed, dtype: allowed) if enabled else flow_module._attention_bias
 
 
 def use_flex(block_mask) -> None:
@@ -180,7 +171,6 @@ def main() -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16
-    use_bias.dtype = dtype
     torch.manual_seed(0)
     cfm = CFM(checkpoint_configs(args.size)[1].decoder).to(device=device, dtype=dtype).eval()
     plain_estimator = cfm.estimator
@@ -197,7 +187,7 @@ def main() -> None:
         entry = {"rows": rows, "frames": frames, "row_frames": rows * frames, "variants": {}}
         reference = None
         for variant in args.variants.split(","):
-            use_bias(variant != "bool")
+            use_bool_mask(variant == "bool")
             use_flex(flex_block_mask(mask, 50) if variant.startswith("flex") else None)
             cfm.estimator = plain_estimator
             started = time.perf_counter()
@@ -238,7 +228,7 @@ def main() -> None:
         report["shapes"].append(entry)
         if args.json:
             args.json.write_text(json.dumps(report, indent=2))
-    use_bias(False)
+    use_bool_mask(False)
     use_flex(None)
 
 
