@@ -160,7 +160,7 @@ def timed_ms(run, repeats: int) -> float:
     return round(statistics.median(times) * 1000, 2)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="1x320,4x800,8x1600,2x3200,32x400")
     parser.add_argument("--variants", default="bool,bias,bias_efficient,bias_cudnn,flex,compile,flex_compile")
@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--size", choices=("full", "tiny"), default="full")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16
@@ -239,6 +239,7 @@ def main() -> None:
             args.json.write_text(json.dumps(report, indent=2))
     use_bool_mask(False)
     use_flex(None)
+    return report
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from bench import flow_graphs as bench_flow_graphs
+from bench import flow_profile as bench_flow_profile
 from engine.cosyvoice2.flow import CFM, CFMConfig, PrefixBank
 from engine.cosyvoice2.flow_graphs import FlowBuckets, GraphKey, pad_inputs, solve_after_padded, solve_padded
 from tests.reference import randomize
@@ -237,3 +238,22 @@ def test_bench_flow_graphs_smoke_cpu(tmp_path, capsys) -> None:
         assert 0 < row["eager_vs_fp32_rel"] < 0.1  # bf16 rounding, not a broken solve
         # padding changes matmul shapes, hence bf16 rounding: small, but not necessarily 0
         assert row["padded_eager_vs_eager_max_abs"] < 0.1 * row["fp32_max_abs"]
+
+
+def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
+    """bench/flow_profile.py runs on CPU; the decoder's bias gives the boolean mask's mel exactly,
+    and the script puts the decoder back as it was."""
+    from engine.cosyvoice2 import flow
+
+    shipped = flow.attention_bias
+    out = tmp_path / "profile.json"
+    report = bench_flow_profile.main(
+        ["--size", "tiny", "--device", "cpu", "--shapes", "2x60", "--variants", "bool,bias", "--repeats", "1",
+         "--json", str(out)]
+    )
+    assert json.loads(out.read_text()) == report
+    (shape,) = report["shapes"]
+    assert (shape["rows"], shape["frames"]) == (2, 60)
+    assert shape["variants"]["bool"]["graph_ms"] > 0
+    assert shape["variants"]["bias"]["max_abs_vs_bool"] == 0.0
+    assert flow.attention_bias is shipped
