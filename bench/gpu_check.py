@@ -153,7 +153,7 @@ def run_load(url: str, workload: str, sessions: int, args) -> dict:
         path.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "gateway.loadgen", "--url", url, "--sessions", str(count), "--workload", workload,
                "--duration", str(args.duration), "--tokens-per-second", str(args.tokens_per_second),
-               "--seed", str(sessions * 1000 + k), "--json", str(path)]
+               "--seed", str(sessions * 1000 + k), "--start-spread", str(args.start_spread), "--json", str(path)]
         procs.append((path, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     records = []
     for path, proc in procs:
@@ -255,6 +255,7 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
         level = {
             "workload": workload,
             "sessions": sessions,
+            "start_spread_s": args.start_spread,
             "summary": summary,
             "stall_free": loadgen.stall_free(summary, args.ttfa_p95_ms),
             "gpu": gpu_memory(),
@@ -285,6 +286,8 @@ def main() -> int:
     parser.add_argument("--first-audio-sessions", type=session_list, default=[1],
                         help="levels of whole replies cut off after first audio (full-barge-in), run first")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
+    parser.add_argument("--start-spread", type=float, default=loadgen.DEFAULT_START_SPREAD_S,
+                        help="seconds over which a level's sessions start (default: all at once)")
     parser.add_argument("--first-hop", type=int, default=5, help="token_first_hop_len of the gateway")
     parser.add_argument("--tokens-per-second", type=float, default=30.0)
     parser.add_argument("--stream-scale", type=int, default=2, help="stream_scale_factor of the gateway (hop growth)")

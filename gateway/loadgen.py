@@ -65,6 +65,10 @@ def load_corpus(lang: str = "en", path: Path | None = None) -> list[str]:
     return replies
 
 
+# Agents start within this many seconds: all at once, though not on the same tick.
+DEFAULT_START_SPREAD_S = 0.5
+
+
 @dataclass
 class Record:
     """One context, as the agent saw it."""
@@ -82,6 +86,7 @@ class Record:
     rtf: float | None = None
     stalls: int = 0
     stall_ms: float = 0.0
+    started_s: float | None = None  # when it began, in seconds from the start of its level
 
 
 class _Playback:
@@ -176,13 +181,15 @@ async def _agent(index: int, sessions: int, args: argparse.Namespace, replies: l
                  records: list[Record]) -> None:
     loop = asyncio.get_running_loop()
     rng = random.Random(f"{args.seed}-{sessions}-{index}")
-    await asyncio.sleep(rng.uniform(0, 0.5))  # do not start every agent on the same tick
+    level_start = deadline - args.duration
+    await asyncio.sleep(rng.uniform(0, args.start_spread))  # each agent's first turn starts at its own moment
     while loop.time() < deadline:
         try:
             async with TTSClient.connect(args.url, api_key=args.api_key, sample_rate=args.sample_rate) as tts:
                 while loop.time() < deadline:
                     text = rng.choice(replies)
-                    record = Record(sessions, index, args.workload, len(text))
+                    record = Record(sessions, index, args.workload, len(text),
+                                    started_s=round(loop.time() - level_start, 3))
                     records.append(record)
                     try:
                         await _speak(tts, text, record, rng, args.tokens_per_second, deadline)
@@ -243,12 +250,18 @@ async def run(url: str, *, sessions: int = 1, workload: str = "llm", duration: f
               tokens_per_second: float = 30.0, api_key: str | None = None, sample_rate: int | None = 24000,
               lang: str = "en", seed: int = 0, ramp: list[int] | None = None, ttfa_p95_ms: float = 500.0,
               corpus: Path | None = None, json_path: Path | None = None, plots: Path | None = None,
-              markdown: Path | None = None) -> dict:
-    """Run the benchmark (one level, or each ``ramp`` level in turn) and return the result."""
+              markdown: Path | None = None, start_spread: float = DEFAULT_START_SPREAD_S) -> dict:
+    """Run the benchmark (one level, or each ``ramp`` level in turn) and return the result.
+
+    ``start_spread``: each agent starts its first turn at a seeded moment within this many
+    seconds of the level's start. The default starts them all at once (a burst of new turns);
+    a spread of several seconds staggers them, as sessions arriving over time would be."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}")
+    if not 0 <= start_spread < duration:
+        raise ValueError(f"start_spread must be at least 0 and below the duration ({duration} s), got {start_spread}")
     args = argparse.Namespace(url=url, workload=workload, tokens_per_second=tokens_per_second, api_key=api_key,
-                              sample_rate=sample_rate, seed=seed)
+                              sample_rate=sample_rate, seed=seed, duration=duration, start_spread=start_spread)
     replies = load_corpus(lang, corpus)
     loop = asyncio.get_running_loop()
     levels, records = [], []
@@ -263,7 +276,7 @@ async def run(url: str, *, sessions: int = 1, workload: str = "llm", duration: f
         "config": {"url": url, "sessions": ramp or [sessions], "workload": workload, "duration_s": duration,
                    "tokens_per_second": tokens_per_second, "sample_rate": sample_rate, "lang": lang, "seed": seed,
                    "corpus": str(corpus) if corpus else f"bench/data ({lang})", "replies": len(replies),
-                   "ttfa_p95_ms_limit": ttfa_p95_ms},
+                   "ttfa_p95_ms_limit": ttfa_p95_ms, "start_spread_s": start_spread},
         "summary": levels[-1]["summary"],
         "levels": levels,
         "stall_free_capacity": max(passing) if passing else None,
@@ -345,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lang", choices=("en", "zh", "mix"), default="en", help="which corpus in bench/data")
     parser.add_argument("--corpus", type=Path, help="a replies file instead (one per line, \\n for line breaks)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start-spread", type=float, default=DEFAULT_START_SPREAD_S,
+                        help="seconds over which the agents start their first turns (default: all at once)")
     parser.add_argument("--ramp", help="concurrency levels to run in turn, e.g. 1,2,4,8 (overrides --sessions)")
     parser.add_argument("--ttfa-p95-ms", type=float, default=500.0, help="TTFA p95 limit for stall-free capacity")
     parser.add_argument("--plots", type=Path, help="write PNG charts into this directory (needs matplotlib)")
@@ -353,10 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     ramp = [int(n) for n in args.ramp.split(",")] if args.ramp else None
     if any(n < 1 for n in ramp or [args.sessions]):
         parser.error("session counts must be >= 1")
+    if not 0 <= args.start_spread < args.duration:
+        parser.error("--start-spread must be at least 0 and below --duration")
     coro = run(args.url, sessions=args.sessions, workload=args.workload, duration=args.duration,
                tokens_per_second=args.tokens_per_second, api_key=args.api_key, sample_rate=args.sample_rate,
                lang=args.lang, seed=args.seed, ramp=ramp, ttfa_p95_ms=args.ttfa_p95_ms, corpus=args.corpus,
-               json_path=args.json, plots=args.plots, markdown=args.markdown)
+               json_path=args.json, plots=args.plots, markdown=args.markdown, start_spread=args.start_spread)
     try:
         import uvloop
     except ImportError:

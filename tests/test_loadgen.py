@@ -59,6 +59,27 @@ async def test_ramp_reports_a_capacity(gateway):
     assert {r["sessions"] for r in result["records"]} == {1, 2}
 
 
+async def test_start_spread_staggers_each_agents_first_turn(gateway):
+    """Each agent's first turn starts at its seeded moment within the spread, not all at once."""
+    import random
+
+    spread, sessions = 2.0, 3
+    result = await loadgen.run(ws_url(gateway), sessions=sessions, workload="full", duration=4, seed=5,
+                               start_spread=spread)
+    assert result["config"]["start_spread_s"] == spread
+    for agent in range(sessions):
+        planned = random.Random(f"5-{sessions}-{agent}").uniform(0, spread)
+        first = min(r["started_s"] for r in result["records"] if r["agent"] == agent)
+        assert planned <= first < planned + 1.0  # + connecting
+    assert max(min(r["started_s"] for r in result["records"] if r["agent"] == a) for a in range(sessions)) > 0.5
+
+
+async def test_start_spread_must_fit_the_level():
+    for bad in (-1.0, 4.0):
+        with pytest.raises(ValueError, match="start_spread"):
+            await loadgen.run("ws://127.0.0.1:9/v1/stream", duration=4, start_spread=bad)
+
+
 def test_bench_help():
     result = subprocess.run([sys.executable, "-m", "gateway", "bench", "--help"],
                             capture_output=True, text=True, timeout=60)
