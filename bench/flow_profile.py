@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     cfm = CFM(checkpoint_configs(args.size)[1].decoder).to(device=device, dtype=dtype).eval()
     plain_estimator = cfm.estimator
+    dynamic_estimator = None
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "shapes": []}
     for shape in args.shapes.split(","):
         rows, frames = (int(v) for v in shape.split("x"))
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         mask[-1, :, frames - frames // 7 :] = 0  # one shorter row: padding as in a batch
         x = cfm.noise[:, :, :frames].to(dtype).expand(rows, -1, -1)
         entry = {"rows": rows, "frames": frames, "row_frames": rows * frames, "variants": {}}
+        report["shapes"].append(entry)
         reference = None
         for variant in args.variants.split(","):
             use_bool_mask(variant == "bool")
@@ -199,10 +201,10 @@ def main(argv: list[str] | None = None) -> dict:
                     torch._dynamo.reset()  # compile this variant's attention, not the last one's
                     cfm.estimator = torch.compile(plain_estimator, dynamic=False)
                 else:
-                    if not hasattr(main, "dynamic"):
+                    if dynamic_estimator is None:
                         torch._dynamo.reset()
-                        main.dynamic = torch.compile(plain_estimator, dynamic=True)
-                    cfm.estimator = main.dynamic
+                        dynamic_estimator = torch.compile(plain_estimator, dynamic=True)
+                    cfm.estimator = dynamic_estimator
 
             backend = BACKENDS.get(variant)
 
@@ -225,18 +227,17 @@ def main(argv: list[str] | None = None) -> dict:
                 mel = out.clone()
                 result = {"graph_ms": ms, "eager_ms": eager_ms, "ready_s": round(ready_s, 1),
                           "us_per_row_frame": round(ms * 1000 / (rows * frames), 3)}
-                if reference is None:
+                if variant == "bool":
                     reference = mel
-                else:
+                elif reference is not None:
                     result["max_abs_vs_bool"] = float((mel - reference).abs().max())
                 if "compile" not in variant and cuda:
                     result["profile"] = kernel_profile(solve, rows)
                 entry["variants"][variant] = result
                 print(shape, variant, json.dumps(result)[:1500], flush=True)
             del graph
-        report["shapes"].append(entry)
-        if args.json:
-            args.json.write_text(json.dumps(report, indent=2))
+            if args.json:  # after every variant: a run cut short keeps what it measured
+                args.json.write_text(json.dumps(report, indent=2))
     use_bool_mask(False)
     use_flex(None)
     return report
