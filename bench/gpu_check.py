@@ -320,6 +320,10 @@ def main() -> int:
                         help="vLLM's precision in the equality check (bfloat16: judged by teacher-forced margins)")
     parser.add_argument("--ready-timeout", type=float, default=420)
     args = parser.parse_args()
+    try:  # before minutes of start-up, not at the first level
+        loadgen.check_start_spread(args.start_spread, args.duration)
+    except ValueError as error:
+        parser.error(str(error))
     args.out.mkdir(parents=True, exist_ok=True)
     report = Report(args.out)
     import torch

@@ -69,6 +69,12 @@ def load_corpus(lang: str = "en", path: Path | None = None) -> list[str]:
 DEFAULT_START_SPREAD_S = 0.5
 
 
+def check_start_spread(start_spread: float, duration: float) -> None:
+    """Agents must start within their level: raises ValueError otherwise."""
+    if not 0 <= start_spread < duration:
+        raise ValueError(f"start_spread must be at least 0 and below the duration ({duration} s), got {start_spread}")
+
+
 @dataclass
 class Record:
     """One context, as the agent saw it."""
@@ -258,8 +264,7 @@ async def run(url: str, *, sessions: int = 1, workload: str = "llm", duration: f
     a spread of several seconds staggers them, as sessions arriving over time would be."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}")
-    if not 0 <= start_spread < duration:
-        raise ValueError(f"start_spread must be at least 0 and below the duration ({duration} s), got {start_spread}")
+    check_start_spread(start_spread, duration)
     args = argparse.Namespace(url=url, workload=workload, tokens_per_second=tokens_per_second, api_key=api_key,
                               sample_rate=sample_rate, seed=seed, duration=duration, start_spread=start_spread)
     replies = load_corpus(lang, corpus)
@@ -368,8 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     ramp = [int(n) for n in args.ramp.split(",")] if args.ramp else None
     if any(n < 1 for n in ramp or [args.sessions]):
         parser.error("session counts must be >= 1")
-    if not 0 <= args.start_spread < args.duration:
-        parser.error("--start-spread must be at least 0 and below --duration")
+    try:
+        check_start_spread(args.start_spread, args.duration)
+    except ValueError as error:
+        parser.error(str(error))
     coro = run(args.url, sessions=args.sessions, workload=args.workload, duration=args.duration,
                tokens_per_second=args.tokens_per_second, api_key=args.api_key, sample_rate=args.sample_rate,
                lang=args.lang, seed=args.seed, ramp=ramp, ttfa_p95_ms=args.ttfa_p95_ms, corpus=args.corpus,

@@ -78,6 +78,9 @@ async def test_start_spread_must_fit_the_level():
     for bad in (-1.0, 4.0):
         with pytest.raises(ValueError, match="start_spread"):
             await loadgen.run("ws://127.0.0.1:9/v1/stream", duration=4, start_spread=bad)
+        with pytest.raises(SystemExit) as exit_info:  # the CLI says so as a usage error
+            loadgen.main(["--url", "ws://127.0.0.1:9/v1/stream", "--duration", "4", "--start-spread", str(bad)])
+        assert exit_info.value.code == 2
 
 
 def test_bench_help():
