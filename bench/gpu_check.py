@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -144,7 +145,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 SESSIONS_PER_CLIENT = 32  # one load-generator process per this many sessions: the client must not be the bottleneck
 
 
-def run_load(url: str, workload: str, sessions: int, args) -> dict:
+def run_load(url: str, workload: str, sessions: int, start_spread: float, args) -> dict:
     """One level, its sessions spread over load-generator processes; returns the merged summary."""
     procs = []
     for k, start in enumerate(range(0, sessions, SESSIONS_PER_CLIENT)):
@@ -153,7 +154,7 @@ def run_load(url: str, workload: str, sessions: int, args) -> dict:
         path.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "gateway.loadgen", "--url", url, "--sessions", str(count), "--workload", workload,
                "--duration", str(args.duration), "--tokens-per-second", str(args.tokens_per_second),
-               "--seed", str(sessions * 1000 + k), "--start-spread", str(args.start_spread), "--json", str(path)]
+               "--seed", str(sessions * 1000 + k), "--start-spread", str(start_spread), "--json", str(path)]
         procs.append((path, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     records = []
     for path, proc in procs:
@@ -174,7 +175,10 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "llm_generated_tokens", "llm_prompt_tokens", "llm_steps", "llm_inter_token_seconds", "llm_inter_tokens",
         "token2wav_batches", "token2wav_chunks", "token2wav_busy_seconds", "token2wav_first_lane_batches",
         "token2wav_first_lane_chunks", "token2wav_first_lane_busy_seconds", "late_chunks_llm_bound",
-        "late_chunks_token2wav_bound")}
+        "late_chunks_token2wav_bound", "token2wav_early_chunks", "token2wav_flow_calls", "token2wav_flow_eager_calls",
+        "token2wav_flow_row_frames_first", "token2wav_flow_row_frames_later", "token2wav_flow_row_frames_final",
+        "token2wav_flow_padded_row_frames")}
+    needed = sum(totals[f"token2wav_flow_row_frames_{kind}"] for kind in ("first", "later", "final"))
     firsts = delta("tts_first_audio_chunks_total")
     first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None
                       for stage in ("llm_first_token", "llm_chunk", "token2wav_wait", "token2wav_run")}
@@ -187,6 +191,8 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "token2wav_busy_ratio": round(totals["token2wav_busy_seconds"] / elapsed, 3),
         "token2wav_mean_batch": round(totals["token2wav_chunks"] / totals["token2wav_batches"], 1)
         if totals["token2wav_batches"] else None,
+        "token2wav_flow_padding_share": round(1 - needed / totals["token2wav_flow_padded_row_frames"], 3)
+        if totals["token2wav_flow_padded_row_frames"] else None,
         "llm_steps_per_s": round(steps / elapsed, 1),
         "llm_tokens_per_step": round(totals["llm_generated_tokens"] / steps, 2) if steps else None,
         "llm_inter_token_ms": round(1000 * totals["llm_inter_token_seconds"] / totals["llm_inter_tokens"], 2)
@@ -205,6 +211,11 @@ def counter_delta(before: dict, after: dict, name: str) -> float:
 def session_list(text: str) -> list[int]:
     """``1,16,64`` -> [1, 16, 64]; an empty string -> []."""
     return [int(x) for x in text.split(",") if x]
+
+
+def float_list(text: str) -> list[float]:
+    """``0.5,5`` -> [0.5, 5.0]."""
+    return [float(x) for x in text.split(",") if x]
 
 
 IDLE_NAMES = ("tts_engine_utterances", "tts_engine_running", "tts_engine_queue_depth")
@@ -242,12 +253,12 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
     levels = []
     plan = [("full-barge-in", n) for n in args.first_audio_sessions] + [("full", n) for n in args.full_sessions]
     plan += [(args.workload, n) for n in args.sessions]
-    for workload, sessions in plan:
+    for (workload, sessions), start_spread in itertools.product(plan, args.start_spread):
         idle_wait_s = wait_idle(f"{http}/metrics")
         before = scrape(f"{http}/metrics")
         take_profile(gateway_pid, profile_path)
         started = time.perf_counter()
-        summary = await asyncio.to_thread(run_load, url, workload, sessions, args)
+        summary = await asyncio.to_thread(run_load, url, workload, sessions, start_spread, args)
         elapsed = time.perf_counter() - started
         after = scrape(f"{http}/metrics")
         queried = counter_delta(before, after, "tts_llm_prefix_cache_queried_tokens_total")
@@ -255,7 +266,7 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
         level = {
             "workload": workload,
             "sessions": sessions,
-            "start_spread_s": args.start_spread,
+            "start_spread_s": start_spread,
             "summary": summary,
             "stall_free": loadgen.stall_free(summary, args.ttfa_p95_ms),
             "gpu": gpu_memory(),
@@ -267,11 +278,17 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
         }
         levels.append(level)
         report.put("levels", levels)
-        capacity = {}
-        for workload in dict(plan):
-            passing = [lv["sessions"] for lv in levels if lv["stall_free"] and lv["workload"] == workload]
-            capacity[workload] = max(passing) if passing else None
-        report.put("stall_free_capacity", capacity)
+        report.put("stall_free_capacity", stall_free_capacity(levels, len(args.start_spread) > 1))
+
+
+def stall_free_capacity(levels: list[dict], by_spread: bool) -> dict:
+    """The largest stall-free level of each workload (and start spread, ``by_spread``), or None."""
+    capacity: dict[str, int | None] = {}
+    for level in levels:
+        key = f"{level['workload']}@{level['start_spread_s']:g}s" if by_spread else level["workload"]
+        best = capacity.get(key)
+        capacity[key] = max(best or 0, level["sessions"]) if level["stall_free"] else best
+    return capacity
 
 
 def main() -> int:
@@ -286,8 +303,9 @@ def main() -> int:
     parser.add_argument("--first-audio-sessions", type=session_list, default=[1],
                         help="levels of whole replies cut off after first audio (full-barge-in), run first")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
-    parser.add_argument("--start-spread", type=float, default=loadgen.DEFAULT_START_SPREAD_S,
-                        help="seconds over which a level's sessions start (default: all at once)")
+    parser.add_argument("--start-spread", type=float_list, default=[loadgen.DEFAULT_START_SPREAD_S],
+                        help="seconds over which a level's sessions start (default: all at once); with a list "
+                        "(0.5,5) every level runs once at each, on the same gateway")
     parser.add_argument("--first-hop", type=int, default=5, help="token_first_hop_len of the gateway")
     parser.add_argument("--tokens-per-second", type=float, default=30.0)
     parser.add_argument("--stream-scale", type=int, default=2, help="stream_scale_factor of the gateway (hop growth)")
@@ -321,7 +339,8 @@ def main() -> int:
     parser.add_argument("--ready-timeout", type=float, default=420)
     args = parser.parse_args()
     try:  # before minutes of start-up, not at the first level
-        loadgen.check_start_spread(args.start_spread, args.duration)
+        for spread in args.start_spread:
+            loadgen.check_start_spread(spread, args.duration)
     except ValueError as error:
         parser.error(str(error))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ class FakeState:
 class FakeJob:
     state: FakeState
     finalize: bool
+    early: bool = False
 
     @property
     def first(self) -> bool:
@@ -44,6 +45,9 @@ class FakeToken2Wav:
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
+
+    def work_totals(self) -> dict[str, float]:
+        return {"flow_calls": len(self.batches)}
 
     def job_frames(self, job: FakeJob) -> int:
         return job.state.frames
@@ -294,7 +298,7 @@ class EarlyToken2Wav(FakeToken2Wav):
         if len(state.tokens) >= self.HOP:
             return FakeJob(state, finalize=False)
         if early and state.tokens:
-            return FakeJob(state, finalize=False)
+            return FakeJob(state, finalize=False, early=True)
         return None
 
     def run(self, jobs, lane=None):
@@ -324,6 +328,8 @@ async def test_a_listener_about_to_run_dry_gets_the_tokens_there_are():
         assert fake.batches == [["a:3"]]
         assert 0.1 < waited < 1.0  # not at once: only when close to running dry (margin ~50 ms here)
         assert quiet.empty()
+        totals = worker.totals()
+        assert totals["token2wav_early_chunks"] == 1 and totals["token2wav_flow_calls"] == 1
     finally:
         await asyncio.to_thread(worker.stop)
 

@@ -248,6 +248,42 @@ def test_chunks_run_with_graphs_set_on_either_thread(models, voice, tokens, monk
     assert not token2wav.lane_serves(jobs[0], token2wav_module.Lane(flow_graphs=lanes))
 
 
+
+def test_flow_work_totals_are_the_decoder_calls_made(models, voice, tokens, monkeypatch):
+    """The flow-work totals (exported as metrics) book every decoder call: its rows x the
+    frames each row needed, and the rows x frames it computed, by chunk kind."""
+    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False, prefix_voices=1)
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    decoder = token2wav.flow.decoder
+    solves = []  # (rows x frames computed, frames needed) of each decoder call
+    for name, mask_at in (("forward", 1), ("solve_after", 3)):
+        def recording(*args, _original=getattr(decoder, name), _mask_at=mask_at, **kwargs):
+            mask = args[_mask_at]
+            solves.append((mask.shape[0] * mask.shape[2], int(mask.sum())))
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(decoder, name, recording)
+
+    states = []
+    for n in (137, 90):
+        state = token2wav.new_stream(prompt)
+        state.tokens, state.tokens_done = list(tokens[:n]), True
+        states.append(state)
+    token2wav.run([token2wav.next_job(states[0])])  # one stream a chunk ahead: rows of different widths
+    while jobs := [job for state in states if (job := token2wav.next_job(state)) is not None]:
+        token2wav.run(jobs)
+
+    work = token2wav.work_totals()
+    assert work["flow_calls"] == work["flow_eager_calls"] == len(solves)  # no graphs on a CPU
+    assert work["flow_padded_row_frames"] == sum(computed for computed, _ in solves)
+    needed = [work[f"flow_row_frames_{kind}"] for kind in ("first", "later", "final")]
+    assert sum(needed) == sum(frames for _, frames in solves) and all(needed)
+    # First chunks run after the voice prefix: each needs the frames past it.
+    prefix = token2wav.flow.voice_prefix_frames(prompt.tokens)
+    first_width = token2wav.first_chunk_frames(prompt.tokens) - prefix
+    assert needed[0] == 2 * first_width and solves[0] == (first_width, first_width)
+    # The streams are a chunk apart, so calls of both padded the shorter row.
+    assert work["flow_padded_row_frames"] > sum(needed)
+
 def test_voice_prefix_bank_slots(models, voice, tokens):
     """Voices take turns in the bank's slots (least recently used out), and a voice whose
     prefix is wider than a bank of fixed width runs without one; each chunk's mel stays

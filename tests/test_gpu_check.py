@@ -18,6 +18,9 @@ tts_llm_inter_tokens_total{engine="cosyvoice2"} 400.0
 tts_token2wav_batches_total{engine="cosyvoice2"} 10.0
 tts_token2wav_chunks_total{engine="cosyvoice2"} 40.0
 tts_token2wav_busy_seconds_total{engine="cosyvoice2"} 5.0
+tts_token2wav_flow_row_frames_first_total{engine="cosyvoice2"} 1000.0
+tts_token2wav_flow_row_frames_later_total{engine="cosyvoice2"} 5000.0
+tts_token2wav_flow_padded_row_frames_total{engine="cosyvoice2"} 8000.0
 tts_first_audio_chunks_total{engine="cosyvoice2"} 4.0
 tts_first_audio_llm_first_token_seconds_total{engine="cosyvoice2"} 0.08
 tts_first_audio_token2wav_run_seconds_total{engine="cosyvoice2"} 0.4
@@ -51,6 +54,8 @@ def test_stage_report_is_the_change_over_the_level():
     assert report["first_audio_ms"]["llm_chunk"] == 0.0  # not exported in this sample: no time booked
     assert report["late_chunks_token2wav_bound"] == 1.5
     assert report["event_loop_lag_mean_ms"] == 3.0
+    assert report["token2wav_flow_padded_row_frames"] == 4000.0
+    assert report["token2wav_flow_padding_share"] == 0.25  # 3000 of 4000 row-frames needed
     assert report["event_loop_lag_share_over_s"] == {"0.005": 0.1, "0.02": 0.01, "0.1": 0.0}
 
 
@@ -95,3 +100,15 @@ def test_a_level_starts_once_the_gateway_is_idle(monkeypatch):
     scrapes.clear()
     busy[2] = {"tts_engine_running": 1.0}
     assert gpu_check.wait_idle("http://gateway/metrics", timeout=0.2) >= 0.2  # never idle: gives up
+
+
+def test_stall_free_capacity_by_workload_and_start_spread():
+    def level(workload, sessions, spread, stall_free):
+        return {"workload": workload, "sessions": sessions, "start_spread_s": spread, "stall_free": stall_free}
+
+    levels = [level("full", 1, 0.5, True), level("full", 1, 5.0, True), level("full", 16, 0.5, False),
+              level("full", 16, 5.0, True), level("llm", 16, 0.5, False), level("llm", 16, 5.0, False)]
+    assert gpu_check.stall_free_capacity(levels, by_spread=True) == {
+        "full@0.5s": 1, "full@5s": 16, "llm@0.5s": None, "llm@5s": None}
+    assert gpu_check.stall_free_capacity(levels, by_spread=False) == {"full": 16, "llm": None}
+    assert gpu_check.float_list("0.5,5") == [0.5, 5.0]

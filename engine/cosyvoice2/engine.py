@@ -535,7 +535,8 @@ class Token2WavWorker:
         its tokens were complete only after that moment, else on token2wav.
         """
         with self.lock:
-            return {name: float(value) for name, value in self._totals.items()}
+            totals = {name: float(value) for name, value in self._totals.items()}
+        return totals | {f"token2wav_{name}": value for name, value in self.token2wav.work_totals().items()}
 
     def stop(self) -> None:
         with self.lock:
@@ -692,6 +693,7 @@ class Token2WavWorker:
             kind = "token2wav" if lane is None else "token2wav_first_lane"
             totals[f"{kind}_batches"] += 1
             totals[f"{kind}_chunks"] += len(batch)
+            totals["token2wav_early_chunks"] += sum(job.early for _, job in batch)
             totals[f"{kind}_busy_seconds"] += now - started
             self.running -= len(batch)
             for i, (handle, job) in enumerate(batch):

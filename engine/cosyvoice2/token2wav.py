@@ -33,8 +33,10 @@ batches chunks of many utterances (:meth:`Token2Wav.run`).
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -189,6 +191,39 @@ class Token2Wav:
         self._bank_fixed = False
         # Voice -> its bank slot, most recently used last (the prompt too: its id stays its own while held).
         self._slots: OrderedDict[int, tuple[VoicePrompt, int]] = OrderedDict()
+        # The flow's work as running totals (see work_totals); two worker threads add to them.
+        self._work: collections.Counter[str] = collections.Counter()
+        self._work_lock = threading.Lock()
+
+    def work_totals(self) -> dict[str, float]:
+        """The flow's work so far, as running totals (recompute mode; exported as
+        tts_token2wav_<name>_total): ``flow_calls``, of which ``flow_eager_calls`` had no CUDA
+        graph; ``flow_row_frames_{first,later,final}``, the mel frames the decoder had to
+        compute for each kind of chunk (rows x their own widths: what the work grows with);
+        ``flow_padded_row_frames``, what it computed (rows and frames padded to the call's
+        widest row, or to its graph's bucket). Padded / needed is the share spent on padding."""
+        with self._work_lock:
+            return {f"flow_{name}": float(value) for name, value in self._work.items()}
+
+    def _count_call(self, jobs: list[ChunkJob], widths: list[int], after_prefix: bool, graphs: FlowGraphs | None) -> None:
+        """Book one flow call of these jobs, whose rows need ``widths`` decoder frames each."""
+        finalize = jobs[0].finalize
+        rows, width = len(widths), max(widths)
+        replayed = graphs is not None and self.flow.decoder.noise.is_cuda and graphs.has(
+            rows, width, not finalize, after_prefix
+        )
+        if replayed:
+            key = graphs.buckets.key(rows, width, not finalize, after_prefix)
+            padded = key.batch * key.frames
+        else:
+            padded = rows * width
+        kind = "final" if finalize else "first" if all(job.first for job in jobs) else "later"
+        with self._work_lock:
+            work = self._work
+            work["calls"] += 1
+            work["eager_calls"] += not replayed
+            work[f"row_frames_{kind}"] += sum(widths)
+            work["padded_row_frames"] += padded
 
     def new_stream(self, prompt: VoicePrompt) -> StreamState:
         return StreamState(prompt=prompt, hop=self.hop_len, flow_cache=FlowStreamCache() if self.incremental else None)
@@ -396,6 +431,11 @@ class Token2Wav:
             slots = [self._voice_slot(p) for p in prompts]
             if None not in slots:
                 after_prefix = (self.bank, torch.tensor(slots, device=device))
+        widths = [self._decoder_width(self.job_frames(job), finalize) for job in jobs]
+        if after_prefix is not None:
+            widths = [w - self.flow.voice_prefix_frames(p.tokens) for w, p in zip(widths, prompts)]
+        graphs = self._flow_graphs(lane)
+        self._count_call(jobs, widths, after_prefix is not None, graphs)
         mel, new_len = self.flow.inference_batch(
             token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding,
             streaming=not finalize, finalize=finalize, after_prefix=after_prefix, graphs=_own_graphs(lane),
@@ -461,6 +501,9 @@ class Token2Wav:
             torch.tensor([prompt.speech_feat.shape[1]], dtype=torch.int32, device=device),
             prompt.embedding,
         )
+        if state.flow_cache is None or job.finalize:
+            width = self._decoder_width(self.job_frames(job), job.finalize)
+            self._count_call([job], [width], False, self._flow_graphs(lane))
         if job.finalize:
             # The official path speaks the last chunk with full (not chunk-causal) attention
             # over prompt + all tokens: one pass that costs O(utterance), once.
