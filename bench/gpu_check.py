@@ -155,6 +155,7 @@ def run_load(url: str, workload: str, sessions: int, start_spread: float, args) 
         cmd = [sys.executable, "-m", "gateway.loadgen", "--url", url, "--sessions", str(count), "--workload", workload,
                "--duration", str(args.duration), "--tokens-per-second", str(args.tokens_per_second),
                "--seed", str(sessions * 1000 + k), "--start-spread", str(start_spread), "--json", str(path)]
+        cmd += ["--back-to-back"] if args.back_to_back else ["--turn-gap", args.turn_gap]
         procs.append((path, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     records = []
     for path, proc in procs:
@@ -267,6 +268,7 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
             "workload": workload,
             "sessions": sessions,
             "start_spread_s": start_spread,
+            "turn_gap_s": None if args.back_to_back else list(loadgen.parse_turn_gap(args.turn_gap)),
             "summary": summary,
             "stall_free": loadgen.stall_free(summary, args.ttfa_p95_ms),
             "gpu": gpu_memory(),
@@ -306,6 +308,10 @@ def main() -> int:
     parser.add_argument("--start-spread", type=float_list, default=[loadgen.DEFAULT_START_SPREAD_S],
                         help="seconds over which a level's sessions start (default: all at once); with a list "
                         "(0.5,5) every level runs once at each, on the same gateway")
+    parser.add_argument("--turn-gap", default=",".join(f"{s:g}" for s in loadgen.DEFAULT_TURN_GAP_S),
+                        help="MIN,MAX seconds of the user's turn after a reply has been heard out (default: %(default)s)")
+    parser.add_argument("--back-to-back", action="store_true",
+                        help="each agent sends its next reply as soon as the last is done (a throughput test)")
     parser.add_argument("--first-hop", type=int, default=5, help="token_first_hop_len of the gateway")
     parser.add_argument("--tokens-per-second", type=float, default=30.0)
     parser.add_argument("--stream-scale", type=int, default=2, help="stream_scale_factor of the gateway (hop growth)")
@@ -341,6 +347,7 @@ def main() -> int:
     try:  # before minutes of start-up, not at the first level
         for spread in args.start_spread:
             loadgen.check_start_spread(spread, args.duration)
+        loadgen.parse_turn_gap(args.turn_gap)
     except ValueError as error:
         parser.error(str(error))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -349,6 +356,7 @@ def main() -> int:
 
     report.put("machine", {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                            "python": sys.version.split()[0], "gpu_memory": gpu_memory()})
+    report.put("options", {name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()})
     prepare_model(args.model_dir, args.prompt_wav, report)
 
     status = 0

@@ -1,7 +1,13 @@
 """Load generator: N simulated agents talking to a gateway (``tts-gateway bench``).
 
 Each agent holds one session and, until the run's time is up, picks a reply
-from the corpus and speaks it in a new context:
+from the corpus and speaks it in a new context. Turns take turns as in a
+conversation: after a reply is ``done``, the agent waits until its listener has
+heard all of it (the playback clock below), then for the user's turn (a seeded
+pause within ``--turn-gap``), and only then sends its next reply. So a session
+never asks for more than real-time audio. ``--back-to-back`` sends the next reply
+as soon as ``done`` arrives instead: a throughput test, where each session asks
+for audio as fast as the gateway makes it.
 
 - ``full``: the whole reply in one ``text`` frame, then ``end``;
 - ``llm``: ~4-character deltas at ``--tokens-per-second`` while audio is read;
@@ -67,12 +73,28 @@ def load_corpus(lang: str = "en", path: Path | None = None) -> list[str]:
 
 # Agents start within this many seconds: all at once, though not on the same tick.
 DEFAULT_START_SPREAD_S = 0.5
+# The user's turn between two replies (seconds, uniform, seeded): after the listener has heard
+# the reply, they speak, and their agent's next reply starts.
+DEFAULT_TURN_GAP_S = (1.0, 3.0)
 
 
 def check_start_spread(start_spread: float, duration: float) -> None:
     """Agents must start within their level: raises ValueError otherwise."""
     if not 0 <= start_spread < duration:
         raise ValueError(f"start_spread must be at least 0 and below the duration ({duration} s), got {start_spread}")
+
+
+def check_turn_gap(turn_gap: tuple[float, float]) -> tuple[float, float]:
+    """(MIN, MAX) seconds of the user's turn: raises ValueError unless 0 <= MIN <= MAX."""
+    if len(turn_gap) != 2 or not 0 <= turn_gap[0] <= turn_gap[1]:
+        raise ValueError(f"turn gap must be MIN,MAX seconds with 0 <= MIN <= MAX, got {turn_gap}")
+    return float(turn_gap[0]), float(turn_gap[1])
+
+
+def parse_turn_gap(text: str) -> tuple[float, float]:
+    """``MIN,MAX`` (or one number for both), checked as ``check_turn_gap`` does."""
+    parts = [float(part) for part in text.split(",")]
+    return check_turn_gap(tuple(parts * 2 if len(parts) == 1 else parts))
 
 
 @dataclass
@@ -110,8 +132,9 @@ class _Playback:
 
 
 async def _speak(tts: TTSClient, text: str, record: Record, rng: random.Random, tokens_per_second: float,
-                 deadline: float) -> None:
-    """Run one context to its end (or the deadline), filling in ``record``."""
+                 deadline: float) -> float | None:
+    """Run one context to its end (or the deadline), filling in ``record``; returns when
+    (``time.perf_counter``) its listener has heard all of its audio, None without audio."""
     loop = asyncio.get_running_loop()
     ctx = tts.context()
     deltas = [text] if record.workload in WHOLE_REPLY_WORKLOADS else [text[i:i + DELTA_CHARS] for i in range(0, len(text), DELTA_CHARS)]
@@ -133,8 +156,9 @@ async def _speak(tts: TTSClient, text: str, record: Record, rng: random.Random, 
                 await asyncio.sleep(max(0.0, due - loop.time()))
         await ctx.end()
 
+    playback = _Playback()
+
     async def receive() -> None:
-        playback = _Playback()
         async for chunk in ctx:
             now = time.perf_counter()
             if record.ttfa_ms is None:
@@ -164,7 +188,7 @@ async def _speak(tts: TTSClient, text: str, record: Record, rng: random.Random, 
         stopping = True
         if not ctx.finished:
             await ctx.cancel()  # free the gateway; the outcome stays "truncated"
-        return
+        return playback.runs_out
     except GatewayError as error:
         record.outcome, record.error_code = "error", error.code
         raise
@@ -181,6 +205,7 @@ async def _speak(tts: TTSClient, text: str, record: Record, rng: random.Random, 
             record.wall_ms = (time.perf_counter() - started) * 1000
             if record.audio_ms > 0:
                 record.rtf = record.wall_ms / record.audio_ms
+    return playback.runs_out
 
 
 async def _agent(index: int, sessions: int, args: argparse.Namespace, replies: list[str], deadline: float,
@@ -198,10 +223,14 @@ async def _agent(index: int, sessions: int, args: argparse.Namespace, replies: l
                                     started_s=round(loop.time() - level_start, 3))
                     records.append(record)
                     try:
-                        await _speak(tts, text, record, rng, args.tokens_per_second, deadline)
+                        heard_at = await _speak(tts, text, record, rng, args.tokens_per_second, deadline)
                     except GatewayError as error:
                         if error.context_id is None:
                             break  # the session is gone: reconnect
+                    if args.turn_gap is not None and record.outcome == "done":
+                        # The listener hears the reply out, then the user speaks.
+                        pause = max(0.0, (heard_at or 0.0) - time.perf_counter()) + rng.uniform(*args.turn_gap)
+                        await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
         except (GatewayError, OSError, TimeoutError) as error:  # refused or unreachable
             records.append(Record(sessions, index, args.workload, 0, "error",
                                   getattr(error, "code", None) or "connect_failed"))
@@ -256,17 +285,23 @@ async def run(url: str, *, sessions: int = 1, workload: str = "llm", duration: f
               tokens_per_second: float = 30.0, api_key: str | None = None, sample_rate: int | None = 24000,
               lang: str = "en", seed: int = 0, ramp: list[int] | None = None, ttfa_p95_ms: float = 500.0,
               corpus: Path | None = None, json_path: Path | None = None, plots: Path | None = None,
-              markdown: Path | None = None, start_spread: float = DEFAULT_START_SPREAD_S) -> dict:
+              markdown: Path | None = None, start_spread: float = DEFAULT_START_SPREAD_S,
+              turn_gap: tuple[float, float] | None = DEFAULT_TURN_GAP_S) -> dict:
     """Run the benchmark (one level, or each ``ramp`` level in turn) and return the result.
 
     ``start_spread``: each agent starts its first turn at a seeded moment within this many
     seconds of the level's start. The default starts them all at once (a burst of new turns);
-    a spread of several seconds staggers them, as sessions arriving over time would be."""
+    a spread of several seconds staggers them, as sessions arriving over time would be.
+    ``turn_gap``: (min, max) seconds of the user's turn after a reply has been heard out;
+    None sends the next reply as soon as the last is done (back to back)."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}")
     check_start_spread(start_spread, duration)
+    if turn_gap is not None:
+        turn_gap = check_turn_gap(turn_gap)
     args = argparse.Namespace(url=url, workload=workload, tokens_per_second=tokens_per_second, api_key=api_key,
-                              sample_rate=sample_rate, seed=seed, duration=duration, start_spread=start_spread)
+                              sample_rate=sample_rate, seed=seed, duration=duration, start_spread=start_spread,
+                              turn_gap=turn_gap)
     replies = load_corpus(lang, corpus)
     loop = asyncio.get_running_loop()
     levels, records = [], []
@@ -281,7 +316,8 @@ async def run(url: str, *, sessions: int = 1, workload: str = "llm", duration: f
         "config": {"url": url, "sessions": ramp or [sessions], "workload": workload, "duration_s": duration,
                    "tokens_per_second": tokens_per_second, "sample_rate": sample_rate, "lang": lang, "seed": seed,
                    "corpus": str(corpus) if corpus else f"bench/data ({lang})", "replies": len(replies),
-                   "ttfa_p95_ms_limit": ttfa_p95_ms, "start_spread_s": start_spread},
+                   "ttfa_p95_ms_limit": ttfa_p95_ms, "start_spread_s": start_spread,
+                   "turn_gap_s": None if turn_gap is None else list(turn_gap)},
         "summary": levels[-1]["summary"],
         "levels": levels,
         "stall_free_capacity": max(passing) if passing else None,
@@ -365,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-spread", type=float, default=DEFAULT_START_SPREAD_S,
                         help="seconds over which the agents start their first turns (default: all at once)")
+    parser.add_argument("--turn-gap", default=",".join(f"{s:g}" for s in DEFAULT_TURN_GAP_S),
+                        help="MIN,MAX seconds of the user's turn after a reply has been heard out (default: %(default)s)")
+    parser.add_argument("--back-to-back", action="store_true",
+                        help="send the next reply as soon as the last is done (no listening, no user turn)")
     parser.add_argument("--ramp", help="concurrency levels to run in turn, e.g. 1,2,4,8 (overrides --sessions)")
     parser.add_argument("--ttfa-p95-ms", type=float, default=500.0, help="TTFA p95 limit for stall-free capacity")
     parser.add_argument("--plots", type=Path, help="write PNG charts into this directory (needs matplotlib)")
@@ -375,12 +415,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("session counts must be >= 1")
     try:
         check_start_spread(args.start_spread, args.duration)
+        turn_gap = None if args.back_to_back else parse_turn_gap(args.turn_gap)
     except ValueError as error:
         parser.error(str(error))
     coro = run(args.url, sessions=args.sessions, workload=args.workload, duration=args.duration,
                tokens_per_second=args.tokens_per_second, api_key=args.api_key, sample_rate=args.sample_rate,
                lang=args.lang, seed=args.seed, ramp=ramp, ttfa_p95_ms=args.ttfa_p95_ms, corpus=args.corpus,
-               json_path=args.json, plots=args.plots, markdown=args.markdown, start_spread=args.start_spread)
+               json_path=args.json, plots=args.plots, markdown=args.markdown, start_spread=args.start_spread,
+               turn_gap=turn_gap)
     try:
         import uvloop
     except ImportError:

@@ -404,6 +404,28 @@ def test_vocoder_rows_are_independent_under_padding(models):
     assert torch.equal(pad_rows(mel, 5)[4], mel[0])
 
 
+@pytest.mark.parametrize("first_hop_len", [25, 5])
+def test_hops_grow_as_upstream_after_a_first_chunk_of_a_whole_hop(models, voice, first_hop_len):
+    """With the official first chunk (a whole hop, padded to the boundary) the hop grows after
+    every chunk, as upstream's stream_scale_factor. A shorter first chunk is one more chunk in
+    front of that schedule: a whole hop follows it, so that its listener, holding a fraction of
+    a second of audio, waits for 25 tokens and not 50."""
+    token2wav = Token2Wav(models.flow, models.hift, scale=2, max_hop_len=200, first_hop_len=first_hop_len)
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    state = token2wav.new_stream(prompt)
+    first = token2wav.first_hop(prompt.tokens)
+    state.tokens = [1] * (first + 25 + 50 + 100 + 200 + 200 + token2wav.lookahead)
+    hops = []
+    while (job := token2wav.next_job(state)) is not None:
+        hops.append(job.advance)
+        token2wav._emit(job, torch.zeros(1, 80, 2 * job.advance), torch.zeros(1, 480 * 2 * job.advance),
+                        torch.zeros(1, 1, 480 * 2 * job.advance))
+    if first >= 25:
+        assert hops[:4] == [first, 50, 100, 200]
+    else:
+        assert hops[:6] == [first, 25, 50, 100, 200, 200]
+
+
 def test_early_chunks_speak_every_token_once_and_keep_the_regular_boundaries(models, voice, tokens):
     """A listener about to run dry gets the tokens there are; the regular chunk after it still
     ends where the schedule put it, and the audio covers every token exactly once."""

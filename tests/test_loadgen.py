@@ -74,6 +74,43 @@ async def test_start_spread_staggers_each_agents_first_turn(gateway):
     assert max(min(r["started_s"] for r in result["records"] if r["agent"] == a) for a in range(sessions)) > 0.5
 
 
+async def test_next_turn_waits_until_the_reply_is_heard_and_the_user_has_spoken(gateway, tmp_path):
+    """Paced turns: an agent's next reply starts only after its listener has heard the last one
+    (first audio + its duration) and the user's turn; back to back, it starts at ``done``."""
+    corpus = tmp_path / "short.txt"
+    corpus.write_text("Hello there, how are you today?\nSure, I can help with that.\n")
+    gap = 0.7
+    paced = await loadgen.run(ws_url(gateway), sessions=2, workload="full", duration=6, corpus=corpus,
+                              turn_gap=(gap, gap))
+    eager = await loadgen.run(ws_url(gateway), sessions=2, workload="full", duration=4, corpus=corpus,
+                              turn_gap=None)
+    assert paced["config"]["turn_gap_s"] == [gap, gap] and eager["config"]["turn_gap_s"] is None
+
+    def turns(result):
+        for agent in (0, 1):
+            records = [r for r in result["records"] if r["agent"] == agent]
+            yield from zip(records, records[1:])
+
+    paced_turns, eager_turns = list(turns(paced)), list(turns(eager))
+    assert paced_turns and eager_turns
+    for last, following in paced_turns:
+        heard = last["started_s"] + (last["ttfa_ms"] + last["audio_ms"] + last["stall_ms"]) / 1000
+        assert following["started_s"] >= heard + gap - 0.01
+    # Piper speaks much faster than real time: back to back, each next reply starts long
+    # before the listener could have heard the last one.
+    assert all(following["started_s"] < last["started_s"] + last["audio_ms"] / 1000 for last, following in eager_turns)
+
+
+async def test_turn_gap_is_checked():
+    for bad in ((-1.0, 2.0), (3.0, 1.0)):
+        with pytest.raises(ValueError, match="turn gap"):
+            await loadgen.run("ws://127.0.0.1:9/v1/stream", duration=4, turn_gap=bad)
+    with pytest.raises(SystemExit) as exit_info:
+        loadgen.main(["--url", "ws://127.0.0.1:9/v1/stream", "--turn-gap", "2,1"])
+    assert exit_info.value.code == 2
+    assert loadgen.parse_turn_gap("1.5") == (1.5, 1.5)
+
+
 async def test_start_spread_must_fit_the_level():
     for bad in (-1.0, 4.0):
         with pytest.raises(ValueError, match="start_spread"):

@@ -540,7 +540,11 @@ class Token2Wav:
                 state.regular_end = self._regular_end(state)
             else:
                 state.regular_end = None
-                state.hop = self._grown(state.hop)
+                # A first chunk shorter than the hop is one more chunk in front of the official
+                # schedule (earlier first audio): the schedule's hops start after it, so the
+                # listener's next chunk is one hop away, not a grown hop.
+                if not (job.first and job.advance < self.hop_len):
+                    state.hop = self._grown(state.hop)
         state.offset += job.advance
         return speech[0].float().cpu().numpy()
 
