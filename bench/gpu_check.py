@@ -4,7 +4,8 @@
 2. checks greedy token equality, vLLM vs the plain-torch backend (bench/vllm_equality.py);
 3. starts the real gateway (``tts-gateway serve``) with cosyvoice2 + vLLM;
 4. drives 1, 16, 64, 128 concurrent sessions with whole replies, then 1, 16, 64, 128, 256
-   with text streamed as deltas, through the WebSocket with the product's load generator;
+   with text streamed as deltas, through the WebSocket with the product's load generator
+   (turns paced as in a conversation; ``--back-to-back`` for the throughput test);
 5. reports TTFA p50/p95, stall-free sessions, GPU memory and the LLM stage's counters.
 
 Everything lands in ``--out`` (gpu_check.json, plus logs) phase by phase, so a run cut
