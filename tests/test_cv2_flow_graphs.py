@@ -16,6 +16,7 @@ from torch import Tensor
 
 from bench import flow_graphs as bench_flow_graphs
 from bench import flow_profile as bench_flow_profile
+from bench import gpu_sharing as bench_gpu_sharing
 from engine.cosyvoice2.flow import CFM, CFMConfig, PrefixBank
 from engine.cosyvoice2.flow_graphs import FlowBuckets, GraphKey, pad_inputs, solve_after_padded, solve_padded
 from tests.reference import randomize
@@ -257,3 +258,17 @@ def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
     assert shape["variants"]["bool"]["graph_ms"] > 0
     assert shape["variants"]["bias"]["max_abs_vs_bool"] == 0.0
     assert flow.attention_bias is shipped
+
+
+def test_bench_gpu_sharing_smoke_cpu(tmp_path) -> None:
+    """bench/gpu_sharing.py runs each mode on CPU (eager solves): one worker, two worker
+    processes started together, two threads; each worker reports its own rate."""
+    report = bench_gpu_sharing.main(["--device", "cpu", "--size", "tiny", "--shapes", "1x60", "--seconds", "0.5",
+                                     "--json", str(tmp_path / "sharing.json")])
+    modes = report["shapes"][0]["modes"]
+    assert list(modes) == ["alone", "two_processes", "two_streams"]
+    assert [len(modes[mode]["workers"]) for mode in modes] == [1, 2, 2]
+    for mode in modes.values():
+        assert all(w["solves_per_s"] > 0 and w["median_ms"] > 0 for w in mode["workers"])
+        assert mode["solves_per_s"] == pytest.approx(sum(w["solves_per_s"] for w in mode["workers"]), abs=0.02)
+    assert json.loads((tmp_path / "sharing.json").read_text()) == report
