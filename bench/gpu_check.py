@@ -99,6 +99,7 @@ max_speech_per_text_token = {args.speech_per_text_token}
 prefix_voices = {args.prefix_voices}
 hift_graphs = {str(not args.no_hift_graphs).lower()}
 first_chunk_lane = {str(not args.no_first_chunk_lane).lower()}
+first_chunk_by_load = {str(args.first_chunk_by_load).lower()}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
@@ -177,8 +178,8 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "llm_generated_tokens", "llm_prompt_tokens", "llm_steps", "llm_inter_token_seconds", "llm_inter_tokens",
         "token2wav_batches", "token2wav_chunks", "token2wav_busy_seconds", "token2wav_first_lane_batches",
         "token2wav_first_lane_chunks", "token2wav_first_lane_busy_seconds", "late_chunks_llm_bound",
-        "late_chunks_token2wav_bound", "token2wav_early_chunks", "token2wav_flow_calls", "token2wav_flow_eager_calls",
-        "token2wav_flow_row_frames_first", "token2wav_flow_row_frames_later", "token2wav_flow_row_frames_final",
+        "late_chunks_token2wav_bound", "token2wav_early_chunks", "token2wav_first_chunks_lengthened",
+        "token2wav_flow_calls", "token2wav_flow_eager_calls", "token2wav_flow_row_frames_first", "token2wav_flow_row_frames_later", "token2wav_flow_row_frames_final",
         "token2wav_flow_padded_row_frames")}
     needed = sum(totals[f"token2wav_flow_row_frames_{kind}"] for kind in ("first", "later", "final"))
     firsts = delta("tts_first_audio_chunks_total")
@@ -335,6 +336,8 @@ def main() -> int:
     parser.add_argument("--no-hift-graphs", action="store_true", help="the vocoder eager (hift_graphs = false)")
     parser.add_argument("--no-first-chunk-lane", action="store_true",
                         help="first chunks wait for the main token2wav thread (first_chunk_lane = false)")
+    parser.add_argument("--first-chunk-by-load", action="store_true",
+                        help="the short first chunk only when the next can follow in time (first_chunk_by_load = true)")
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's pipelined scheduling on")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-equality", action="store_true")

@@ -107,6 +107,11 @@ class CosyVoice2Settings:
     # speaks the first audio sooner, as soon as the boundary allows (a GPU deployment's
     # lever for time to first audio).
     token_first_hop_len: int = 25
+    # With a short first chunk (token_first_hop_len below token_hop_len): keep it only when the
+    # chunk after it can follow before it has played, judged per stream from its tokens' pace
+    # and the recent flow call time; else start with the official first chunk. Trades first
+    # audio for no stall under load. Off: always the short one (not yet measured on a GPU).
+    first_chunk_by_load: bool = False
     stream_scale_factor: int = 1
     # A reply that reaches this many speech tokens per text token without eos is ended
     # there (the official maximum ratio, 20). Benchmarks on random weights, which never

@@ -202,6 +202,8 @@ ENGINE_TOTALS = {
     "token2wav_first_lane_chunks": "First chunks the token2wav first-chunk lane made.",
     "token2wav_first_lane_busy_seconds": "Time the token2wav first-chunk lane spent running batches.",
     "token2wav_early_chunks": "Chunks spoken early, with the tokens there were, for a listener about to run dry.",
+    "token2wav_first_chunks_lengthened": "Streams started with the official first chunk, not the short one, "
+    "because the chunk after it could not have followed in time (first_chunk_by_load).",
     "token2wav_flow_calls": "Flow (decoder) calls of the token2wav stage, both threads.",
     "token2wav_flow_eager_calls": "Flow calls with no CUDA graph for their shape (run eagerly).",
     "token2wav_flow_row_frames_first": "Mel frames the flow computed for first chunks (rows x each row's width).",

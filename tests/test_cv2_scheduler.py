@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.cosyvoice2.engine import _END, Token2WavWorker
+from engine.cosyvoice2.engine import _END, Token2WavWorker, short_first_chunk_fits
 from engine.cosyvoice2.token2wav import Lane, cheapest_groups
 
 from .conftest import eventually, until
@@ -330,6 +330,67 @@ async def test_a_listener_about_to_run_dry_gets_the_tokens_there_are():
         assert quiet.empty()
         totals = worker.totals()
         assert totals["token2wav_early_chunks"] == 1 and totals["token2wav_flow_calls"] == 1
+    finally:
+        await asyncio.to_thread(worker.stop)
+
+
+def test_a_short_first_chunk_fits_when_the_next_can_follow_before_it_has_played():
+    # 0.24 s to play. Idle: 25 tokens at 3.5 ms and an 80 ms call are out in 0.17 s of 0.32.
+    assert short_first_chunk_fits(0.24, 25, 0.0035, 0.08, busy=False)
+    # Under load: 6.5 ms a token, 0.3 s calls, one in flight: 0.9 s against 0.54.
+    assert not short_first_chunk_fits(0.24, 25, 0.0065, 0.3, busy=True)
+    # The tokens alone can be too slow (11 ms each at 128 sessions), even with the worker idle...
+    assert not short_first_chunk_fits(0.24, 25, 0.011, 0.08, busy=False)
+    # ...unless an early chunk can follow with 5 of them.
+    assert short_first_chunk_fits(0.24, 5, 0.011, 0.08, busy=False)
+
+
+class FirstChunkToken2Wav(FakeToken2Wav):
+    """First chunks that the worker may lengthen: a lengthened stream has no chunk until
+    its test says the longer chunk's tokens are there."""
+
+    hop_len, first_hop_len = 25, 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lengthened: list[str] = []
+
+    def first_chunk_playable_s(self, state) -> float:
+        return 0.24
+
+    def lengthen_first_chunk(self, state) -> bool:
+        self.lengthened.append(state.name)
+        state.waiting = True
+        return True
+
+    def next_job(self, state):
+        return None if getattr(state, "waiting", False) else super().next_job(state)
+
+
+async def test_by_load_a_first_chunk_waits_for_the_official_length_when_the_next_cannot_follow():
+    fake = FirstChunkToken2Wav()
+    worker = Token2WavWorker(fake, max_batch=4, loop=asyncio.get_running_loop(), first_chunk_by_load=True)
+    try:
+        idle, loaded = asyncio.Queue(), asyncio.Queue()
+        worker.add(FakeState("idle", 2, first=True, tokens=[1] * 13), idle)
+        with worker.lock:
+            worker.wake.notify_all()
+        for _ in range(2):  # an idle worker: the short first chunk runs, then the rest
+            await until(idle.get())
+        assert fake.lengthened == [] and fake.batches == [["idle"], ["idle"]]
+        with worker.lock:
+            worker._recent_call_s = 0.4  # calls take 0.4 s now: 0.8 s > 0.4 + 0.24
+        handle = worker.add(FakeState("loaded", 2, first=True, tokens=[1] * 13), loaded)
+        with worker.lock:
+            worker.wake.notify_all()
+        await eventually(lambda: fake.lengthened == ["loaded"])
+        await asyncio.sleep(0.1)
+        assert loaded.empty() and worker.totals()["token2wav_first_chunks_lengthened"] == 1
+        with worker.lock:  # the official first chunk's tokens are there: it runs, once decided
+            handle.state.waiting = False
+            worker.wake.notify_all()
+        await until(loaded.get())
+        assert fake.lengthened == ["loaded"] and fake.batches[-1] == ["loaded"]
     finally:
         await asyncio.to_thread(worker.stop)
 

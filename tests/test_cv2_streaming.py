@@ -239,9 +239,9 @@ def test_chunks_run_with_graphs_set_on_either_thread(models, voice, tokens, monk
         assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
     # The engine's thread: after the prefixes, with the decoder's own graphs; a lane: its own, whole.
     assert calls and set(calls) == ({(False, lanes)} if use_lane else {(True, None)})
-    # The lane's graphs are captured at first_chunk_frames: the width its first chunks ask for.
-    assert jobs[0].first and token2wav._decoder_width(token2wav.job_frames(jobs[0]), False) == (
-        token2wav.first_chunk_frames(prompt.tokens)
+    # The lane's graphs are captured at first_chunk_widths: the width its first chunks ask for.
+    assert jobs[0].first and [token2wav._decoder_width(token2wav.job_frames(jobs[0]), False)] == (
+        token2wav.first_chunk_widths(prompt.tokens)
     )
     # A lane without graphs (a CPU) runs any chunk; one with graphs only those it has a shape for.
     assert token2wav.lane_serves(jobs[0], token2wav_module.Lane())
@@ -279,7 +279,7 @@ def test_flow_work_totals_are_the_decoder_calls_made(models, voice, tokens, monk
     assert sum(needed) == sum(frames for _, frames in solves) and all(needed)
     # First chunks run after the voice prefix: each needs the frames past it.
     prefix = token2wav.flow.voice_prefix_frames(prompt.tokens)
-    first_width = token2wav.first_chunk_frames(prompt.tokens) - prefix
+    first_width = token2wav.first_chunk_widths(prompt.tokens)[0] - prefix
     assert needed[0] == 2 * first_width and solves[0] == (first_width, first_width)
     # The streams are a chunk apart, so calls of both padded the shorter row.
     assert work["flow_padded_row_frames"] > sum(needed)
@@ -424,6 +424,45 @@ def test_hops_grow_as_upstream_after_a_first_chunk_of_a_whole_hop(models, voice,
         assert hops[:4] == [first, 50, 100, 200]
     else:
         assert hops[:6] == [first, 25, 50, 100, 200, 200]
+
+
+def test_a_short_first_chunk_lengthened_to_the_official_one(models, voice, tokens):
+    """first_by_load: both first chunks get their shapes; a stream that has not spoken yet can
+    start with the official first chunk instead, and its hops then grow as upstream's."""
+    token2wav = Token2Wav(models.flow, models.hift, scale=2, max_hop_len=200, first_hop_len=5, first_by_load=True)
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    short, official = token2wav.first_hop(prompt.tokens), token2wav.first_hop(prompt.tokens, 25)
+    assert short < 25 <= official and token2wav.first_hops(prompt.tokens) == [short, official]
+    assert token2wav.first_chunk_shapes(prompt.tokens) == [(2 * short, 0), (2 * official, 0)]
+    assert token2wav.chunk_shapes(prompt.tokens)[:2] == token2wav.first_chunk_shapes(prompt.tokens)
+    assert token2wav.first_chunk_playable_s(Token2Wav.new_stream(token2wav, prompt)) == pytest.approx(
+        (short * 2 * 480 - 8 * 480) / 24000)
+    state = token2wav.new_stream(prompt)
+    state.tokens = [1] * (short + token2wav.lookahead)
+    assert token2wav.next_job(state).advance == short
+    assert token2wav.lengthen_first_chunk(state) and not token2wav.lengthen_first_chunk(state)
+    assert token2wav.next_job(state) is None  # waits for the official chunk's tokens
+    state.tokens = [1] * (official + 25 + 50 + 100 + token2wav.lookahead)
+    hops = []
+    while (job := token2wav.next_job(state)) is not None:
+        hops.append(job.advance)
+        token2wav._emit(job, torch.zeros(1, 80, 2 * job.advance), torch.zeros(1, 480 * 2 * job.advance),
+                        torch.zeros(1, 1, 480 * 2 * job.advance))
+        assert not token2wav.lengthen_first_chunk(state)  # once speaking, never
+    assert hops[:3] == [official, 50, 100]
+    # Run for real, in both flow modes: every token is spoken once.
+    for incremental in (True, False):
+        runner = Token2Wav(models.flow, models.hift, first_hop_len=5, first_by_load=True, incremental=incremental)
+        state = runner.new_stream(prompt)
+        state.tokens, state.tokens_done = list(tokens), True
+        assert runner.lengthen_first_chunk(state)
+        audio = []
+        while (job := runner.next_job(state)) is not None:
+            audio += runner.run([job])
+        assert len(audio[0]) == (official * 2 - 8) * 480 and len(np.concatenate(audio)) == len(tokens) * 2 * 480
+    # Without first_by_load, only the short first chunk has shapes.
+    plain = Token2Wav(models.flow, models.hift, scale=2, max_hop_len=200, first_hop_len=5)
+    assert plain.first_hops(prompt.tokens) == [short]
 
 
 def test_early_chunks_speak_every_token_once_and_keep_the_regular_boundaries(models, voice, tokens):

@@ -68,6 +68,16 @@ FIRST_LANE_MAX_BATCH = 8
 _END = object()
 
 
+def short_first_chunk_fits(playable_s: float, next_tokens: int, token_s: float, call_s: float, busy: bool) -> bool:
+    """Whether the chunk after a short first chunk can be out before that one has played.
+
+    Either chunk takes about one flow call (``call_s``) once it runs; the next one also waits
+    for the ``next_tokens`` it needs, one every ``token_s`` from now, and for the call in
+    flight when the worker is ``busy``. The first chunk's listener plays ``playable_s``."""
+    next_out = max(next_tokens * token_s, call_s) + (call_s if busy else 0.0) + call_s
+    return next_out <= call_s + playable_s
+
+
 class CosyVoice2Engine(Engine):
     name = "cosyvoice2"
 
@@ -122,6 +132,7 @@ class CosyVoice2Engine(Engine):
             self.models.hift,
             hop_len=settings.token_hop_len,
             first_hop_len=settings.token_first_hop_len,
+            first_by_load=settings.first_chunk_by_load,
             max_hop_len=settings.token_max_hop_len,
             scale=settings.stream_scale_factor,
             incremental=settings.flow_mode == "incremental" or (settings.flow_mode == "auto" and device.type == "cpu"),
@@ -145,7 +156,7 @@ class CosyVoice2Engine(Engine):
             lane = await asyncio.to_thread(self._first_chunk_lane, device)
         self.worker = Token2WavWorker(
             token2wav, settings.max_batch, asyncio.get_running_loop(), early_chunks=settings.early_chunks,
-            first_chunk_lane=lane,
+            first_chunk_lane=lane, first_chunk_by_load=settings.first_chunk_by_load,
         )
         await self._warm_up()
 
@@ -212,7 +223,7 @@ class CosyVoice2Engine(Engine):
         settings, token2wav = self.settings, self.token2wav
         priority = -1000  # lower is higher; torch maps a value past the range to the highest priority
         voices = self.voice_store.list()
-        widths = sorted({token2wav.first_chunk_frames(info.speech_tokens) for info in voices})
+        widths = sorted({width for info in voices for width in token2wav.first_chunk_widths(info.speech_tokens)})
         buckets = FlowBuckets.up_to(FIRST_LANE_MAX_BATCH, widths[-1], settings.graph_frame_step)
         flow_graphs = FlowGraphs(self.models.flow.decoder, buckets, priority=priority)
         flow_graphs.capture(buckets.batches, widths, [True])
@@ -220,7 +231,8 @@ class CosyVoice2Engine(Engine):
         if settings.hift_graphs:
             hift_graphs = HiftGraphs(self.models.hift, FIRST_LANE_MAX_BATCH, priority=priority)
             for info in voices:
-                hift_graphs.allow(*token2wav.chunk_shapes(info.speech_tokens)[0])
+                for shape in token2wav.first_chunk_shapes(info.speech_tokens):
+                    hift_graphs.allow(*shape)
             hift_graphs.capture_allowed()
         log.info(
             "first-chunk lane: %d flow and %d vocoder CUDA graphs in %.1f s (%.2f GiB)",
@@ -298,7 +310,8 @@ class CosyVoice2Engine(Engine):
                     graphs.allow(*shape)
             lane = self.worker.first_chunk_lane if self.worker is not None else None
             if lane is not None and lane.hift_graphs is not None:  # captured on the lane's first use
-                lane.hift_graphs.allow(*self.token2wav.chunk_shapes(prompt.tokens)[0])
+                for shape in self.token2wav.first_chunk_shapes(prompt.tokens):
+                    lane.hift_graphs.allow(*shape)
         return prompt, prepared.prompt_text_ids[0].tolist(), prepared.speech_tokens[0].tolist()
 
     # ------------------------------------------------------------ utterances
@@ -434,6 +447,7 @@ class StreamHandle:
         self.output = output
         self.pending = 0  # chunks delivered, not yet taken by the consumer
         self.busy = False  # a worker thread holds its next chunk
+        self.first_settled = False  # its first chunk's length is chosen (first_chunk_by_load)
         self.clock = PlaybackClock()
         self.text_at: float | None = None
         self.first_token_at: float | None = None
@@ -481,15 +495,17 @@ class Token2WavWorker:
 
     def __init__(
         self, token2wav: Token2Wav, max_batch: int, loop: asyncio.AbstractEventLoop, *, early_chunks: bool = True,
-        first_chunk_lane: Lane | None = None,
+        first_chunk_lane: Lane | None = None, first_chunk_by_load: bool = False,
     ) -> None:
         self.token2wav = token2wav
         self.max_batch = max_batch
         self.loop = loop
         self.early_chunks = early_chunks
         self.first_chunk_lane = first_chunk_lane
+        self.first_chunk_by_load = first_chunk_by_load
         self._lane_busy = False
         self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
+        self._recent_call_s = 0.0  # moving average of one flow call of the main thread
         self._wake_at: float | None = None  # when a listener becomes urgent (early chunks)
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
@@ -555,6 +571,29 @@ class Token2WavWorker:
             return None
         return 2 * self._recent_batch_s + 0.05
 
+    def _job(self, handle: StreamHandle, now: float):
+        """Under the lock: the chunk this handle can run now, if any. With
+        ``first_chunk_by_load``, a short first chunk is kept only if the chunk after it can
+        follow before it has played (``short_first_chunk_fits``, from the tokens' pace so far
+        and the recent flow call time); else the stream waits for the official first chunk."""
+        job = self.token2wav.next_job(handle.state)
+        if job is None or not job.first or job.finalize or not self.first_chunk_by_load or handle.first_settled:
+            return job
+        handle.first_settled = True
+        state = handle.state
+        spoken = len(state.tokens) - 1
+        token_s = (now - handle.first_token_at) / spoken if handle.first_token_at is not None and spoken > 0 else 0.0
+        # An early chunk can follow with first_hop_len tokens, while the worker has time for one.
+        next_tokens = self.token2wav.first_hop_len if self._early_margin() is not None else self.token2wav.hop_len
+        playable_s = self.token2wav.first_chunk_playable_s(state)
+        if short_first_chunk_fits(playable_s, next_tokens, token_s, self._recent_call_s, self.running > 0):
+            return job
+        if not self.token2wav.lengthen_first_chunk(state):
+            return job
+        self._totals["token2wav_first_chunks_lengthened"] += 1
+        handle.ready_at = None  # its chunk is ready once the longer chunk's tokens are there
+        return self.token2wav.next_job(state)
+
     def _next_batch(self) -> list:
         now = time.monotonic()
         margin = self._early_margin()
@@ -563,7 +602,7 @@ class Token2WavWorker:
         for handle in self.handles:
             if handle.pending >= _OUTPUT_CHUNKS or handle.busy:
                 continue
-            job = self.token2wav.next_job(handle.state)
+            job = self._job(handle, now)
             if job is not None and self._for_lane(job) and not self._lane_busy:
                 continue  # the lane is free to take it now
             if job is None and margin is not None and handle.clock.first_audio_at is not None:
@@ -671,7 +710,7 @@ class Token2WavWorker:
         for handle in self.handles:
             if handle.busy or handle.pending >= _OUTPUT_CHUNKS:
                 continue
-            job = self.token2wav.next_job(handle.state)
+            job = self._job(handle, now)
             if job is not None and job.first and (self.first_chunk_lane is None or self._for_lane(job)):
                 ready.append((handle.clock.deadline(now), id(handle), handle, job))
         ready.sort(key=lambda item: item[:2])
@@ -695,6 +734,8 @@ class Token2WavWorker:
             totals[f"{kind}_chunks"] += len(batch)
             totals["token2wav_early_chunks"] += sum(job.early for _, job in batch)
             totals[f"{kind}_busy_seconds"] += now - started
+            if lane is None:
+                self._recent_call_s += 0.2 * (now - started - self._recent_call_s)
             self.running -= len(batch)
             for i, (handle, job) in enumerate(batch):
                 handle.busy = False

@@ -164,6 +164,7 @@ class Token2Wav:
         scale: int = 1,
         incremental: bool = True,
         first_hop_len: int | None = None,
+        first_by_load: bool = False,
         prefix_voices: int = 0,
     ) -> None:
         if hop_len < 1 or max_hop_len < hop_len or scale < 1:
@@ -172,6 +173,9 @@ class Token2Wav:
         self.hift = hift
         self.hop_len = hop_len
         self.first_hop_len = hop_len if first_hop_len is None else first_hop_len
+        # The worker may lengthen a short first chunk to the official one (lengthen_first_chunk):
+        # both first chunks then get their shapes (first_hops).
+        self.first_by_load = first_by_load
         self.max_hop_len = max_hop_len
         self.scale = scale
         self.incremental = incremental
@@ -228,20 +232,47 @@ class Token2Wav:
     def new_stream(self, prompt: VoicePrompt) -> StreamState:
         return StreamState(prompt=prompt, hop=self.hop_len, flow_cache=FlowStreamCache() if self.incremental else None)
 
-    def first_hop(self, prompt_tokens: int) -> int:
-        """The first chunk's hop: the shortest >= first_hop_len that ends prompt + chunk on a
-        chunk boundary (with first_hop_len = hop_len: the official hop + padding to the boundary)."""
+    def first_hop(self, prompt_tokens: int, least: int | None = None) -> int:
+        """The first chunk's hop: the shortest >= ``least`` (first_hop_len) that ends prompt +
+        chunk on a chunk boundary (at least hop_len: the official hop + padding to the boundary)."""
         chunk = self.chunk_tokens
-        return math.ceil((prompt_tokens + self.first_hop_len) / chunk) * chunk - prompt_tokens
+        least = self.first_hop_len if least is None else least
+        return math.ceil((prompt_tokens + least) / chunk) * chunk - prompt_tokens
 
-    def first_chunk_frames(self, prompt_tokens: int) -> int:
-        """The decoder's width for a first chunk run whole: prompt + first hop, in mel frames."""
-        return self.mel_ratio * (prompt_tokens + self.first_hop(prompt_tokens))
+    def first_hops(self, prompt_tokens: int) -> list[int]:
+        """The first chunks a voice's streams may start with: the short one (first_hop_len),
+        and with ``first_by_load`` the official one too, if longer."""
+        hops = [self.first_hop(prompt_tokens)]
+        official = self.first_hop(prompt_tokens, self.hop_len)
+        return hops + [official] if self.first_by_load and official > hops[0] else hops
+
+    def first_chunk_widths(self, prompt_tokens: int) -> list[int]:
+        """The decoder's widths for first chunks run whole: prompt + first hop, in mel frames."""
+        return [self.mel_ratio * (prompt_tokens + hop) for hop in self.first_hops(prompt_tokens)]
+
+    def first_chunk_shapes(self, prompt_tokens: int) -> list[tuple[int, int]]:
+        """The vocoder input shapes (mel frames, cached excitation samples) of first chunks."""
+        return [(self.mel_ratio * hop, 0) for hop in self.first_hops(prompt_tokens)]
+
+    def lengthen_first_chunk(self, state: StreamState) -> bool:
+        """Make a stream that has not spoken yet start with the official first chunk instead
+        of the short one; False if its first chunk is that long already."""
+        official = self.first_hop(state.prompt.tokens, self.hop_len)
+        if state.offset > 0 or official <= self._regular_end(state):
+            return False
+        state.regular_end = official
+        return True
+
+    def first_chunk_playable_s(self, state: StreamState) -> float:
+        """Seconds a stream's listener can play of its short first chunk: its tokens, less the
+        tail held back for the cross-fade with the next chunk."""
+        samples = self.first_hop(state.prompt.tokens) * self.mel_ratio * self.samples_per_frame - self.cache_samples
+        return samples / self.hift.config.sampling_rate
 
     def chunk_shapes(self, prompt_tokens: int) -> list[tuple[int, int]]:
         """The vocoder input shapes (mel frames, cached excitation samples) of a voice's
-        non-final chunks: the first chunk, then each hop of the schedule behind the cached frames."""
-        shapes = [(self.mel_ratio * self.first_hop(prompt_tokens), 0)]
+        non-final chunks: its first chunks, then each hop of the schedule behind the cached frames."""
+        shapes = self.first_chunk_shapes(prompt_tokens)
         hop = self.hop_len
         while True:
             shapes.append((MEL_CACHE_FRAMES + self.mel_ratio * hop, self.cache_samples))
