@@ -1,8 +1,8 @@
 """Load generator: N simulated agents talking to a gateway (``tts-gateway bench``).
 
 Each agent holds one session and, until the run's time is up, picks a reply
-from the corpus and speaks it in a new context. Turns take turns as in a
-conversation: after a reply is ``done``, the agent waits until its listener has
+from the corpus and speaks it in a new context, as in a conversation:
+after a reply is ``done``, the agent waits until its listener has
 heard all of it (the playback clock below), then for the user's turn (a seeded
 pause within ``--turn-gap``), and only then sends its next reply. So a session
 never asks for more than real-time audio. ``--back-to-back`` sends the next reply
