@@ -115,6 +115,8 @@ class Record:
     stalls: int = 0
     stall_ms: float = 0.0
     started_s: float | None = None  # when it began, in seconds from the start of its level
+    # Where each stall fell: the reply's audio received before it, in ms (which chunk was late).
+    stall_audio_ms: list[float] = dataclasses.field(default_factory=list)
 
 
 class _Playback:
@@ -127,6 +129,7 @@ class _Playback:
         if self.runs_out is not None and now > self.runs_out:
             record.stalls += 1
             record.stall_ms += (now - self.runs_out) * 1000
+            record.stall_audio_ms.append(round(record.audio_ms, 1))
         start = now if self.runs_out is None else max(now, self.runs_out)
         self.runs_out = start + duration_ms / 1000
 
@@ -250,6 +253,23 @@ def _percentile(values: list[float], q: float) -> float | None:
     return round(ordered[low] + (ordered[high] - ordered[low]) * (rank - low), 1)
 
 
+# Bins of stalls by the reply's audio before them (seconds). With the GPU engine's 10-token
+# first chunk (0.4 s) and hops of 1, 2, 4 and 8 s, the bins are about its 2nd, 3rd, 4th, 5th
+# and later chunks.
+STALL_AUDIO_BINS_S = (0.5, 1.5, 3.5, 7.5)
+
+
+def stalls_by_audio_s(records: list[Record]) -> dict[str, int]:
+    """Stalls counted by how much of its reply the listener had received before each."""
+    edges = (0.0, *STALL_AUDIO_BINS_S)
+    labels = [f"{low:g}-{high:g}" for low, high in zip(edges, edges[1:])] + [f"{edges[-1]:g}+"]
+    counts = dict.fromkeys(labels, 0)
+    for record in records:
+        for audio_ms in record.stall_audio_ms:
+            counts[labels[sum(audio_ms / 1000 >= edge for edge in STALL_AUDIO_BINS_S)]] += 1
+    return counts
+
+
 def summarize(records: list[Record]) -> dict:
     spoken = [r for r in records if r.ttfa_ms is not None]
     ttfa = [r.ttfa_ms for r in spoken]
@@ -269,6 +289,7 @@ def summarize(records: list[Record]) -> dict:
         "stall_free_fraction": round(sum(r.stalls == 0 for r in spoken) / len(spoken), 3) if spoken else None,
         "stalls": sum(r.stalls for r in records),
         "stall_ms": round(sum(r.stall_ms for r in records), 1),
+        "stalls_by_audio_s": stalls_by_audio_s(records),
         "rtf_p50": None if not rtf else round(sorted(rtf)[len(rtf) // 2], 3),
         "audio_s": round(sum(r.audio_ms for r in records) / 1000, 2),
         "errors": sum(errors.values()),

@@ -15,7 +15,22 @@ import gateway.loadgen as loadgen
 from tests.conftest import ws_url
 
 SUMMARY_KEYS = {"contexts", "outcomes", "ttfa_ms", "stall_free_fraction", "stalls", "stall_ms", "rtf_p50",
-                "audio_s", "errors", "errors_by_code"}
+                "audio_s", "errors", "errors_by_code", "stalls_by_audio_s"}
+
+
+def test_a_stall_is_placed_by_the_audio_before_it():
+    """The playback clock counts a chunk that arrives after the audio ran out as a stall, and
+    records how much of the reply had been received before it (which chunk was late)."""
+    record = loadgen.Record(1, 0, "full", 10)
+    playback = loadgen._Playback()
+    for now, duration_ms in ((0.0, 240), (0.1, 1000), (1.5, 2000), (5.0, 500)):
+        playback.add(now, duration_ms, record)
+        record.audio_ms += duration_ms
+    # Out at 0.24 s (second chunk in time), 1.24 s (third 0.26 s late), 3.5 s (fourth 1.5 s late).
+    assert record.stalls == 2 and record.stall_ms == pytest.approx(260 + 1500)
+    assert record.stall_audio_ms == [1240.0, 3240.0]
+    assert loadgen.summarize([record])["stalls_by_audio_s"] == {"0-0.5": 0, "0.5-1.5": 1, "1.5-3.5": 1,
+                                                                 "3.5-7.5": 0, "7.5+": 0}
 
 
 def test_corpus_loads_with_line_breaks():
