@@ -134,6 +134,21 @@ def flex_block_mask(mask: Tensor, chunk: int):
     return create_block_mask(mask_mod, B=len(lengths), H=None, Q_LEN=frames, KV_LEN=frames, device=mask.device)
 
 
+def decoder_inputs(cfm: CFM, rows: int, frames: int, padded: bool = True) -> tuple[Tensor, ...]:
+    """Seeded inputs of one streaming solve, on the decoder's device and dtype: x, mask, mu,
+    spks, cond. ``padded``: the last row is 1/7 shorter, as a row in a batch is."""
+    device, dtype = cfm.noise.device, next(cfm.parameters()).dtype
+    generator = torch.Generator().manual_seed(rows * 10000 + frames)
+    mu = torch.randn(rows, 80, frames, generator=generator).to(device, dtype)
+    cond = torch.randn(rows, 80, frames, generator=generator).to(device, dtype)
+    spks = torch.randn(rows, 80, generator=generator).to(device, dtype)
+    mask = torch.ones(rows, 1, frames, device=device, dtype=dtype)
+    if padded:
+        mask[-1, :, frames - frames // 7 :] = 0
+    x = cfm.noise[:, :, :frames].to(dtype).expand(rows, -1, -1)
+    return x, mask, mu, spks, cond
+
+
 def graph_of(fn):
     fn()
     fn()
@@ -179,13 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "shapes": []}
     for shape in args.shapes.split(","):
         rows, frames = (int(v) for v in shape.split("x"))
-        generator = torch.Generator().manual_seed(rows * 10000 + frames)
-        mu = torch.randn(rows, 80, frames, generator=generator).to(device, dtype)
-        cond = torch.randn(rows, 80, frames, generator=generator).to(device, dtype)
-        spks = torch.randn(rows, 80, generator=generator).to(device, dtype)
-        mask = torch.ones(rows, 1, frames, device=device, dtype=dtype)
-        mask[-1, :, frames - frames // 7 :] = 0  # one shorter row: padding as in a batch
-        x = cfm.noise[:, :, :frames].to(dtype).expand(rows, -1, -1)
+        x, mask, mu, spks, cond = decoder_inputs(cfm, rows, frames)  # one shorter row: padding as in a batch
         entry = {"rows": rows, "frames": frames, "row_frames": rows * frames, "variants": {}}
         report["shapes"].append(entry)
         reference = None

@@ -179,8 +179,8 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "token2wav_batches", "token2wav_chunks", "token2wav_busy_seconds", "token2wav_first_lane_batches",
         "token2wav_first_lane_chunks", "token2wav_first_lane_busy_seconds", "late_chunks_llm_bound",
         "late_chunks_token2wav_bound", "token2wav_early_chunks", "token2wav_first_chunks_lengthened",
-        "token2wav_flow_calls", "token2wav_flow_eager_calls", "token2wav_flow_row_frames_first", "token2wav_flow_row_frames_later", "token2wav_flow_row_frames_final",
-        "token2wav_flow_padded_row_frames")}
+        "token2wav_flow_calls", "token2wav_flow_eager_calls", "token2wav_flow_row_frames_first",
+        "token2wav_flow_row_frames_later", "token2wav_flow_row_frames_final", "token2wav_flow_padded_row_frames")}
     needed = sum(totals[f"token2wav_flow_row_frames_{kind}"] for kind in ("first", "later", "final"))
     firsts = delta("tts_first_audio_chunks_total")
     first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None
@@ -270,7 +270,7 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
             "workload": workload,
             "sessions": sessions,
             "start_spread_s": start_spread,
-            "turn_gap_s": None if args.back_to_back else list(loadgen.parse_turn_gap(args.turn_gap)),
+            "turn_gap_s": args.turn_gap_s,
             "summary": summary,
             "stall_free": loadgen.stall_free(summary, args.ttfa_p95_ms),
             "gpu": gpu_memory(),
@@ -351,7 +351,7 @@ def main() -> int:
     try:  # before minutes of start-up, not at the first level
         for spread in args.start_spread:
             loadgen.check_start_spread(spread, args.duration)
-        loadgen.parse_turn_gap(args.turn_gap)
+        args.turn_gap_s = None if args.back_to_back else list(loadgen.parse_turn_gap(args.turn_gap))
     except ValueError as error:
         parser.error(str(error))
     args.out.mkdir(parents=True, exist_ok=True)
