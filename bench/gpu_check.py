@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,6 +54,20 @@ def gpu_memory() -> dict:
     ).stdout.strip().split(", ")
     return {"used_mib": int(out[0]), "total_mib": int(out[1]), "util_pct": int(out[2]),
             "temp_c": int(out[3]), "sm_mhz": int(out[4])}
+
+
+def mps_clients() -> dict | None:
+    """The CUDA MPS servers this process's environment points at and their client PIDs (None
+    without MPS; bench/with_mps.sh sets it up). Under MPS the gateway's two GPU processes are
+    clients of one server."""
+    if not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        return None
+    control = shutil.which("nvidia-cuda-mps-control") or "/usr/local/nvidia/bin/nvidia-cuda-mps-control"
+
+    def ask(command: str) -> list[str]:
+        return subprocess.run([control], input=command, capture_output=True, text=True, check=True).stdout.split()
+
+    return {server: ask(f"get_client_list {server}") for server in ask("get_server_list")}
 
 
 def prepare_model(model_dir: Path, prompt_wav: Path, report: Report) -> None:
@@ -359,7 +374,8 @@ def main() -> int:
     import torch
 
     report.put("machine", {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                           "python": sys.version.split()[0], "gpu_memory": gpu_memory()})
+                           "python": sys.version.split()[0], "gpu_memory": gpu_memory(),
+                           "mps_clients": mps_clients()})
     report.put("options", {name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()})
     prepare_model(args.model_dir, args.prompt_wav, report)
 
@@ -395,7 +411,8 @@ def main() -> int:
             log.flush()
             startup = [line.strip() for line in (args.out / "gateway.log").read_text().splitlines()
                        if "CUDA graph" in line or "vLLM warm-up" in line or "WARNING" in line][:40]
-            report.put("gateway_ready", {"seconds": round(ready_s, 1), "gpu": gpu_memory(), "log": startup})
+            report.put("gateway_ready", {"seconds": round(ready_s, 1), "gpu": gpu_memory(), "mps_clients": mps_clients(),
+                                         "log": startup})
             asyncio.run(drive(args, report, proc.pid, profile_path))
         finally:
             proc.terminate()
