@@ -9,6 +9,8 @@
 # Everything takes ~9 of the 10 minutes a call may run; to keep a margin, make two calls on the
 # warm machine (the bundle and the checkpoint stay): `... gpu_check.sh --only-equality`, then
 # `. /root/vllm-env.sh && bash bench/gpu_check.sh --skip-equality`.
+# With CUDA MPS (the gateway's two GPU processes then run their kernels side by side):
+#   . /root/vllm-env.sh && bash bench/with_mps.sh bash bench/gpu_check.sh [options]
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 export PYTHONUNBUFFERED=1

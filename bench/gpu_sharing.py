@@ -17,6 +17,7 @@ about half of ``alone``; two streams get more in all while one worker alone leav
 smoke test of the script.
 
     python bench/gpu_sharing.py --shapes 1x320,8x800 --seconds 8 --json out.json
+    bash bench/with_mps.sh python bench/gpu_sharing.py ...   # the same with CUDA MPS on
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import queue
 import statistics
 import sys
@@ -163,7 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "seconds": args.seconds, "shapes": []}
+              "torch": torch.__version__, "seconds": args.seconds,
+              "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),  # run under bench/with_mps.sh
+              "shapes": []}
     for shape in args.shapes.split(","):
         rows, frames = (int(v) for v in shape.split("x"))
         entry = {"rows": rows, "frames": frames, "modes": {}}

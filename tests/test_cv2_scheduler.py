@@ -23,6 +23,8 @@ class FakeState:
     tokens: list = field(default_factory=list)
     frames: int = 300  # context of its chunks, in mel frames
     first: bool = False  # its next chunk is its first: no audio yet
+    short_first: bool = False  # its first chunk is short: the chunk after it opens the turn too
+    after_short_first: bool = False  # its next chunk is the one after a short first chunk
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,9 @@ class FakeToken2Wav:
         return cheapest_groups([job.state.frames for job in jobs], lambda rows, width: 100 + rows * width)
 
     def lane_serves(self, job, lane) -> bool:
-        return job.state.frames <= 1000  # the lane has graphs for first chunks of up to 1000 frames
+        # The lane runs a turn's opening chunks (Token2Wav.opens_turn); it has graphs up to 1000 frames.
+        opens = job.first or job.state.after_short_first
+        return opens and not job.finalize and job.state.frames <= 1000
 
     def next_job(self, state: FakeState):
         if state.chunks == 0:
@@ -69,6 +73,7 @@ class FakeToken2Wav:
         for job in jobs:
             job.state.chunks -= 1
             job.state.finished = job.finalize
+            job.state.after_short_first = job.first and job.state.short_first
             job.state.first = False
         time.sleep(0.01)
         return [np.zeros(100, np.float32) for _ in jobs]
@@ -237,6 +242,35 @@ async def test_the_first_chunk_lane_runs_a_new_turn_while_a_call_is_in_flight():
         assert lanes[:2] == [None, lane] and fake.batches[:2] == [["new"], ["long"]]
         assert sorted(name for batch in fake.batches[2:] for name in batch) == ["long", "new"]
         assert lanes[2:] == [None] * len(fake.batches[2:])
+    finally:
+        release.set()
+        await asyncio.to_thread(worker.stop)
+
+
+async def test_the_lane_runs_the_chunk_after_a_short_first_chunk_too():
+    """A short first chunk plays a fraction of a second: the chunk after it runs on the lane as
+    well, while the main thread is still in its call; the turn's later chunks are the main
+    thread's."""
+    lane = Lane()
+    fake, lanes, release = lane_recording_fake(blocked=None)
+    worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
+    try:
+        queues = {"long": asyncio.Queue(), "new": asyncio.Queue()}
+        worker.add(FakeState("long", 2), queues["long"])
+        with worker.lock:
+            worker.wake.notify_all()
+        await eventually(lambda: worker.running == 1)  # the main thread is in its call
+        worker.add(FakeState("new", 4, first=True, short_first=True), queues["new"])
+        with worker.lock:
+            worker.wake.notify_all()
+        for _ in range(2):
+            await until(queues["new"].get())
+        assert queues["long"].empty() and not release.is_set()
+        assert lanes == [None, lane, lane] and fake.batches[:2] == [["new"], ["new"]]
+        release.set()
+        for name in ("long", "long", "new", "new"):
+            await until(queues[name].get())
+        assert lanes[3:] == [None] * len(fake.batches[3:])
     finally:
         release.set()
         await asyncio.to_thread(worker.stop)

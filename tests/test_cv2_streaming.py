@@ -426,6 +426,39 @@ def test_hops_grow_as_upstream_after_a_first_chunk_of_a_whole_hop(models, voice,
         assert hops[:6] == [first, 25, 50, 100, 200, 200]
 
 
+@pytest.mark.parametrize("first_hop_len", [25, 5])
+def test_the_lane_runs_a_turns_opening_chunks_at_the_widths_and_shapes_it_has_graphs_for(
+    models, voice, tokens, first_hop_len, monkeypatch
+):
+    """The first-chunk lane runs a turn's opening chunks: its first, and after a short first
+    chunk the chunk after it (its listener holds a fraction of a second). Its graphs are
+    captured at lane_widths and lane_shapes: the widths and vocoder shapes those chunks ask for."""
+    token2wav = Token2Wav(models.flow, models.hift, first_hop_len=first_hop_len, incremental=False)
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    state = token2wav.new_stream(prompt)
+    state.tokens = list(tokens)
+    vocoded = []
+    vocode = token2wav._vocode
+    monkeypatch.setattr(token2wav, "_vocode", lambda mel, source, lane: (
+        vocoded.append((mel.shape[2], source.shape[2])), vocode(mel, source, lane))[1])
+    opening, widths = [], []
+    for _ in range(3):
+        job = token2wav.next_job(state)
+        assert job is not None and not job.finalize
+        opening.append(token2wav.opens_turn(job))
+        widths.append(token2wav._decoder_width(token2wav.job_frames(job), False))
+        token2wav.run([job], token2wav_module.Lane())
+    count = 2 if token2wav.first_hop(prompt.tokens) < 25 else 1
+    assert opening == [True] * count + [False] * (3 - count)
+    assert token2wav.lane_widths(prompt.tokens) == widths[:count]
+    assert token2wav.lane_shapes(prompt.tokens) == vocoded[:count]
+    # A lane without graphs runs opening chunks only; the final chunk is the main thread's.
+    state.tokens_done = True
+    while not (job := token2wav.next_job(state)).finalize:
+        token2wav.run([job])
+    assert not token2wav.lane_serves(job, token2wav_module.Lane())
+
+
 def test_a_short_first_chunk_lengthened_to_the_official_one(models, voice, tokens):
     """first_by_load: both first chunks get their shapes; a stream that has not spoken yet can
     start with the official first chunk instead, and its hops then grow as upstream's."""

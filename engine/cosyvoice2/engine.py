@@ -216,14 +216,15 @@ class CosyVoice2Engine(Engine):
 
     def _first_chunk_lane(self, device: torch.device) -> Lane:
         """The first-chunk lane: a stream of the highest priority and its own graphs of every
-        voice's first chunk (flow run whole, and the vocoder) up to FIRST_LANE_MAX_BATCH."""
+        voice's opening chunks (``Token2Wav.opens_turn``: flow run whole, and the vocoder) up to
+        FIRST_LANE_MAX_BATCH."""
         from engine.cosyvoice2.flow_graphs import FlowBuckets, FlowGraphs
         from engine.cosyvoice2.hift_graphs import HiftGraphs
 
         settings, token2wav = self.settings, self.token2wav
         priority = -1000  # lower is higher; torch maps a value past the range to the highest priority
         voices = self.voice_store.list()
-        widths = sorted({width for info in voices for width in token2wav.first_chunk_widths(info.speech_tokens)})
+        widths = sorted({width for info in voices for width in token2wav.lane_widths(info.speech_tokens)})
         buckets = FlowBuckets.up_to(FIRST_LANE_MAX_BATCH, widths[-1], settings.graph_frame_step)
         flow_graphs = FlowGraphs(self.models.flow.decoder, buckets, priority=priority)
         flow_graphs.capture(buckets.batches, widths, [True])
@@ -231,7 +232,7 @@ class CosyVoice2Engine(Engine):
         if settings.hift_graphs:
             hift_graphs = HiftGraphs(self.models.hift, FIRST_LANE_MAX_BATCH, priority=priority)
             for info in voices:
-                for shape in token2wav.first_chunk_shapes(info.speech_tokens):
+                for shape in token2wav.lane_shapes(info.speech_tokens):
                     hift_graphs.allow(*shape)
             hift_graphs.capture_allowed()
         log.info(
@@ -310,7 +311,7 @@ class CosyVoice2Engine(Engine):
                     graphs.allow(*shape)
             lane = self.worker.first_chunk_lane if self.worker is not None else None
             if lane is not None and lane.hift_graphs is not None:  # captured on the lane's first use
-                for shape in self.token2wav.first_chunk_shapes(prompt.tokens):
+                for shape in self.token2wav.lane_shapes(prompt.tokens):
                     lane.hift_graphs.allow(*shape)
         return prompt, prepared.prompt_text_ids[0].tolist(), prepared.speech_tokens[0].tolist()
 
@@ -506,6 +507,7 @@ class Token2WavWorker:
         self._lane_busy = False
         self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
         self._recent_call_s = 0.0  # moving average of one flow call of the main thread
+        self._recent_lane_call_s = 0.0  # ... and of the first-chunk lane
         self._wake_at: float | None = None  # when a listener becomes urgent (early chunks)
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
@@ -586,7 +588,12 @@ class Token2WavWorker:
         # An early chunk can follow with first_hop_len tokens, while the worker has time for one.
         next_tokens = self.token2wav.first_hop_len if self._early_margin() is not None else self.token2wav.hop_len
         playable_s = self.token2wav.first_chunk_playable_s(state)
-        if short_first_chunk_fits(playable_s, next_tokens, token_s, self._recent_call_s, self.running > 0):
+        # With a lane, the chunk after a short first chunk runs there (Token2Wav.opens_turn).
+        if self.first_chunk_lane is not None:
+            call_s, busy = self._recent_lane_call_s, self._lane_busy
+        else:
+            call_s, busy = self._recent_call_s, self.running > 0
+        if short_first_chunk_fits(playable_s, next_tokens, token_s, call_s, busy):
             return job
         if not self.token2wav.lengthen_first_chunk(state):
             return job
@@ -638,10 +645,11 @@ class Token2WavWorker:
         self.loop.call_soon_threadsafe(handle.output.put_nowait, _END)
 
     def _for_lane(self, job) -> bool:
-        """Whether the first-chunk lane runs this job: a first chunk of a voice it has graphs
-        for (a voice registered while serving has none there; the main thread takes it)."""
+        """Whether the first-chunk lane runs this job: an opening chunk of its turn (the first,
+        and after a short first chunk the next) of a voice it has graphs for (a voice
+        registered while serving has none there; the main thread takes it)."""
         lane = self.first_chunk_lane
-        return lane is not None and job.first and not job.finalize and self.token2wav.lane_serves(job, lane)
+        return lane is not None and self.token2wav.lane_serves(job, lane)
 
     def _take(self, batch: list) -> list:
         """Mark a batch's handles busy (under the lock) and count its chunks as running."""
@@ -704,14 +712,14 @@ class Token2WavWorker:
 
     def _ready_first_chunks(self, limit: int) -> list:
         """Under the lock: (handle, job) of up to ``limit`` first chunks ready to run, of
-        handles no thread holds, longest waiting first (with a lane: the lane's jobs only)."""
+        handles no thread holds, most urgent first (with a lane: the lane's jobs, see _for_lane)."""
         now = time.monotonic()
         ready = []
         for handle in self.handles:
             if handle.busy or handle.pending >= _OUTPUT_CHUNKS:
                 continue
             job = self._job(handle, now)
-            if job is not None and job.first and (self.first_chunk_lane is None or self._for_lane(job)):
+            if job is not None and (job.first if self.first_chunk_lane is None else self._for_lane(job)):
                 ready.append((handle.clock.deadline(now), id(handle), handle, job))
         ready.sort(key=lambda item: item[:2])
         return [(handle, job) for _, _, handle, job in ready[:limit]]
@@ -736,6 +744,8 @@ class Token2WavWorker:
             totals[f"{kind}_busy_seconds"] += now - started
             if lane is None:
                 self._recent_call_s += 0.2 * (now - started - self._recent_call_s)
+            else:
+                self._recent_lane_call_s += 0.2 * (now - started - self._recent_lane_call_s)
             self.running -= len(batch)
             for i, (handle, job) in enumerate(batch):
                 handle.busy = False

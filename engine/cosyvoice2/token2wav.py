@@ -254,6 +254,33 @@ class Token2Wav:
         """The vocoder input shapes (mel frames, cached excitation samples) of first chunks."""
         return [(self.mel_ratio * hop, 0) for hop in self.first_hops(prompt_tokens)]
 
+    def _short_first_hop(self, prompt_tokens: int) -> int | None:
+        """The first chunk's hop when it is shorter than a regular hop (None: it is not)."""
+        first = self.first_hop(prompt_tokens)
+        return first if first < self.hop_len else None
+
+    def opens_turn(self, job: ChunkJob) -> bool:
+        """Whether the job is one of its turn's opening chunks, those the first-chunk lane runs:
+        the first chunk, and after a short first chunk the regular chunk after it (its listener
+        then holds a fraction of a second of audio)."""
+        if job.finalize or job.early:
+            return False
+        return job.first or job.state.offset == self._short_first_hop(job.state.prompt.tokens)
+
+    def lane_widths(self, prompt_tokens: int) -> list[int]:
+        """The decoder's widths of a voice's opening chunks (``opens_turn``), run whole:
+        prompt + tokens to the chunk's end, in mel frames."""
+        widths = self.first_chunk_widths(prompt_tokens)
+        short = self._short_first_hop(prompt_tokens)
+        return widths if short is None else widths + [self.mel_ratio * (prompt_tokens + short + self.hop_len)]
+
+    def lane_shapes(self, prompt_tokens: int) -> list[tuple[int, int]]:
+        """The vocoder input shapes of a voice's opening chunks (``opens_turn``)."""
+        shapes = self.first_chunk_shapes(prompt_tokens)
+        if self._short_first_hop(prompt_tokens) is None:
+            return shapes
+        return shapes + [(MEL_CACHE_FRAMES + self.mel_ratio * self.hop_len, self.cache_samples)]
+
     def lengthen_first_chunk(self, state: StreamState) -> bool:
         """Make a stream that has not spoken yet start with the official first chunk instead
         of the short one; False if its first chunk is that long already."""
@@ -358,8 +385,11 @@ class Token2Wav:
         return self.hift(mel, cache_source)
 
     def lane_serves(self, job: ChunkJob, lane: Lane) -> bool:
-        """Whether ``lane`` has a flow graph for this job run alone (its graphs cover the
-        voices registered at start-up; without graphs, as on a CPU, it runs anything)."""
+        """Whether ``lane`` runs this job: one of its turn's opening chunks (``opens_turn``) that
+        the lane has a flow graph for, run alone (its graphs cover the voices registered at
+        start-up; without graphs, as on a CPU, it runs every opening chunk)."""
+        if not self.opens_turn(job):
+            return False
         graphs = lane.flow_graphs
         return graphs is None or graphs.has(1, self._decoder_width(self.job_frames(job), job.finalize), True)
 
