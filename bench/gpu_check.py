@@ -115,6 +115,7 @@ prefix_voices = {args.prefix_voices}
 hift_graphs = {str(not args.no_hift_graphs).lower()}
 first_chunk_lane = {str(not args.no_first_chunk_lane).lower()}
 first_chunk_by_load = {str(args.first_chunk_by_load).lower()}
+second_chunk_on_lane = {str(args.second_chunk_on_lane).lower()}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
@@ -353,6 +354,8 @@ def main() -> int:
                         help="first chunks wait for the main token2wav thread (first_chunk_lane = false)")
     parser.add_argument("--first-chunk-by-load", action="store_true",
                         help="the short first chunk only when the next can follow in time (first_chunk_by_load = true)")
+    parser.add_argument("--second-chunk-on-lane", action="store_true",
+                        help="the lane also runs the chunk after a short first chunk (second_chunk_on_lane = true)")
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's pipelined scheduling on")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-equality", action="store_true")

@@ -132,6 +132,10 @@ class CosyVoice2Settings:
     # the highest priority, with CUDA graphs of its own, so that first audio does not wait
     # for the flow call in flight (engine/cosyvoice2/engine.py, Token2WavWorker).
     first_chunk_lane: bool = True
+    # ... and with a short first chunk, the chunk after it too (its listener holds a fraction
+    # of a second). Fewer and shorter stalls after the first chunk, but under load first
+    # chunks then wait behind those calls on the lane (H200: docs/benchmarks.md).
+    second_chunk_on_lane: bool = False
     flow_mode: str = "auto"
     max_batch: int = 16  # token2wav chunks run together
     # GPU: CUDA graphs of the flow solve, captured before the gateway reports ready (a

@@ -426,14 +426,16 @@ def test_hops_grow_as_upstream_after_a_first_chunk_of_a_whole_hop(models, voice,
         assert hops[:6] == [first, 25, 50, 100, 200, 200]
 
 
-@pytest.mark.parametrize("first_hop_len", [25, 5])
+@pytest.mark.parametrize(("first_hop_len", "second_on_lane"), [(25, True), (5, True), (5, False)])
 def test_the_lane_runs_a_turns_opening_chunks_at_the_widths_and_shapes_it_has_graphs_for(
-    models, voice, tokens, first_hop_len, monkeypatch
+    models, voice, tokens, first_hop_len, second_on_lane, monkeypatch
 ):
-    """The first-chunk lane runs a turn's opening chunks: its first, and after a short first
-    chunk the chunk after it (its listener holds a fraction of a second). Its graphs are
-    captured at lane_widths and lane_shapes: the widths and vocoder shapes those chunks ask for."""
-    token2wav = Token2Wav(models.flow, models.hift, first_hop_len=first_hop_len, incremental=False)
+    """The first-chunk lane runs a turn's opening chunks: its first, and (second_on_lane) after
+    a short first chunk the chunk after it (its listener holds a fraction of a second). Its
+    graphs are captured at lane_widths and lane_shapes: the widths and vocoder shapes those
+    chunks ask for."""
+    token2wav = Token2Wav(models.flow, models.hift, first_hop_len=first_hop_len, second_on_lane=second_on_lane,
+                          incremental=False)
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
     state = token2wav.new_stream(prompt)
     state.tokens = list(tokens)
@@ -448,7 +450,7 @@ def test_the_lane_runs_a_turns_opening_chunks_at_the_widths_and_shapes_it_has_gr
         opening.append(token2wav.opens_turn(job))
         widths.append(token2wav._decoder_width(token2wav.job_frames(job), False))
         token2wav.run([job], token2wav_module.Lane())
-    count = 2 if token2wav.first_hop(prompt.tokens) < 25 else 1
+    count = 2 if second_on_lane and token2wav.first_hop(prompt.tokens) < 25 else 1
     assert opening == [True] * count + [False] * (3 - count)
     assert token2wav.lane_widths(prompt.tokens) == widths[:count]
     assert token2wav.lane_shapes(prompt.tokens) == vocoded[:count]

@@ -133,6 +133,7 @@ class CosyVoice2Engine(Engine):
             hop_len=settings.token_hop_len,
             first_hop_len=settings.token_first_hop_len,
             first_by_load=settings.first_chunk_by_load,
+            second_on_lane=settings.second_chunk_on_lane,
             max_hop_len=settings.token_max_hop_len,
             scale=settings.stream_scale_factor,
             incremental=settings.flow_mode == "incremental" or (settings.flow_mode == "auto" and device.type == "cpu"),
@@ -588,8 +589,8 @@ class Token2WavWorker:
         # An early chunk can follow with first_hop_len tokens, while the worker has time for one.
         next_tokens = self.token2wav.first_hop_len if self._early_margin() is not None else self.token2wav.hop_len
         playable_s = self.token2wav.first_chunk_playable_s(state)
-        # With a lane, the chunk after a short first chunk runs there (Token2Wav.opens_turn).
-        if self.first_chunk_lane is not None:
+        # The lane may run the chunk after a short first chunk (Token2Wav.opens_turn).
+        if self.first_chunk_lane is not None and self.token2wav.second_on_lane:
             call_s, busy = self._recent_lane_call_s, self._lane_busy
         else:
             call_s, busy = self._recent_call_s, self.running > 0
@@ -645,9 +646,10 @@ class Token2WavWorker:
         self.loop.call_soon_threadsafe(handle.output.put_nowait, _END)
 
     def _for_lane(self, job) -> bool:
-        """Whether the first-chunk lane runs this job: an opening chunk of its turn (the first,
-        and after a short first chunk the next) of a voice it has graphs for (a voice
-        registered while serving has none there; the main thread takes it)."""
+        """Whether the first-chunk lane runs this job: an opening chunk of its turn (the first;
+        with ``second_chunk_on_lane``, after a short first chunk the next too) of a voice it
+        has graphs for (a voice registered while serving has none there; the main thread
+        takes it)."""
         lane = self.first_chunk_lane
         return lane is not None and self.token2wav.lane_serves(job, lane)
 

@@ -165,6 +165,7 @@ class Token2Wav:
         incremental: bool = True,
         first_hop_len: int | None = None,
         first_by_load: bool = False,
+        second_on_lane: bool = False,
         prefix_voices: int = 0,
     ) -> None:
         if hop_len < 1 or max_hop_len < hop_len or scale < 1:
@@ -176,6 +177,8 @@ class Token2Wav:
         # The worker may lengthen a short first chunk to the official one (lengthen_first_chunk):
         # both first chunks then get their shapes (first_hops).
         self.first_by_load = first_by_load
+        # The first-chunk lane also runs the chunk after a short first chunk (opens_turn).
+        self.second_on_lane = second_on_lane
         self.max_hop_len = max_hop_len
         self.scale = scale
         self.incremental = incremental
@@ -255,14 +258,15 @@ class Token2Wav:
         return [(self.mel_ratio * hop, 0) for hop in self.first_hops(prompt_tokens)]
 
     def _short_first_hop(self, prompt_tokens: int) -> int | None:
-        """The first chunk's hop when it is shorter than a regular hop (None: it is not)."""
+        """The first chunk's hop when it is shorter than a regular hop and the lane runs the
+        chunk after it (``second_on_lane``); else None."""
         first = self.first_hop(prompt_tokens)
-        return first if first < self.hop_len else None
+        return first if self.second_on_lane and first < self.hop_len else None
 
     def opens_turn(self, job: ChunkJob) -> bool:
         """Whether the job is one of its turn's opening chunks, those the first-chunk lane runs:
-        the first chunk, and after a short first chunk the regular chunk after it (its listener
-        then holds a fraction of a second of audio)."""
+        the first chunk, and with ``second_on_lane`` after a short first chunk the regular
+        chunk after it (its listener then holds a fraction of a second of audio)."""
         if job.finalize or job.early:
             return False
         return job.first or job.state.offset == self._short_first_hop(job.state.prompt.tokens)
