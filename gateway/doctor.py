@@ -15,6 +15,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,9 @@ MODEL_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx
 TOKENIZER_DIR = "CosyVoice-BlankEN"
 VOICE_MANIFEST = "voice.json"  # <voices_dir>/<voice id>/voice.json (engine/cosyvoice2/voices.py)
 PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "cosyvoice2"
+# Where CUDA clients look for the MPS control daemon when CUDA_MPS_PIPE_DIRECTORY is not set.
+MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"
+NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = 3  # nvmlComputeMode_t
 # The CUDA release that first compiles for an architecture, for the fix text.
 MIN_CUDA_FOR_ARCH = {(12, 0): "12.8", (10, 0): "12.8", (9, 0): "11.8", (8, 9): "11.8"}
 
@@ -246,7 +250,7 @@ def check_vram(probe: Probe, config: Config) -> Finding:
     if missing:
         return Finding("vram", "skip", missing)
     settings = config.engine.cosyvoice2
-    index = int(settings.device.partition(":")[2] or 0)  # auto, cuda -> GPU 0; cuda:N -> N
+    index = _gpu_index(config)
     count = probe.torch.cuda.device_count()
     if index >= count:
         return Finding("vram", "fail" if _cosyvoice2_selected(config) else "warn",
@@ -263,6 +267,31 @@ def check_vram(probe: Probe, config: Config) -> Finding:
     return Finding("vram", "fail" if _vllm_selected(config) else "warn", shown,
                    "lower [engine.cosyvoice2.vllm] gpu_memory_utilization, or token2wav_memory_gb together with "
                    "max_batch, or stop the other processes on the GPU (nvidia-smi lists them)")
+
+
+def check_mps(probe: Probe, config: Config, environ=os.environ) -> Finding:
+    """The vllm backend is two GPU processes: vLLM's engine core (the LLM stage) and the
+    gateway (token2wav). Without CUDA MPS the GPU runs one process's kernels at a time, so
+    each stage waits for the other's; an MPS daemon lets them run side by side."""
+    missing = _no_gpu(probe)
+    if missing:
+        return Finding("mps", "skip", missing)
+    if not _vllm_selected(config):
+        return Finding("mps", "skip", "only the vllm backend runs two GPU processes")
+    pipe = Path(environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE)
+    if (pipe / "control").exists():
+        return Finding("mps", "ok", f"an MPS control daemon listens in {pipe}: the LLM stage and token2wav share the "
+                       "GPU side by side")
+    fix = ("start the MPS control daemon before the gateway, as the user that runs it: nvidia-cuda-mps-control -d "
+           "(with the same CUDA_MPS_PIPE_DIRECTORY for both if not the default); see docs/cosyvoice2.md, CUDA MPS")
+    index = _gpu_index(config)
+    if probe.nvml is not None:
+        handle = probe.nvml.nvmlDeviceGetHandleByIndex(index)
+        if probe.nvml.nvmlDeviceGetComputeMode(handle) == NVML_COMPUTEMODE_EXCLUSIVE_PROCESS:
+            return Finding("mps", "fail", f"GPU {index} is in EXCLUSIVE_PROCESS compute mode and no MPS daemon listens "
+                           f"in {pipe}: vLLM's engine core and the gateway cannot both use it", fix)
+    return Finding("mps", "warn", f"no MPS control daemon in {pipe}: the LLM stage and token2wav take turns on "
+                   "the GPU", fix)
 
 
 def check_nvml(probe: Probe) -> Finding:
@@ -286,6 +315,7 @@ def run_checks(config: Config, probe: Probe) -> list[Finding]:
         check_model_dir(config),
         check_voices(config),
         check_vram(probe, config),
+        check_mps(probe, config),
         check_nvml(probe),
     ]
 
@@ -329,6 +359,11 @@ def _cosyvoice2_selected(config: Config) -> bool:
 
 def _vllm_selected(config: Config) -> bool:
     return _cosyvoice2_selected(config) and config.engine.cosyvoice2.llm_backend == "vllm"
+
+
+def _gpu_index(config: Config) -> int:
+    """The engine's GPU: auto, cuda -> 0; cuda:N -> N."""
+    return int(config.engine.cosyvoice2.device.partition(":")[2] or 0)
 
 
 def _no_gpu(probe: Probe) -> str:

@@ -18,7 +18,8 @@ from gateway.doctor import Probe
 
 CLI = [sys.executable, "-m", "gateway"]
 CHECKS = (
-    "python", "torch", "gpu", "driver", "vllm", "vllm_torch", "vllm_plugin", "model_dir", "voices", "vram", "nvml",
+    "python", "torch", "gpu", "driver", "vllm", "vllm_torch", "vllm_plugin", "model_dir", "voices", "vram", "mps",
+    "nvml",
 )
 GIB = 2**30
 
@@ -49,7 +50,7 @@ def test_cpu_machine_says_what_is_missing_and_passes(tmp_path):
     assert code == 0 and report["ok"] is True
     assert findings["python"]["status"] == "ok"
     assert findings["torch"]["status"] == "ok" and "CPU-only" in findings["torch"]["detail"]
-    for name in ("gpu", "driver", "vram"):
+    for name in ("gpu", "driver", "vram", "mps"):
         assert findings[name]["status"] == "skip"
         assert "no CUDA GPU visible" in findings[name]["detail"]
         assert "CPU-only build" in findings[name]["detail"]
@@ -148,11 +149,13 @@ def fake_torch(*, capability=(9, 0), arch_list=("sm_80", "sm_90"), cuda="12.8", 
     )
 
 
-def fake_nvml(*, cuda_driver=12080, driver="570.86.10"):
+def fake_nvml(*, cuda_driver=12080, driver="570.86.10", compute_mode=0):
     return SimpleNamespace(
         nvmlSystemGetDriverVersion=lambda: driver,
         nvmlSystemGetCudaDriverVersion=lambda: cuda_driver,
         nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetComputeMode=lambda handle: compute_mode,
     )
 
 
@@ -237,7 +240,7 @@ def test_without_torch_every_check_still_answers():
     findings = {f.name: f for f in doctor.run_checks(config_with(engine__name="cosyvoice2"), no_torch)}
     assert tuple(findings) == CHECKS
     assert findings["torch"].status == "fail" and "pip install -e '.[cosyvoice2]'" in findings["torch"].fix
-    for name in ("gpu", "driver", "vram"):
+    for name in ("gpu", "driver", "vram", "mps"):
         assert findings[name].status == "skip" and "torch is not installed" in findings[name].detail
     assert findings["nvml"].status == "skip" and "nvidia-ml-py" in findings["nvml"].detail
 
@@ -245,3 +248,19 @@ def test_without_torch_every_check_still_answers():
 def test_old_python_fails():
     assert doctor.check_python((3, 10, 12)).status == "fail"
     assert doctor.check_python((3, 13, 0)).status == "ok"
+
+
+def test_mps_daemon_found_missing_or_required(tmp_path):
+    """The vllm backend's two GPU processes take turns on the GPU without an MPS daemon (a
+    warning with the command that starts one), and cannot share a GPU in EXCLUSIVE_PROCESS
+    mode without it (a failure)."""
+    vllm = config_with(engine__name="cosyvoice2", engine__cosyvoice2__llm_backend="vllm")
+    environ = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    missing = doctor.check_mps(probe(nvml=fake_nvml()), vllm, environ)
+    assert missing.status == "warn" and str(tmp_path) in missing.detail and "nvidia-cuda-mps-control -d" in missing.fix
+    exclusive = doctor.check_mps(probe(nvml=fake_nvml(compute_mode=3)), vllm, environ)
+    assert exclusive.status == "fail" and "EXCLUSIVE_PROCESS" in exclusive.detail
+    (tmp_path / "control").touch()  # the control daemon's socket
+    assert doctor.check_mps(probe(nvml=fake_nvml(compute_mode=3)), vllm, environ).status == "ok"
+    assert doctor.check_mps(probe(), config_with(), environ).status == "skip"  # piper: one GPU process at most
+    assert doctor.MPS_DEFAULT_PIPE in doctor.check_mps(probe(), vllm, {}).detail
