@@ -110,7 +110,7 @@ class CosyVoice2Settings:
     # With a short first chunk (token_first_hop_len below token_hop_len): keep it only when the
     # chunk after it can follow before it has played, judged per stream from its tokens' pace
     # and the recent flow call time; else start with the official first chunk. Trades first
-    # audio for no stall under load. Off: always the short one (not yet measured on a GPU).
+    # audio for no stall under load (H200: docs/benchmarks.md). Off: always the short one.
     first_chunk_by_load: bool = False
     stream_scale_factor: int = 1
     # A reply that reaches this many speech tokens per text token without eos is ended
