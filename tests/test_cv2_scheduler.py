@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 from engine.cosyvoice2.engine import _END, Token2WavWorker, short_first_chunk_fits
 from engine.cosyvoice2.token2wav import Lane, cheapest_groups
@@ -218,10 +219,14 @@ def lane_recording_fake(blocked: Lane | str | None) -> tuple[FakeToken2Wav, list
     return fake, lanes, release
 
 
-async def test_the_first_chunk_lane_runs_a_new_turn_while_a_call_is_in_flight():
+@pytest.mark.parametrize("short_first", [False, True], ids=["first-chunk", "short-first-chunk-and-the-next"])
+async def test_the_first_chunk_lane_runs_a_new_turn_while_a_call_is_in_flight(short_first):
     """With a first-chunk lane, a new turn's first chunk runs on the lane's thread at once,
-    while the main thread is still in its call; the turn's later chunks go to the main thread."""
+    while the main thread is still in its call; after a short first chunk (which plays a
+    fraction of a second; second_chunk_on_lane) the chunk after it too. The turn's later
+    chunks go to the main thread."""
     lane = Lane()  # on a CPU: no stream and no graphs of its own
+    opening = 2 if short_first else 1
     fake, lanes, release = lane_recording_fake(blocked=None)
     worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
     try:
@@ -230,47 +235,20 @@ async def test_the_first_chunk_lane_runs_a_new_turn_while_a_call_is_in_flight():
         with worker.lock:
             worker.wake.notify_all()
         await eventually(lambda: worker.running == 1)  # the main thread is in its call
-        worker.add(FakeState("new", 2, first=True), queues["new"])
+        worker.add(FakeState("new", opening + 1, first=True, short_first=short_first), queues["new"])
         with worker.lock:
             worker.wake.notify_all()
-        await until(queues["new"].get())
+        for _ in range(opening):
+            await until(queues["new"].get())
         assert queues["long"].empty() and not release.is_set()
+        # Calls in the order they started; batches in the order they ran through.
+        assert lanes == [None] + [lane] * opening and fake.batches == [["new"]] * opening
         release.set()
         for name in ("long", "long", "new"):
             await until(queues[name].get())
-        # Calls in the order they started; batches in the order they ran through.
-        assert lanes[:2] == [None, lane] and fake.batches[:2] == [["new"], ["long"]]
-        assert sorted(name for batch in fake.batches[2:] for name in batch) == ["long", "new"]
-        assert lanes[2:] == [None] * len(fake.batches[2:])
-    finally:
-        release.set()
-        await asyncio.to_thread(worker.stop)
-
-
-async def test_the_lane_runs_the_chunk_after_a_short_first_chunk_too():
-    """A short first chunk plays a fraction of a second: the chunk after it runs on the lane as
-    well, while the main thread is still in its call; the turn's later chunks are the main
-    thread's."""
-    lane = Lane()
-    fake, lanes, release = lane_recording_fake(blocked=None)
-    worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
-    try:
-        queues = {"long": asyncio.Queue(), "new": asyncio.Queue()}
-        worker.add(FakeState("long", 2), queues["long"])
-        with worker.lock:
-            worker.wake.notify_all()
-        await eventually(lambda: worker.running == 1)  # the main thread is in its call
-        worker.add(FakeState("new", 4, first=True, short_first=True), queues["new"])
-        with worker.lock:
-            worker.wake.notify_all()
-        for _ in range(2):
-            await until(queues["new"].get())
-        assert queues["long"].empty() and not release.is_set()
-        assert lanes == [None, lane, lane] and fake.batches[:2] == [["new"], ["new"]]
-        release.set()
-        for name in ("long", "long", "new", "new"):
-            await until(queues[name].get())
-        assert lanes[3:] == [None] * len(fake.batches[3:])
+        assert fake.batches[opening] == ["long"]
+        assert sorted(name for batch in fake.batches[opening + 1:] for name in batch) == ["long", "new"]
+        assert lanes[opening + 1:] == [None] * len(fake.batches[opening + 1:])
     finally:
         release.set()
         await asyncio.to_thread(worker.stop)
