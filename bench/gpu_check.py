@@ -20,7 +20,6 @@ import itertools
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -58,11 +57,11 @@ def gpu_memory() -> dict:
 
 def mps_clients() -> dict | None:
     """The CUDA MPS servers this process's environment points at and their client PIDs (None
-    without MPS; bench/with_mps.sh sets it up). Under MPS the gateway's two GPU processes are
-    clients of one server."""
+    without MPS; bench/with_mps.sh sets it up and names its control program). Under MPS the
+    gateway's two GPU processes are clients of one server."""
     if not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
         return None
-    control = shutil.which("nvidia-cuda-mps-control") or "/usr/local/nvidia/bin/nvidia-cuda-mps-control"
+    control = os.environ.get("TTS_MPS_CONTROL") or "nvidia-cuda-mps-control"
 
     def ask(command: str) -> list[str]:
         return subprocess.run([control], input=command, capture_output=True, text=True, check=True).stdout.split()

@@ -3,6 +3,8 @@ per-level stage report (the GPU run itself is in bench/gpu_check.sh)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -112,3 +114,45 @@ def test_stall_free_capacity_by_workload_and_start_spread():
         "full@0.5s": 1, "full@5s": 16, "llm@0.5s": None, "llm@5s": None}
     assert gpu_check.stall_free_capacity(levels, by_spread=False) == {"full": 16, "llm": None}
     assert gpu_check.float_list("0.5,5") == [0.5, 5.0]
+
+
+FAKE_MPS_CONTROL = """#!/usr/bin/env bash
+# Stands in for nvidia-cuda-mps-control: records how it was called; answers the queries
+# bench/gpu_check.py makes as a daemon with one server (pid 10) and its two clients would.
+request=$(if [ "$#" -eq 0 ]; then cat; fi)
+echo "${*:-$request} pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "$MPS_CALLS"
+case "$request" in
+  get_server_list) echo 10 ;;
+  "get_client_list 10") printf '21\\n22\\n' ;;
+esac
+"""
+
+
+def test_with_mps_runs_the_command_between_the_daemon_start_and_quit(tmp_path):
+    """bench/with_mps.sh starts the MPS control daemon with private folders, runs the command
+    as its client (gpu_check reads the server's clients), quits the daemon even when the
+    command fails, and exits with the command's status."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    control = bin_dir / "nvidia-cuda-mps-control"
+    control.write_text(FAKE_MPS_CONTROL)
+    control.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    pipe = tmp_path / "pipe"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MPS_CALLS": str(calls), "OUT": str(tmp_path),
+           "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "log")}
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    probe = tmp_path / "probe.py"  # a command that reads the server's clients, then fails
+    probe.write_text(f"import sys\nsys.path.insert(0, {str(bench)!r})\nimport gpu_check\n"
+                     "print(gpu_check.mps_clients())\nsys.exit(3)\n")
+    result = subprocess.run(["bash", str(bench / "with_mps.sh"), sys.executable, str(probe)], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert result.stdout.strip() == "{'10': ['21', '22']}"
+    assert calls.read_text().splitlines() == [
+        f"-d pipe={pipe}", f"get_server_list pipe={pipe}", f"get_client_list 10 pipe={pipe}", f"quit pipe={pipe}",
+    ]
+    assert pipe.is_dir() and "no MPS control log" in result.stderr  # the fake daemon writes no logs
+    env.pop("CUDA_MPS_PIPE_DIRECTORY")
+    without = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=60)
+    assert without.stdout.strip() == "None"
