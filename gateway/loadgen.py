@@ -117,6 +117,10 @@ class Record:
     started_s: float | None = None  # when it began, in seconds from the start of its level
     # Where each stall fell: the reply's audio received before it, in ms (which chunk was late).
     stall_audio_ms: list[float] = dataclasses.field(default_factory=list)
+    # Each chunk after the first: the audio its listener still had buffered when it arrived, in
+    # ms (negative: how long the listener had been waiting for it, a stall). How close each
+    # chunk came to a stall, also when none was late.
+    slack_ms: list[float] = dataclasses.field(default_factory=list)
 
 
 class _Playback:
@@ -126,6 +130,8 @@ class _Playback:
         self.runs_out = None  # perf_counter time when the buffered audio is used up
 
     def add(self, now: float, duration_ms: float, record: Record) -> None:
+        if self.runs_out is not None:
+            record.slack_ms.append(round((self.runs_out - now) * 1000, 1))
         if self.runs_out is not None and now > self.runs_out:
             record.stalls += 1
             record.stall_ms += (now - self.runs_out) * 1000
@@ -270,6 +276,21 @@ def stalls_by_audio_s(records: list[Record]) -> dict[str, int]:
     return counts
 
 
+SLACK_CHUNKS = 4  # slack_ms_by_chunk: chunks 2, 3 and 4 each, then 5 and later together
+
+
+def slack_ms_by_chunk(records: list[Record]) -> dict[str, dict]:
+    """The audio still buffered when each chunk arrived (``Record.slack_ms``), by the chunk's
+    place in its reply: p5 and p50 in ms, and how many chunks."""
+    by_chunk: dict[str, list[float]] = {}
+    for record in records:
+        for index, slack in enumerate(record.slack_ms, start=2):
+            key = str(index) if index <= SLACK_CHUNKS else f"{SLACK_CHUNKS + 1}+"
+            by_chunk.setdefault(key, []).append(slack)
+    return {key: {"p5": _percentile(values, 5), "p50": _percentile(values, 50), "n": len(values)}
+            for key, values in sorted(by_chunk.items())}
+
+
 def summarize(records: list[Record]) -> dict:
     spoken = [r for r in records if r.ttfa_ms is not None]
     ttfa = [r.ttfa_ms for r in spoken]
@@ -290,6 +311,7 @@ def summarize(records: list[Record]) -> dict:
         "stalls": sum(r.stalls for r in records),
         "stall_ms": round(sum(r.stall_ms for r in records), 1),
         "stalls_by_audio_s": stalls_by_audio_s(records),
+        "slack_ms_by_chunk": slack_ms_by_chunk(records),
         "rtf_p50": None if not rtf else round(sorted(rtf)[len(rtf) // 2], 3),
         "audio_s": round(sum(r.audio_ms for r in records) / 1000, 2),
         "errors": sum(errors.values()),

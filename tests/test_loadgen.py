@@ -15,7 +15,7 @@ import gateway.loadgen as loadgen
 from tests.conftest import ws_url
 
 SUMMARY_KEYS = {"contexts", "outcomes", "ttfa_ms", "stall_free_fraction", "stalls", "stall_ms", "rtf_p50",
-                "audio_s", "errors", "errors_by_code", "stalls_by_audio_s"}
+                "audio_s", "errors", "errors_by_code", "stalls_by_audio_s", "slack_ms_by_chunk"}
 
 
 def test_a_stall_is_placed_by_the_audio_before_it():
@@ -31,6 +31,23 @@ def test_a_stall_is_placed_by_the_audio_before_it():
     assert record.stall_audio_ms == [1240.0, 3240.0]
     assert loadgen.summarize([record])["stalls_by_audio_s"] == {"0-0.5": 0, "0.5-1.5": 1, "1.5-3.5": 1,
                                                                  "3.5-7.5": 0, "7.5+": 0}
+
+
+def test_each_later_chunk_records_the_audio_still_buffered_when_it_arrived():
+    """Slack: how much audio the listener still had when a chunk arrived (negative: waited),
+    summarised by the chunk's place in its reply, chunks 5 and later together."""
+    records = []
+    for arrivals in (((0.0, 240), (0.1, 1000), (1.5, 2000), (5.0, 500), (5.2, 500)), ((0.0, 240), (0.2, 400))):
+        record = loadgen.Record(1, 0, "full", 10)
+        playback = loadgen._Playback()
+        for now, duration_ms in arrivals:
+            playback.add(now, duration_ms, record)
+        records.append(record)
+    assert records[0].slack_ms == [140.0, -260.0, -1500.0, 300.0] and records[1].slack_ms == [40.0]
+    assert loadgen.summarize(records)["slack_ms_by_chunk"] == {
+        "2": {"p5": 45.0, "p50": 90.0, "n": 2}, "3": {"p5": -260.0, "p50": -260.0, "n": 1},
+        "4": {"p5": -1500.0, "p50": -1500.0, "n": 1}, "5+": {"p5": 300.0, "p50": 300.0, "n": 1},
+    }
 
 
 def test_corpus_loads_with_line_breaks():
