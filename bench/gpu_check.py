@@ -184,6 +184,9 @@ def run_load(url: str, workload: str, sessions: int, start_spread: float, args) 
     return loadgen.summarize(records)
 
 
+CALL_KINDS = ("first", "later", "final")  # token2wav calls by their chunks (engine/cosyvoice2/token2wav.py)
+
+
 def stage_report(before: dict, after: dict, elapsed: float) -> dict:
     """Where the time went over one level, from the gateway's own counters."""
     def delta(name: str) -> float:
@@ -195,8 +198,9 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "token2wav_first_lane_chunks", "token2wav_first_lane_busy_seconds", "late_chunks_llm_bound",
         "late_chunks_token2wav_bound", "token2wav_early_chunks", "token2wav_first_chunks_lengthened",
         "token2wav_flow_calls", "token2wav_flow_eager_calls", "token2wav_flow_row_frames_first",
-        "token2wav_flow_row_frames_later", "token2wav_flow_row_frames_final", "token2wav_flow_padded_row_frames")}
-    needed = sum(totals[f"token2wav_flow_row_frames_{kind}"] for kind in ("first", "later", "final"))
+        "token2wav_flow_row_frames_later", "token2wav_flow_row_frames_final", "token2wav_flow_padded_row_frames",
+        *(f"token2wav_{total}_{kind}" for total in ("calls", "call_seconds") for kind in CALL_KINDS))}
+    needed = sum(totals[f"token2wav_flow_row_frames_{kind}"] for kind in CALL_KINDS)
     firsts = delta("tts_first_audio_chunks_total")
     first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None
                       for stage in ("llm_first_token", "llm_chunk", "token2wav_wait", "token2wav_run")}
@@ -215,10 +219,20 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "llm_tokens_per_step": round(totals["llm_generated_tokens"] / steps, 2) if steps else None,
         "llm_inter_token_ms": round(1000 * totals["llm_inter_token_seconds"] / totals["llm_inter_tokens"], 2)
         if totals["llm_inter_tokens"] else None,
+        # By kind of call: its mean time (flow and vocoder), and the frames the flow needed
+        # per second of it (against bench/flow_profile.py's solve alone: what else costs).
+        "call_ms_by_kind": {kind: _ratio(1000 * totals[f"token2wav_call_seconds_{kind}"],
+                                         totals[f"token2wav_calls_{kind}"]) for kind in CALL_KINDS},
+        "row_frames_per_call_s_by_kind": {kind: _ratio(totals[f"token2wav_flow_row_frames_{kind}"],
+                                                       totals[f"token2wav_call_seconds_{kind}"]) for kind in CALL_KINDS},
         "first_audio_ms": first_audio_ms,
         "event_loop_lag_mean_ms": round(1000 * delta("tts_event_loop_lag_seconds_sum") / lag_n, 2) if lag_n else None,
         "event_loop_lag_share_over_s": lag_over,
     }
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return round(part / whole, 1) if whole else None
 
 
 def counter_delta(before: dict, after: dict, name: str) -> float:

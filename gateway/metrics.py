@@ -180,6 +180,9 @@ class _EngineCollector:
             yield family
 
 
+# The kinds of token2wav call (engine/cosyvoice2/token2wav.py, call_kind).
+CALL_KINDS = {"first": "first chunks", "later": "later non-final chunks",
+              "final": "final chunks (full attention over the turn)"}
 # Engine-specific series (EngineStats.extra / .totals), by name without the tts_ prefix.
 ENGINE_GAUGES = {
     "llm_streams": "Utterances the LLM stage is decoding.",
@@ -198,13 +201,18 @@ ENGINE_TOTALS = {
     "token2wav_batches": "Batches the token2wav worker ran (chunks / batches = mean batch size).",
     "token2wav_chunks": "Audio chunks the token2wav worker made.",
     "token2wav_busy_seconds": "Time the token2wav worker spent running batches (a rate near 1 = saturated).",
-    "token2wav_first_lane_batches": "Batches of first chunks the token2wav first-chunk lane ran (GPU).",
-    "token2wav_first_lane_chunks": "First chunks the token2wav first-chunk lane made.",
+    "token2wav_first_lane_batches": "Batches the token2wav first-chunk lane ran (turns' opening chunks; GPU).",
+    "token2wav_first_lane_chunks": "Chunks the token2wav first-chunk lane made (first chunks; with "
+    "second_chunk_on_lane, the chunk after a short first chunk too).",
     "token2wav_first_lane_busy_seconds": "Time the token2wav first-chunk lane spent running batches.",
     "token2wav_early_chunks": "Chunks spoken early, with the tokens there were, for a listener about to run dry.",
     "token2wav_first_chunks_lengthened": "Streams started with the official first chunk, not the short one, "
     "because the chunk after it could not have followed in time (first_chunk_by_load).",
     "token2wav_flow_calls": "Flow (decoder) calls of the token2wav stage, both threads.",
+    **{f"token2wav_calls_{kind}": f"token2wav calls (flow and vocoder) of {what}, both threads."
+       for kind, what in CALL_KINDS.items()},
+    **{f"token2wav_call_seconds_{kind}": f"Time of token2wav calls of {what} (mean = / token2wav_calls_{kind})."
+       for kind, what in CALL_KINDS.items()},
     "token2wav_flow_eager_calls": "Flow calls with no CUDA graph for their shape (run eagerly).",
     "token2wav_flow_row_frames_first": "Mel frames the flow computed for first chunks (rows x each row's width).",
     "token2wav_flow_row_frames_later": "Mel frames the flow computed for later non-final chunks (rows x widths).",

@@ -102,6 +102,26 @@ async def test_the_listener_closest_to_running_dry_goes_first():
         await asyncio.to_thread(worker.stop)
 
 
+async def test_calls_are_timed_by_their_kind():
+    """The worker books each call's count and time by its kind (first, later or final chunks):
+    the totals behind tts_token2wav_calls_<kind>_total and tts_token2wav_call_seconds_<kind>_total."""
+    fake = FakeToken2Wav()
+    worker = Token2WavWorker(fake, max_batch=1, loop=asyncio.get_running_loop())
+    try:
+        queue: asyncio.Queue = asyncio.Queue()
+        worker.add(FakeState("a", 3, first=True), queue)
+        with worker.lock:
+            worker.wake.notify_all()
+        for _ in range(3):
+            await until(queue.get())
+        totals = worker.totals()
+        assert [totals[f"token2wav_calls_{kind}"] for kind in ("first", "later", "final")] == [1, 1, 1]
+        for kind in ("first", "later", "final"):  # each fake call sleeps 10 ms
+            assert 0.01 <= totals[f"token2wav_call_seconds_{kind}"] < 1.0
+    finally:
+        await asyncio.to_thread(worker.stop)
+
+
 async def test_ready_chunks_of_many_utterances_run_as_one_batch():
     fake = FakeToken2Wav()
     worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop())

@@ -23,6 +23,10 @@ tts_token2wav_busy_seconds_total{engine="cosyvoice2"} 5.0
 tts_token2wav_flow_row_frames_first_total{engine="cosyvoice2"} 1000.0
 tts_token2wav_flow_row_frames_later_total{engine="cosyvoice2"} 5000.0
 tts_token2wav_flow_padded_row_frames_total{engine="cosyvoice2"} 8000.0
+tts_token2wav_calls_first_total{engine="cosyvoice2"} 4.0
+tts_token2wav_call_seconds_first_total{engine="cosyvoice2"} 0.4
+tts_token2wav_calls_later_total{engine="cosyvoice2"} 6.0
+tts_token2wav_call_seconds_later_total{engine="cosyvoice2"} 4.0
 tts_first_audio_chunks_total{engine="cosyvoice2"} 4.0
 tts_first_audio_llm_first_token_seconds_total{engine="cosyvoice2"} 0.08
 tts_first_audio_token2wav_run_seconds_total{engine="cosyvoice2"} 0.4
@@ -59,6 +63,8 @@ def test_stage_report_is_the_change_over_the_level():
     assert report["token2wav_flow_padded_row_frames"] == 4000.0
     assert report["token2wav_flow_padding_share"] == 0.25  # 3000 of 4000 row-frames needed
     assert report["event_loop_lag_share_over_s"] == {"0.005": 0.1, "0.02": 0.01, "0.1": 0.0}
+    assert report["call_ms_by_kind"] == {"first": 100.0, "later": 666.7, "final": None}
+    assert report["row_frames_per_call_s_by_kind"] == {"first": 2500.0, "later": 1250.0, "final": None}
 
 
 def test_stack_sampler_reports_where_each_thread_is(tmp_path):

@@ -49,6 +49,7 @@ from engine.cosyvoice2.token2wav import (
     StreamState,
     Token2Wav,
     VoicePrompt,
+    call_kind,
 )
 from engine.cosyvoice2.voices import UnknownVoiceError, VoiceStore
 from engine.scheduling import PlaybackClock
@@ -728,6 +729,7 @@ class Token2WavWorker:
 
     def _run_batch(self, batch: list, lane: Lane | None = None) -> None:
         """Run one batch of (handle, job) and hand each utterance its audio (or the error)."""
+        call = call_kind([job for _, job in batch])  # before the run: it moves the streams on
         started = time.monotonic()
         try:
             audio = self.token2wav.run([job for _, job in batch], lane)
@@ -744,6 +746,8 @@ class Token2WavWorker:
             totals[f"{kind}_chunks"] += len(batch)
             totals["token2wav_early_chunks"] += sum(job.early for _, job in batch)
             totals[f"{kind}_busy_seconds"] += now - started
+            totals[f"token2wav_calls_{call}"] += 1
+            totals[f"token2wav_call_seconds_{call}"] += now - started
             if lane is None:
                 self._recent_call_s += 0.2 * (now - started - self._recent_call_s)
             else:

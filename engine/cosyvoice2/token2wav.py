@@ -148,6 +148,12 @@ class Lane:
     hift_graphs: HiftGraphs | None = None
 
 
+def call_kind(jobs) -> str:
+    """A flow call's kind, by its chunks (a call holds one kind, see ``Token2Wav.plan``):
+    ``final`` (full attention over the whole turn), ``first`` (no audio out yet), ``later``."""
+    return "final" if jobs[0].finalize else "first" if all(job.first for job in jobs) else "later"
+
+
 def _own_graphs(lane: Lane | None) -> FlowGraphs | None:
     """The flow graphs a call passes to the flow: a lane's own, or None for the decoder's."""
     return lane.flow_graphs if lane is not None else None
@@ -224,7 +230,7 @@ class Token2Wav:
             padded = key.batch * key.frames
         else:
             padded = rows * width
-        kind = "final" if finalize else "first" if all(job.first for job in jobs) else "later"
+        kind = call_kind(jobs)
         with self._work_lock:
             work = self._work
             work["calls"] += 1
