@@ -277,6 +277,21 @@ def take_profile(pid: int, path: Path) -> dict | None:
     return None
 
 
+async def profile_kernels(pid: int, path: Path, after_s: float, seconds: float) -> dict | None:
+    """The gateway's GPU kernels over ``seconds`` from ``after_s`` into a level
+    (bench/stack_sampler.py, KernelProfiler), or None if no summary came."""
+    path.unlink(missing_ok=True)
+    await asyncio.sleep(after_s)
+    os.kill(pid, signal.SIGUSR2)
+    await asyncio.sleep(seconds)
+    os.kill(pid, signal.SIGUSR2)
+    for _ in range(600):  # summing a window's kernel records can take a while
+        if path.exists():
+            return json.loads(path.read_text())
+        await asyncio.sleep(0.1)
+    return None
+
+
 async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> None:
     """First audio of the system itself (whole replies, each cut off after its first audio, so
     that a level holds many), then whole replies, then the ramp with replies streamed as deltas."""
@@ -290,6 +305,11 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
         before = scrape(f"{http}/metrics")
         take_profile(gateway_pid, profile_path)
         started = time.perf_counter()
+        kernels = None
+        if args.kernel_profile_s:  # a window in the middle of the level
+            kernels = asyncio.create_task(profile_kernels(
+                gateway_pid, profile_path.with_suffix(".kernels.json"), max(0.0, (args.duration - args.kernel_profile_s) / 2),
+                args.kernel_profile_s))
         summary = await asyncio.to_thread(run_load, url, workload, sessions, start_spread, args)
         elapsed = time.perf_counter() - started
         after = scrape(f"{http}/metrics")
@@ -306,6 +326,7 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
             "prefix_cache_hit_ratio": round(hits / queried, 3) if queried else None,
             "stages": stage_report(before, after, elapsed),
             "profile": take_profile(gateway_pid, profile_path),
+            "kernels": await kernels if kernels is not None else None,
             "seconds": round(elapsed, 1),
             "idle_wait_s": idle_wait_s,
         }
@@ -369,6 +390,9 @@ def main() -> int:
                         help="the short first chunk only when the next can follow in time (first_chunk_by_load = true)")
     parser.add_argument("--second-chunk-on-lane", action="store_true",
                         help="the lane also runs the chunk after a short first chunk (second_chunk_on_lane = true)")
+    parser.add_argument("--kernel-profile-s", type=float, default=0.0,
+                        help="profile the gateway's GPU kernels for this many seconds in the middle of each level "
+                        "(torch profiler; it slows the level down a little)")
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's pipelined scheduling on")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-equality", action="store_true")

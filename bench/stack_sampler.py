@@ -7,6 +7,10 @@ innermost Python function (its *self* time) and every function on its stack (*in
 time). ``kill -USR1`` writes the counts gathered since the last signal to OUT.json and
 starts afresh, so a load test can take one profile per concurrency level.
 
+``kill -USR2`` starts torch's profiler on the GPU's kernels, and the next ``kill -USR2``
+stops it and writes the kernels by GPU time to OUT.kernels.json (``KernelProfiler``): what
+the token2wav stage's GPU time goes to, in a window of a level.
+
 Why a sampler: the gateway's event loop, the token2wav worker thread and vLLM's output
 handling share one interpreter lock. A stage that looks slow may be waiting for the lock
 rather than working; where each thread sits, sampled, tells those apart.
@@ -18,6 +22,7 @@ import collections
 import functools
 import json
 import os
+import queue
 import signal
 import sys
 import threading
@@ -90,11 +95,59 @@ class Sampler:
         os.replace(tmp, self.out)
 
 
+def kernel_summary(averages, seconds: float, time_attr: str = "self_device_time_total", top: int = TOP) -> dict:
+    """torch profiler averages (``key_averages()``) as the kernels that took the GPU's time:
+    name, launches and milliseconds, most first; ``kernel_seconds`` is their sum (more than
+    ``seconds`` when kernels of several streams or processes overlapped)."""
+    rows = [(row.key, row.count, getattr(row, time_attr)) for row in averages if getattr(row, time_attr) > 0]
+    rows.sort(key=lambda row: row[2], reverse=True)
+    return {
+        "seconds": round(seconds, 2),
+        "kernel_seconds": round(sum(us for _, _, us in rows) / 1e6, 3),
+        "kernels": [[name, count, round(us / 1000, 1)] for name, count, us in rows[:top]],
+    }
+
+
+class KernelProfiler:
+    """Toggled by a signal (``toggle``): the first starts torch's profiler, the next stops it
+    and writes ``kernel_summary`` to ``out``. CUDA kernel records (CUPTI) cover every thread
+    of the process, so the profiler runs on a thread of its own, not in the signal handler
+    (which runs on the event loop's thread). On a CPU (tests) it profiles its own thread's ops."""
+
+    def __init__(self, out: Path, cuda: bool = True) -> None:
+        self.out = out
+        self.cuda = cuda
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+
+    def toggle(self, *_args) -> None:
+        self.requests.put(True)
+
+    def run(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activity, time_attr = (ProfilerActivity.CUDA, "self_device_time_total") if self.cuda else (
+            ProfilerActivity.CPU, "self_cpu_time_total")
+        while True:
+            self.requests.get()
+            profiler = profile(activities=[activity])
+            started = time.monotonic()
+            profiler.start()
+            self.requests.get()
+            profiler.stop()
+            report = kernel_summary(profiler.key_averages(), time.monotonic() - started, time_attr)
+            tmp = self.out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(report, indent=1))
+            os.replace(tmp, self.out)
+
+
 def main() -> int:
     out = Path(sys.argv[1])
     sampler = Sampler(out)
     signal.signal(signal.SIGUSR1, sampler.dump)
     threading.Thread(target=sampler.run, name="stack-sampler", daemon=True).start()
+    kernels = KernelProfiler(out.with_suffix(".kernels.json"))
+    signal.signal(signal.SIGUSR2, kernels.toggle)
+    threading.Thread(target=kernels.run, name="kernel-profiler", daemon=True).start()
     sys.path.insert(0, str(ROOT))
     from gateway.cli import main as gateway_main
 

@@ -162,3 +162,40 @@ def test_with_mps_runs_the_command_between_the_daemon_start_and_quit(tmp_path):
     env.pop("CUDA_MPS_PIPE_DIRECTORY")
     without = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=60)
     assert without.stdout.strip() == "None"
+
+
+def test_kernel_summary_orders_kernels_by_gpu_time():
+    """stack_sampler.kernel_summary: kernels by GPU time, most first; rows without any are ops."""
+    from types import SimpleNamespace
+
+    import stack_sampler
+
+    averages = [SimpleNamespace(key="aten::mm", count=5, self_device_time_total=0.0),
+                SimpleNamespace(key="gemm_kernel", count=5, self_device_time_total=3000.0),
+                SimpleNamespace(key="flash_attn_kernel", count=2, self_device_time_total=7000.0)]
+    assert stack_sampler.kernel_summary(averages, 2.0) == {
+        "seconds": 2.0, "kernel_seconds": 0.01, "kernels": [["flash_attn_kernel", 2, 7.0], ["gemm_kernel", 5, 3.0]],
+    }
+
+
+def test_kernel_profiler_is_toggled_by_its_signal(tmp_path):
+    """The first toggle starts the profiler on its own thread, the next writes the summary
+    (on a CPU: that thread's own ops, none here)."""
+    import json
+    import threading
+    import time
+
+    import stack_sampler
+
+    out = tmp_path / "profile.kernels.json"
+    profiler = stack_sampler.KernelProfiler(out, cuda=False)
+    threading.Thread(target=profiler.run, daemon=True).start()
+    profiler.toggle()
+    time.sleep(0.2)
+    profiler.toggle()
+    for _ in range(100):
+        if out.exists():
+            break
+        time.sleep(0.1)
+    report = json.loads(out.read_text())
+    assert report["seconds"] >= 0.2 and report["kernels"] == [] and report["kernel_seconds"] == 0
