@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine.cosyvoice2.checkpoint import make_checkpoint
+from engine.cosyvoice2.flow_graphs import FlowBuckets
 from engine.cosyvoice2.model import load_models
 from engine.cosyvoice2 import token2wav as token2wav_module
 from engine.cosyvoice2.token2wav import Token2Wav, VoicePrompt
@@ -202,6 +203,34 @@ def test_a_call_of_several_rows_is_held_to_the_call_limit(models, voice, tokens,
     alone = [token2wav._flow(j) for j in jobs]
     for a, b in zip(alone, token2wav._flows(jobs)):
         assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
+
+
+class GraphsOfEveryShape:
+    """Stands in for the flow's CUDA graphs of every bucket up to ``max_batch`` rows (the
+    cost of a call asks only which bucket it pads to)."""
+
+    def __init__(self, max_batch: int) -> None:
+        self.buckets = FlowBuckets.up_to(max_batch, 3200)
+
+    def has(self, rows, frames, streaming, after_prefix=False):
+        return self.buckets.covers(self.buckets.key(rows, frames, streaming, after_prefix))
+
+
+def test_on_a_gpu_a_call_costs_its_graph_buckets_rows(models, voice, tokens, monkeypatch):
+    """A graph of five rows computes eight (batch buckets 1, 2, 4, 8): on a GPU the plan counts
+    the padded rows, so five wide rows go as four + one rather than as eight."""
+    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    jobs = [chunk_after(token2wav, prompt, tokens, 1) for _ in range(5)]
+    # The per-call cost of this tiny model's width: three padded rows cost more than a call.
+    width = token2wav.job_frames(jobs[0])
+    monkeypatch.setattr(token2wav_module, "CALL_ROW_FRAMES", 2 * width)
+    monkeypatch.setattr(models.flow.decoder, "graphs", GraphsOfEveryShape(8))
+    assert [len(g) for g in token2wav.plan(jobs)] == [5]  # on a CPU: no graphs, no padding
+    monkeypatch.setattr(Token2Wav, "_on_gpu", property(lambda self: True))
+    assert sorted(len(g) for g in token2wav.plan(jobs)) == [1, 4]
+    monkeypatch.setattr(models.flow.decoder, "graphs", GraphsOfEveryShape(5))  # a bucket of five: one call
+    assert [len(g) for g in token2wav.plan(jobs)] == [5]
 
 
 class GraphsWithNoShapes:

@@ -148,6 +148,11 @@ class Lane:
     hift_graphs: HiftGraphs | None = None
 
 
+def _row_frames(key) -> int:
+    """The rows x frames a flow graph of this key (flow_graphs.GraphKey) computes."""
+    return key.batch * key.frames
+
+
 def call_kind(jobs) -> str:
     """A flow call's kind, by its chunks (a call holds one kind, see ``Token2Wav.plan``):
     ``final`` (full attention over the whole turn), ``first`` (no audio out yet), ``later``."""
@@ -222,12 +227,9 @@ class Token2Wav:
         """Book one flow call of these jobs, whose rows need ``widths`` decoder frames each."""
         finalize = jobs[0].finalize
         rows, width = len(widths), max(widths)
-        replayed = graphs is not None and self.flow.decoder.noise.is_cuda and graphs.has(
-            rows, width, not finalize, after_prefix
-        )
+        replayed = graphs is not None and self._on_gpu and graphs.has(rows, width, not finalize, after_prefix)
         if replayed:
-            key = graphs.buckets.key(rows, width, not finalize, after_prefix)
-            padded = key.batch * key.frames
+            padded = _row_frames(graphs.buckets.key(rows, width, not finalize, after_prefix))
         else:
             padded = rows * width
         kind = call_kind(jobs)
@@ -445,8 +447,10 @@ class Token2Wav:
         """A flow call's cost in row-frames (see ``CALL_ROW_FRAMES``) for ``rows`` contexts of
         up to ``frames``, infinite for a call of several rows above ``MAX_CALL_ROW_FRAMES``;
         ``prefix``: the frames a call after the voice prefixes starts at (None: none);
-        ``graphs``: the flow graphs the call would replay."""
-        on_gpu = self.flow.decoder.noise.is_cuda
+        ``graphs``: the flow graphs the call would replay. A graph computes its bucket's rows
+        and frames: on a GPU that padding is work too (batch buckets 1, 2, 4, 8, ... pad five
+        rows to eight), so a call that replays one costs its bucket's row-frames."""
+        on_gpu = self._on_gpu
         graphs = graphs if on_gpu else None
         width = self._decoder_width(frames, finalize)
         whole_graph = graphs is not None and graphs.has(rows, width, not finalize)
@@ -454,11 +458,17 @@ class Token2Wav:
         cost = CALL_ROW_FRAMES + rows * (frames - prefix if after_prefix else frames)
         if rows > 1 and cost > MAX_CALL_ROW_FRAMES:
             return math.inf
-        if not on_gpu or whole_graph:  # no launch floor on a CPU
+        if not on_gpu:  # no launch floor, no graphs
             return cost
+        if whole_graph:
+            return CALL_ROW_FRAMES + _row_frames(graphs.buckets.key(rows, width, not finalize))
         if after_prefix and graphs is not None and graphs.has(rows, width - prefix, True, after_prefix=True):
-            return cost
+            return CALL_ROW_FRAMES + _row_frames(graphs.buckets.key(rows, width - prefix, True, after_prefix=True))
         return max(EAGER_FLOOR_ROW_FRAMES, cost)
+
+    @property
+    def _on_gpu(self) -> bool:
+        return self.flow.decoder.noise.is_cuda
 
     def _decoder_width(self, frames: int, finalize: bool) -> int:
         """The decoder's width for a call of this context: the look-ahead tokens are context only."""
