@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway import loadgen  # noqa: E402
+from gateway.metrics import CALL_KINDS  # noqa: E402
 
 PROMPT_TEXT = "This is the voice of the prompt, spoken clearly and slowly."
 
@@ -182,9 +183,6 @@ def run_load(url: str, workload: str, sessions: int, start_spread: float, args) 
         for raw in json.loads(path.read_text())["records"]:
             records.append(loadgen.Record(**raw))
     return loadgen.summarize(records)
-
-
-CALL_KINDS = ("first", "later", "final")  # token2wav calls by their chunks (engine/cosyvoice2/token2wav.py)
 
 
 def stage_report(before: dict, after: dict, elapsed: float) -> dict:

@@ -729,10 +729,11 @@ class Token2WavWorker:
 
     def _run_batch(self, batch: list, lane: Lane | None = None) -> None:
         """Run one batch of (handle, job) and hand each utterance its audio (or the error)."""
-        call = call_kind([job for _, job in batch])  # before the run: it moves the streams on
+        jobs = [job for _, job in batch]
+        call = call_kind(jobs)  # before the run: it moves the streams on
         started = time.monotonic()
         try:
-            audio = self.token2wav.run([job for _, job in batch], lane)
+            audio = self.token2wav.run(jobs, lane)
             error = None
         except Exception as exc:  # delivered to each utterance of the batch
             log.exception("token2wav failed")

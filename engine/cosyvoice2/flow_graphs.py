@@ -74,6 +74,11 @@ class GraphKey:
     streaming: bool
     after_prefix: bool = False  # CFM.solve_after over the bank's voice prefixes (frames: those after them)
 
+    @property
+    def row_frames(self) -> int:
+        """The rows x frames a replay of this graph computes."""
+        return self.batch * self.frames
+
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
     """1, 2, 4, ... (powers of two below ``max_batch``), then ``max_batch``."""
@@ -167,7 +172,7 @@ class FlowBuckets:
         shapes outside the buckets."""
         keys = {self.key(b, f, s, after_prefix) for b in batches for f in frames for s in streaming_flags}
         if max_row_frames is not None:
-            keys = {key for key in keys if key.batch == 1 or key.batch * key.frames <= max_row_frames}
+            keys = {key for key in keys if key.batch == 1 or key.row_frames <= max_row_frames}
         if after_prefix and not all(key.streaming for key in keys):
             raise ValueError("a solve after voice prefixes is a streaming solve")
         outside = [key for key in keys if not self.covers(key)]

@@ -148,11 +148,6 @@ class Lane:
     hift_graphs: HiftGraphs | None = None
 
 
-def _row_frames(key) -> int:
-    """The rows x frames a flow graph of this key (flow_graphs.GraphKey) computes."""
-    return key.batch * key.frames
-
-
 def call_kind(jobs) -> str:
     """A flow call's kind, by its chunks (a call holds one kind, see ``Token2Wav.plan``):
     ``final`` (full attention over the whole turn), ``first`` (no audio out yet), ``later``."""
@@ -227,16 +222,13 @@ class Token2Wav:
         """Book one flow call of these jobs, whose rows need ``widths`` decoder frames each."""
         finalize = jobs[0].finalize
         rows, width = len(widths), max(widths)
-        replayed = graphs is not None and self._on_gpu and graphs.has(rows, width, not finalize, after_prefix)
-        if replayed:
-            padded = _row_frames(graphs.buckets.key(rows, width, not finalize, after_prefix))
-        else:
-            padded = rows * width
+        replayed = self._replayed_row_frames(graphs, rows, width, not finalize, after_prefix)
+        padded = rows * width if replayed is None else replayed
         kind = call_kind(jobs)
         with self._work_lock:
             work = self._work
             work["calls"] += 1
-            work["eager_calls"] += not replayed
+            work["eager_calls"] += replayed is None
             work[f"row_frames_{kind}"] += sum(widths)
             work["padded_row_frames"] += padded
 
@@ -450,25 +442,34 @@ class Token2Wav:
         ``graphs``: the flow graphs the call would replay. A graph computes its bucket's rows
         and frames: on a GPU that padding is work too (batch buckets 1, 2, 4, 8, ... pad five
         rows to eight), so a call that replays one costs its bucket's row-frames."""
-        on_gpu = self._on_gpu
-        graphs = graphs if on_gpu else None
         width = self._decoder_width(frames, finalize)
-        whole_graph = graphs is not None and graphs.has(rows, width, not finalize)
-        after_prefix = not finalize and prefix is not None and not whole_graph  # as _flow_batched decides
+        whole = self._replayed_row_frames(graphs, rows, width, not finalize)
+        after_prefix = not finalize and prefix is not None and whole is None  # as _flow_batched decides
         cost = CALL_ROW_FRAMES + rows * (frames - prefix if after_prefix else frames)
         if rows > 1 and cost > MAX_CALL_ROW_FRAMES:
             return math.inf
-        if not on_gpu:  # no launch floor, no graphs
+        if not self._on_gpu:  # no launch floor, no graphs
             return cost
-        if whole_graph:
-            return CALL_ROW_FRAMES + _row_frames(graphs.buckets.key(rows, width, not finalize))
-        if after_prefix and graphs is not None and graphs.has(rows, width - prefix, True, after_prefix=True):
-            return CALL_ROW_FRAMES + _row_frames(graphs.buckets.key(rows, width - prefix, True, after_prefix=True))
+        if whole is not None:
+            return CALL_ROW_FRAMES + whole
+        if after_prefix:
+            after = self._replayed_row_frames(graphs, rows, width - prefix, True, after_prefix=True)
+            if after is not None:
+                return CALL_ROW_FRAMES + after
         return max(EAGER_FLOOR_ROW_FRAMES, cost)
 
     @property
     def _on_gpu(self) -> bool:
         return self.flow.decoder.noise.is_cuda
+
+    def _replayed_row_frames(
+        self, graphs: FlowGraphs | None, rows: int, width: int, streaming: bool, after_prefix: bool = False
+    ) -> int | None:
+        """The rows x frames a call of this shape computes when it replays one of ``graphs``
+        (its bucket's, padding included); None when it runs eagerly (no graph, or a CPU)."""
+        if graphs is None or not self._on_gpu or not graphs.has(rows, width, streaming, after_prefix):
+            return None
+        return graphs.buckets.key(rows, width, streaming, after_prefix).row_frames
 
     def _decoder_width(self, frames: int, finalize: bool) -> int:
         """The decoder's width for a call of this context: the look-ahead tokens are context only."""
