@@ -1,9 +1,11 @@
 """Shape bucketing of the flow solve for CUDA graphs (engine/cosyvoice2/flow_graphs.py), on CPU.
 
 These tests prove that padding a solve to its bucket is exact (the padded eager solve
-equals the unpadded one) and that the captured region has no host reads. They do not
-run CUDA graphs: that a graph replay equals the eager solve is checked on a GPU by
-bench/flow_graphs.py, whose CPU path (no graphs) is smoke-tested here.
+equals the unpadded one), that the program a graph captures (one Euler step at a device
+step counter, replayed once per step) computes the eager solve bit for bit, and that the
+captured region has no host reads. They do not run CUDA graphs: that a graph replay equals
+the eager solve is checked on a GPU by bench/flow_graphs.py, whose CPU path (no graphs) is
+smoke-tested here, and by the gateway at start-up.
 """
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ from torch import Tensor
 from bench import flow_graphs as bench_flow_graphs
 from bench import flow_profile as bench_flow_profile
 from bench import gpu_sharing as bench_gpu_sharing
-from engine.cosyvoice2.flow import CFM, CFMConfig, PrefixBank
-from engine.cosyvoice2.flow_graphs import FlowBuckets, GraphKey, pad_inputs, solve_after_padded, solve_padded
+from engine.cosyvoice2.flow import CFM, N_TIMESTEPS, CFMConfig, PrefixBank
+from engine.cosyvoice2.flow_graphs import (
+    FlowBuckets,
+    GraphKey,
+    pad_inputs,
+    pad_rows,
+    solve_after_padded,
+    solve_padded,
+    step_program,
+)
 from tests.reference import randomize
 
 LENGTHS = [110, 57, 81]  # 3 rows -> batch bucket 4; 110 frames -> frame bucket 150
@@ -153,17 +163,82 @@ def test_cfm_solve_runs_without_host_sync() -> None:
         assert mel.shape == (4, 80, 150) and mel.dtype == torch.float32
 
 
+def solve_by_steps(cfm: CFM, key: GraphKey, inputs: tuple[Tensor, ...], bank: PrefixBank | None = None) -> Tensor:
+    """A solve as the graphs of ``key`` run it, eagerly: ``start``, then the Euler step
+    ``N_TIMESTEPS`` times, all on static tensors; returns x (the mel, in the model's dtype)."""
+    mu = inputs[0]
+    x = mu.new_zeros(key.batch, 80, key.frames)
+    step = torch.zeros(1, dtype=torch.long, device=mu.device)
+    start, euler_step = step_program(cfm, key, inputs, x, step, cfm.step_times(N_TIMESTEPS, mu.device, mu.dtype), bank)
+    start()
+    for _ in range(N_TIMESTEPS):
+        euler_step()
+    return x
+
+
+def prefix_bank(cfm: CFM, like: Tensor) -> PrefixBank:
+    """A bank of 3 slots, 150 frames: the first voice of ``like``'s rows (100 frames) in slot 2 and
+    the second (50 frames) in slot 0; slot 1 empty."""
+    mu, _, spks, cond = batch_inputs([200, 200], [200, 200], seed=6)
+    mu, spks, cond = mu.to(like), spks.to(like), cond.to(like)
+    bank = PrefixBank(cfm, 3, 150, mu)
+    bank.put(2, cfm.voice_prefix(mu[:1], spks[:1], cond[:1], 100))
+    bank.put(0, cfm.voice_prefix(mu[1:], spks[1:], cond[1:], 50))
+    return bank
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("streaming", [True, False, "after_prefix"])
+def test_step_program_is_the_eager_solve(cfm, streaming, dtype) -> None:
+    """The Euler step a graph captures, run once per step from ``start`` with the step read
+    from a device counter, gives the padded eager solve bit for bit (streaming, full
+    attention, and after voice prefixes; float32 and bfloat16)."""
+    model = CFM(CFMConfig.tiny())
+    model.load_state_dict(cfm.state_dict())
+    model = model.to(dtype)
+    mu, mask, spks, cond = (t.to(dtype) for t in batch_inputs(LENGTHS, PROMPTS, seed=8))
+    buckets = FlowBuckets.up_to(max_batch=8, max_frames=300)
+    after_prefix = streaming == "after_prefix"
+    key = buckets.key(len(LENGTHS), mu.shape[2], streaming is not False, after_prefix)
+    with torch.inference_mode():
+        if after_prefix:
+            bank = prefix_bank(model, mu)
+            slots = torch.tensor([2, 0, 2])
+            eager = solve_after_padded(model, buckets, bank, slots, mu, mask, spks, cond)
+            inputs = pad_inputs(mu, mask, spks, cond, key.batch, key.frames) + (pad_rows(slots, key.batch),)
+        else:
+            bank = None
+            eager = solve_padded(model, buckets, mu, mask, spks, cond, streaming)
+            inputs = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
+        stepped = solve_by_steps(model, key, inputs, bank)
+    assert eager.abs().max() > 1.0
+    assert torch.equal(stepped[: len(LENGTHS), :, : mu.shape[2]].float(), eager)
+
+
+def test_step_program_runs_without_host_sync() -> None:
+    """The Euler step a graph captures (the step counter read on the device, the bank's state
+    at that step) runs on the meta device: it reads no tensor data on the host."""
+    cfm = CFM(CFMConfig.tiny()).to("meta").eval()
+    mu = torch.zeros(4, 80, 150, device="meta")
+    bank = PrefixBank(cfm, 2, 100, mu)
+    slots = torch.zeros(4, dtype=torch.long, device="meta")
+    inputs = (mu, torch.ones(4, 1, 150, device="meta"), torch.zeros(4, 80, device="meta"), mu)
+    for key, extra, program_bank in (
+        (GraphKey(4, 150, True), (), None),
+        (GraphKey(4, 150, False), (), None),
+        (GraphKey(4, 150, True, after_prefix=True), (slots,), bank),
+    ):
+        x = solve_by_steps(cfm, key, inputs + extra, program_bank)
+        assert x.shape == (4, 80, 150)
+
+
 def test_padded_solve_after_voice_prefixes_equals_unpadded(cfm) -> None:
     """A solve that starts after voice prefixes, padded to its bucket (rows as copies of row 0,
     slot included), equals the unpadded one and each row alone; rows of two voices whose
     prefixes (100 and 50 frames) sit in a wider bank (150 frames, one slot empty)."""
-    mu, _, spks, cond = batch_inputs([200, 200], [200, 200], seed=6)
+    mu, _, spks, cond = batch_inputs([200, 200], [200, 200], seed=6)  # the voices of prefix_bank
     with torch.inference_mode():
-        prefixes = [cfm.voice_prefix(mu[v : v + 1], spks[v : v + 1], cond[v : v + 1], frames)
-                    for v, frames in ((0, 100), (1, 50))]
-        bank = PrefixBank(cfm, 3, 150, mu)
-        bank.put(2, prefixes[0])
-        bank.put(0, prefixes[1])
+        bank = prefix_bank(cfm, mu)
     rows = [(2, 57), (0, 81), (2, 30)]  # (slot, frames after its prefix)
     voice_of_slot, start_of_slot = {2: 0, 0: 1}, {2: 100, 0: 50}
     new_mu, mask, _, new_cond = batch_inputs([n for _, n in rows], [0, 0, 0], seed=7)

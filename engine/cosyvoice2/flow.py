@@ -27,8 +27,8 @@ Attention masks are built with tensor ops only. The official helper checks for
 all-masked rows with ``.item()``, a host sync that stalls the GPU and breaks CUDA-graph
 capture; here the same rule (a query row that sees no key sees every key instead) is a
 tensor ``|``. Masks are boolean ``[B, 1, Tq, Tk]``, shared by all heads, which SDPA
-takes as they are. So a whole solve can be captured as one CUDA graph
-(``flow_graphs.py``, used through ``CFM.graphs``).
+takes as they are. So the solve can be captured in CUDA graphs (``flow_graphs.py``, one
+graph per Euler step replayed for every step, used through ``CFM.graphs``).
 
 Chunk-causality and incremental streaming
 ----------------------------------------
@@ -301,11 +301,12 @@ class VoicePrefix:
 class PrefixBank:
     """Voice prefixes in fixed tensors, one slot per voice: what batched calls read.
 
-    ``keys[step * n_attention + layer]`` is ``[slots, 2, heads, frames, head_dim]`` (slot,
-    then the prefix's two rows), zero past a slot's own prefix; ``conv_context`` likewise
-    ``[slots, 2, channels, kernel - 1]``; ``start[slot]`` is the slot's prefix length
-    (0 while empty). ``put`` writes in place, so a CUDA graph that reads the bank
-    (flow_graphs) stays valid as voices come and go.
+    ``keys[layer]`` is ``[steps, slots, 2, heads, frames, head_dim]`` (Euler step, slot, then
+    the prefix's two rows), zero past a slot's own prefix; ``conv_context[conv]`` likewise
+    ``[steps, slots, 2, channels, kernel - 1]``; ``start[slot]`` is the slot's prefix length
+    (0 while empty). The step is an index, not a list position, so that one CUDA graph of an
+    Euler step reads every step's state (flow_graphs). ``put`` writes in place, so such a graph
+    stays valid as voices come and go.
     """
 
     def __init__(self, cfm: CFM, slots: int, frames: int, like: Tensor) -> None:
@@ -313,21 +314,29 @@ class PrefixBank:
             raise ValueError(f"a prefix bank needs >= 1 slot and >= 0 frames, got {slots}, {frames}")
         self.slots = slots
         self.frames = frames
-        layers = cfm.estimator.attention_layers * N_TIMESTEPS
-        self.keys = [like.new_zeros(slots, 2, layer.heads, frames, layer.head_dim) for layer in layers]
-        self.values = [like.new_zeros(slots, 2, layer.heads, frames, layer.head_dim) for layer in layers]
-        self.conv_context = [like.new_zeros(slots, *c.shape) for c in cfm._zero_conv_context(2, like)]
+        self.n_attention = len(cfm.estimator.attention_layers)
+        self.n_conv = len(cfm.estimator.causal_convs)
+        self.keys = [
+            like.new_zeros(N_TIMESTEPS, slots, 2, layer.heads, frames, layer.head_dim)
+            for layer in cfm.estimator.attention_layers
+        ]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.conv_context = [
+            like.new_zeros(N_TIMESTEPS, slots, *c.shape) for c in cfm._zero_conv_context(2, like)[: self.n_conv]
+        ]
         self.start = torch.zeros(slots, dtype=torch.long, device=like.device)
 
     def put(self, slot: int, prefix: VoicePrefix) -> None:
         if prefix.frames > self.frames:
             raise ValueError(f"a prefix of {prefix.frames} frames does not fit a bank of {self.frames}")
         for bank, stored in ((self.keys, prefix.keys), (self.values, prefix.values)):
-            for tensor, part in zip(bank, stored):
-                tensor[slot].zero_()
-                tensor[slot, :, :, : prefix.frames] = part
-        for tensor, part in zip(self.conv_context, prefix.conv_context):
-            tensor[slot] = part
+            for index, part in enumerate(stored):
+                step, layer = divmod(index, self.n_attention)
+                bank[layer][step, slot].zero_()
+                bank[layer][step, slot, :, :, : prefix.frames] = part
+        for index, part in enumerate(prefix.conv_context):
+            step, conv = divmod(index, self.n_conv)
+            self.conv_context[conv][step, slot] = part
         self.start[slot] = prefix.frames
 
     @property
@@ -335,33 +344,32 @@ class PrefixBank:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.conv_context))
 
 
-class _PrefixView:
+class PrefixView:
     """One Euler step of a batch whose rows start after their voices' prefixes (read-only).
 
     ``slots[r]``: the bank slot of row r's voice (rows are sessions; CFG doubles them, the
     conditioned half first, as in ``CFM.solve``). Every shape depends on the bank and the
-    batch only, not on the values, so a CUDA graph can hold this.
+    batch only, not on the values, and the step may be a device tensor, so one CUDA graph
+    can hold this view for every step.
     """
 
-    def __init__(self, bank: PrefixBank, slots: Tensor, n_attention: int, n_conv: int) -> None:
+    def __init__(self, bank: PrefixBank, slots: Tensor) -> None:
         self.bank = bank
-        self.n_attention = n_attention
-        self.n_conv = n_conv
-        self.attention_base = self.conv_base = 0
+        self.step: int | Tensor = 0
         self.slot_of_row = slots.repeat(2)
         self.start = bank.start[self.slot_of_row]
         # Row i of the 2B-row batch takes row `branch[i]` (0 conditioned, 1 not) of its slot.
         self.branch = torch.arange(2, device=slots.device).repeat_interleave(len(slots))
 
-    def at_step(self, step: int) -> _PrefixView:
-        """This view for Euler step ``step`` (the solver asks for the steps in order)."""
-        self.attention_base = step * self.n_attention
-        self.conv_base = step * self.n_conv
+    def at_step(self, step: int | Tensor) -> PrefixView:
+        """This view for Euler step ``step``: an int, or a one-element device tensor."""
+        self.step = step
         return self
 
     def _rows(self, stored: Tensor) -> Tensor:
-        """Each batch row's part of a bank tensor."""
-        return stored[self.slot_of_row, self.branch]
+        """Each batch row's part of a bank tensor at this step."""
+        step = self.step if isinstance(self.step, int) else self.step.expand(len(self.slot_of_row))
+        return stored[step, self.slot_of_row, self.branch]
 
     def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> Tensor:
         """Queries: the new frames, at start + i. Keys: the bank's frames (j, valid below the
@@ -373,12 +381,11 @@ class _PrefixView:
         return chunk_attention_mask(key_valid, start[:, None] + positions, chunk, key_pos)
 
     def keys_values(self, slot: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        index = self.attention_base + slot
-        keys, values = self.bank.keys[index], self.bank.values[index]
+        keys, values = self.bank.keys[slot], self.bank.values[slot]
         return torch.cat([self._rows(keys), key], dim=2), torch.cat([self._rows(values), value], dim=2)
 
     def conv_input(self, slot: int, x: Tensor) -> Tensor:
-        return torch.cat([self._rows(self.bank.conv_context[self.conv_base + slot]), x], dim=2)
+        return torch.cat([self._rows(self.bank.conv_context[slot]), x], dim=2)
 
 
 # ----------------------------------------------------------------------------- estimator layers
@@ -392,7 +399,7 @@ class CausalConv1d(nn.Conv1d):
         self.context = kernel_size - 1
         self.cache_slot = -1  # set by Estimator
 
-    def forward(self, x: Tensor, view: _StepView | _PrefixView | None = None) -> Tensor:
+    def forward(self, x: Tensor, view: _StepView | PrefixView | None = None) -> Tensor:
         if view is None:
             x = F.pad(x, (self.context, 0))
         else:
@@ -409,7 +416,7 @@ class CausalBlock(nn.Module):
         # whose parameters are stored as block.0.* and block.2.*.
         self.block = nn.ModuleList([CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out)])
 
-    def forward(self, x: Tensor, mask: Tensor, view: _StepView | _PrefixView | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, view: _StepView | PrefixView | None) -> Tensor:
         conv, _, norm = self.block
         h = conv(x * mask, view)
         h = norm(h.transpose(1, 2)).transpose(1, 2)
@@ -426,7 +433,7 @@ class ResnetBlock(nn.Module):
         self.block2 = CausalBlock(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: Tensor, mask: Tensor, time_emb: Tensor, view: _StepView | _PrefixView | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, time_emb: Tensor, view: _StepView | PrefixView | None) -> Tensor:
         h = self.block1(x, mask, view)
         h = h + self.mlp(time_emb)[:, :, None]
         h = self.block2(h, mask, view)
@@ -447,7 +454,7 @@ class SelfAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
         self.cache_slot = -1  # set by Estimator
 
-    def forward(self, x: Tensor, mask: Tensor, view: _StepView | _PrefixView | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, view: _StepView | PrefixView | None) -> Tensor:
         batch, frames, _ = x.shape
 
         def heads(h: Tensor) -> Tensor:
@@ -497,7 +504,7 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim, act_fn)
 
-    def forward(self, x: Tensor, mask: Tensor, view: _StepView | _PrefixView | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, view: _StepView | PrefixView | None) -> Tensor:
         x = x + self.attn1(self.norm1(x), mask, view)
         return x + self.ff(self.norm3(x))
 
@@ -576,7 +583,7 @@ class Estimator(nn.Module):
         spks: Tensor,
         cond: Tensor,
         streaming: bool = False,
-        view: _StepView | _PrefixView | None = None,
+        view: _StepView | PrefixView | None = None,
     ) -> Tensor:
         """x, mu, cond: ``[B, 80, T]``; mask: ``[B, 1, T]`` (1 = real frame); t: ``[B]``; spks: ``[B, 80]``.
 
@@ -633,7 +640,7 @@ class CFM(nn.Module):
         noise = torch.randn(1, config.estimator.out_channels, NOISE_FRAMES, generator=generator)
         # Not a parameter of the checkpoint: kept out of the state dict, moved with .to().
         self.register_buffer("noise", noise, persistent=False)
-        # CUDA graphs of whole solves (flow_graphs.FlowGraphs), set by the engine after capture.
+        # CUDA graphs of the solve (flow_graphs.FlowGraphs), set by the engine after capture.
         self.graphs: FlowGraphs | None = None
 
     def time_grid(self, n_timesteps: int, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -641,6 +648,50 @@ class CFM(nn.Module):
         if self.config.cfm_params.t_scheduler == "cosine":
             t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
         return t_span
+
+    def step_times(self, n_timesteps: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """``[n_timesteps, 2]``: each Euler step's t and dt, accumulated as the official solver
+        does (t += dt, then dt from the grid), in ``dtype``."""
+        t_span = self.time_grid(n_timesteps, device, dtype)
+        t, dt = t_span[0], t_span[1] - t_span[0]
+        rows = []
+        for step in range(n_timesteps):
+            rows.append(torch.stack([t, dt]))
+            t = t + dt
+            if step + 1 < n_timesteps:
+                dt = t_span[step + 2] - t
+        return torch.stack(rows)
+
+    @staticmethod
+    def cfg_rows(mask: Tensor, mu: Tensor, spks: Tensor, cond: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The estimator's ``2B`` rows: the conditioned ones, then the same with mu, spks and cond zeroed."""
+        return (
+            torch.cat([mask, mask]),
+            torch.cat([mu, torch.zeros_like(mu)]),
+            torch.cat([spks, torch.zeros_like(spks)]),
+            torch.cat([cond, torch.zeros_like(cond)]),
+        )
+
+    def euler_step(
+        self,
+        x: Tensor,
+        step: int | Tensor,
+        times: Tensor,
+        rows: tuple[Tensor, Tensor, Tensor, Tensor],
+        streaming: bool,
+        view: _StepView | PrefixView | None = None,
+    ) -> Tensor:
+        """``x`` ``[B, 80, T]`` after Euler step ``step`` of ``times`` (``step_times``); ``rows``
+        from ``cfg_rows``. ``step`` may be a one-element device tensor: it is then read on the
+        device, so one CUDA graph of this call serves every step (flow_graphs)."""
+        t, dt = times[step] if isinstance(step, int) else times.index_select(0, step)[0]
+        mask_in, mu_in, spks_in, cond_in = rows
+        velocity = self.estimator(
+            torch.cat([x, x]), mask_in, mu_in, t.expand(mask_in.shape[0]), spks_in, cond_in, streaming, view
+        )
+        conditioned, unconditioned = velocity.chunk(2)
+        cfg_rate = self.config.cfm_params.inference_cfg_rate
+        return x + dt * ((1.0 + cfg_rate) * conditioned - cfg_rate * unconditioned)
 
     def solve(
         self,
@@ -651,31 +702,17 @@ class CFM(nn.Module):
         cond: Tensor,
         streaming: bool,
         n_timesteps: int = N_TIMESTEPS,
-        view_for_step: Callable[[int], _StepView | _PrefixView | None] = lambda step: None,
+        view_for_step: Callable[[int], _StepView | PrefixView | None] = lambda step: None,
     ) -> Tensor:
         """Integrates from noise ``x`` ``[B, 80, T]`` to mel; returns float32 ``[B, 80, T]``.
 
         Rows are independent: the estimator runs on ``2B`` rows, the conditioned ones
         then the same rows with mu, spks and cond zeroed.
         """
-        t_span = self.time_grid(n_timesteps, mu.device, mu.dtype)
-        cfg_rate = self.config.cfm_params.inference_cfg_rate
-        mask_in = torch.cat([mask, mask])
-        mu_in = torch.cat([mu, torch.zeros_like(mu)])
-        spks_in = torch.cat([spks, torch.zeros_like(spks)])
-        cond_in = torch.cat([cond, torch.zeros_like(cond)])
-        # t and dt accumulate exactly as in the official solver (t += dt, then dt from the grid).
-        t, dt = t_span[0:1], t_span[1] - t_span[0]
-        for step in range(1, n_timesteps + 1):
-            velocity = self.estimator(
-                torch.cat([x, x]), mask_in, mu_in, t.expand(mask_in.shape[0]), spks_in, cond_in, streaming,
-                view_for_step(step - 1),
-            )
-            conditioned, unconditioned = velocity.chunk(2)
-            x = x + dt * ((1.0 + cfg_rate) * conditioned - cfg_rate * unconditioned)
-            t = t + dt
-            if step < n_timesteps:
-                dt = t_span[step + 1] - t
+        times = self.step_times(n_timesteps, mu.device, mu.dtype)
+        rows = self.cfg_rows(mask, mu, spks, cond)
+        for step in range(n_timesteps):
+            x = self.euler_step(x, step, times, rows, streaming, view_for_step(step))
         return x.float()
 
     def forward(
@@ -693,7 +730,7 @@ class CFM(nn.Module):
 
         noise: ``[1 or B, 80, >= T]``, sliced to its first T frames (default: ``self.noise``).
         With ``graphs`` (default: ``self.graphs``), a CUDA call with the default noise and step
-        count replays a captured graph of the whole solve when one exists for its shape bucket.
+        count replays the captured graphs of the solve when they exist for its shape bucket.
         """
         frames = mu.shape[2]
         graphs = graphs if graphs is not None else self.graphs
@@ -750,14 +787,18 @@ class CFM(nn.Module):
                 return mel
         return self.solve_after_eager(bank, slots, mu, mask, spks, cond)
 
+    def noise_after(self, bank: PrefixBank, slots: Tensor, frames: int) -> Tensor:
+        """The fixed noise of ``frames`` frames after each row's voice prefix: ``[B, 80, frames]``."""
+        noise = self.noise[:, :, : bank.frames + frames].expand(len(slots), -1, -1)
+        return _gather_frames(noise, bank.start[slots], frames)
+
     def solve_after_eager(
         self, bank: PrefixBank, slots: Tensor, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor
     ) -> Tensor:
         """``solve_after`` without graphs (and what its graphs capture)."""
-        noise = _gather_frames(self.noise[:, :, : bank.frames + mu.shape[2]].expand(len(slots), -1, -1),
-                               bank.start[slots], mu.shape[2])
-        view = _PrefixView(bank, slots, len(self.estimator.attention_layers), len(self.estimator.causal_convs))
-        return self.solve(noise.to(mu.dtype), mask, mu, spks, cond, True, N_TIMESTEPS, view.at_step)
+        view = PrefixView(bank, slots)
+        return self.solve(self.noise_after(bank, slots, mu.shape[2]).to(mu.dtype), mask, mu, spks, cond, True,
+                          N_TIMESTEPS, view.at_step)
 
     # -- incremental (streaming) decoding
 

@@ -1,11 +1,14 @@
-"""CUDA graphs of the flow decoder's whole ODE solve, for fixed shape buckets.
+"""CUDA graphs of the flow decoder's ODE solve, for fixed shape buckets.
 
 At small batch the flow estimator is launch-bound: one call issues a few thousand small
 kernels, so it costs ~35-40 ms eager on an H200 whatever the batch, and a chunk makes 10
 of them (measured at full size, bf16: one estimator call ~4.9 ms under graph replay for
 1 stream x 356 frames, 12 ms for 8 streams, 36 ms for 32, 134 ms for 128). A graph here
-holds all of ``CFM.solve`` (10 Euler steps, each one estimator call on the doubled CFG
-batch), so a replay is one launch.
+holds one Euler step of ``CFM.solve`` (one estimator call on the doubled CFG batch and the
+update of x), and a solve replays it 10 times (``step_program``). The step reads its t and
+dt, and after voice prefixes the bank's state, at a step counter on the device that the
+graph itself advances. So 10 launches run a solve, and capturing a shape costs one step,
+not ten: with ~180 shapes served, capture is a few seconds of start-up, not minutes.
 
 Shapes are bucketed: a graph is keyed by (batch bucket, frame bucket, streaming flag).
 A call is padded up to its bucket, exactly:
@@ -21,22 +24,23 @@ A call is padded up to its bucket, exactly:
   every row an ordinary one. Rows are independent; the copies are cut off.
 
 ``solve_padded`` is that padded solve run eagerly: the CPU tests (tests/test_cv2_flow_graphs.py)
-prove it equals the unpadded solve. The graphs run the very same computation, captured;
-that a replay equals the eager solve is checked only on a GPU, by bench/flow_graphs.py
-(graph vs eager error, same dtype), not by the test suite.
+prove it equals the unpadded solve, and that ``step_program`` run eagerly equals the
+padded solve bit for bit. The graphs run that very computation, captured; that a replay
+equals the eager solve is checked only on a GPU, by bench/flow_graphs.py (graph vs eager
+error, same dtype) and by the engine at start-up, not by the test suite.
 
-Memory: all graphs share one private memory pool. Their inputs and output live in one
-set of static buffers sized for the largest bucket, outside the pool and shared by all
-graphs too. Sharing is safe because replays of one ``FlowGraphs`` never overlap (they
-run on one worker thread, on one stream; the first-chunk lane has its own ``FlowGraphs``,
-see token2wav.Lane) and nothing stays live in the pool between
-replays: the result is copied out of the shared output buffer right after each replay,
-before any other replay can overwrite it. ``FlowGraphs.reserved_bytes`` is the growth
+Memory: all graphs share one private memory pool. Their inputs, the ODE state x and the
+step counter live in one set of static buffers sized for the largest bucket, outside the
+pool and shared by all graphs too. Sharing is safe because solves of one ``FlowGraphs``
+never overlap (they run on one worker thread, on one stream; the first-chunk lane has its
+own ``FlowGraphs``, see token2wav.Lane) and nothing stays live in the pool between
+replays: the mel is copied out of the shared state buffer right after a solve's last
+replay, before any other solve can overwrite it. ``FlowGraphs.reserved_bytes`` is the growth
 of ``torch.cuda.memory_reserved`` since construction (pool + static buffers), for the
 engine to check against its memory budget.
 
-Graphs after voice prefixes (``GraphKey.after_prefix``) capture ``CFM.solve_after_eager``
-over one ``PrefixBank``: the rows' bank slots are one more static input (padded rows copy
+Graphs after voice prefixes (``GraphKey.after_prefix``) capture the steps of
+``CFM.solve_after_eager`` over one ``PrefixBank``: the rows' bank slots are one more static input (padded rows copy
 row 0's slot too), and the bank's tensors are read in place, so voices may come and go
 between replays (``PrefixBank.put`` writes in place). ``solve_after_padded`` is its padded
 eager twin for the CPU tests.
@@ -52,13 +56,13 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from engine.cosyvoice2.flow import CFM, PrefixBank
+from engine.cosyvoice2.flow import CFM, N_TIMESTEPS, PrefixBank, PrefixView
 
 log = logging.getLogger(__name__)
 
@@ -228,18 +232,59 @@ def solve_after_padded(
     return cfm.solve_after_eager(bank, pad_rows(slots, key.batch), *padded)[:rows, :, :length]
 
 
-class _CapturedSolve:
-    """One graph and the views of the shared static buffers it reads and writes."""
+def step_program(
+    cfm: CFM, key: GraphKey, inputs: tuple[Tensor, ...], x: Tensor, step: Tensor, times: Tensor,
+    bank: PrefixBank | None,
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """What a solve by graphs of ``key`` runs, over static tensors: ``start`` (eager, before the
+    replays: x becomes the solve's starting noise, the step counter 0) and ``euler_step`` (the
+    graph: one Euler step at the counter, x updated in place, the counter advanced).
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: tuple[Tensor, ...], mel: Tensor) -> None:
+    ``inputs``: mu, mask, spks, cond (and the bank slots after voice prefixes) at the key's
+    shape; ``x`` ``[batch, 80, frames]`` in the model's dtype; ``step``: a one-element long
+    tensor; ``times``: ``CFM.step_times``. Starting noise and steps are those of ``CFM.forward``
+    and ``CFM.solve_after_eager``, so ``N_TIMESTEPS`` steps after ``start`` leave their mel in x.
+    """
+    mu, mask, spks, cond = inputs[:4]
+    slots = inputs[4] if key.after_prefix else None
+
+    def start() -> None:
+        if slots is not None:
+            x.copy_(cfm.noise_after(bank, slots, key.frames))
+        else:
+            x.copy_(cfm.noise[:, :, : key.frames].expand(key.batch, -1, -1))
+        step.zero_()
+
+    def euler_step() -> None:
+        view = None if slots is None else PrefixView(bank, slots).at_step(step)
+        rows = cfm.cfg_rows(mask, mu, spks, cond)
+        x.copy_(cfm.euler_step(x, step, times, rows, key.streaming, view))
+        step.add_(1)
+
+    return start, euler_step
+
+
+class _CapturedSolve:
+    """One graph of an Euler step and the views of the shared static buffers it reads and writes.
+
+    A solve replays it ``N_TIMESTEPS`` times: the step reads t and dt (and, after voice
+    prefixes, the bank's state) at the step counter it then advances, and updates x in place.
+    """
+
+    def __init__(
+        self, graph: torch.cuda.CUDAGraph, inputs: tuple[Tensor, ...], x: Tensor, start: Callable[[], None]
+    ) -> None:
         self.graph = graph
         self.inputs = inputs  # mu, mask, spks, cond (, slots after a prefix) at the padded shape
-        self.mel = mel  # float32 [batch, 80, frames]
+        self.x = x  # the ODE state [batch, 80, frames] in the model's dtype: noise in, mel out
+        self.start = start  # sets x to the starting noise and the step counter to 0
 
     def replay(self, padded_inputs: tuple[Tensor, ...]) -> None:
         for static, value in zip(self.inputs, padded_inputs):
             static.copy_(value)
-        self.graph.replay()
+        self.start()
+        for _ in range(N_TIMESTEPS):
+            self.graph.replay()
 
 
 class FlowGraphs:
@@ -282,7 +327,7 @@ class FlowGraphs:
         elements = buckets.max_batch * cfm.config.estimator.out_channels * buckets.max_frame_bucket
         self._static_mu = torch.zeros(elements, device=self.device, dtype=self.dtype)
         self._static_cond = torch.zeros(elements, device=self.device, dtype=self.dtype)
-        self._static_mel = torch.zeros(elements, device=self.device, dtype=torch.float32)
+        self._static_x = torch.zeros(elements, device=self.device, dtype=self.dtype)
         self._static_mask = torch.zeros(
             buckets.max_batch * buckets.max_frame_bucket, device=self.device, dtype=self.dtype
         )
@@ -290,6 +335,8 @@ class FlowGraphs:
             buckets.max_batch * cfm.config.spk_emb_dim, device=self.device, dtype=self.dtype
         )
         self._static_slots = torch.zeros(buckets.max_batch, device=self.device, dtype=torch.long)
+        self._step = torch.zeros(1, device=self.device, dtype=torch.long)  # the Euler step a replay runs
+        self._times = cfm.step_times(N_TIMESTEPS, self.device, self.dtype)
         self.reserved_bytes = self._measure_reserved()
 
     # ------------------------------------------------------------------ capture
@@ -327,10 +374,10 @@ class FlowGraphs:
         )
         if key.after_prefix:
             inputs += (self._static_slots[: key.batch],)
-        return inputs, view(self._static_mel, key.batch, channels, key.frames)
+        return inputs, view(self._static_x, key.batch, channels, key.frames)
 
     def _capture(self, key: GraphKey) -> _CapturedSolve:
-        inputs, mel = self._static_views(key)
+        inputs, x = self._static_views(key)
         mu, mask, spks, cond = inputs[:4]
         # Any valid inputs will do: the graph records kernels, not values.
         mu.zero_()
@@ -340,25 +387,19 @@ class FlowGraphs:
         for slots in inputs[4:]:
             slots.zero_()
 
-        def solve() -> None:
-            if key.after_prefix:
-                mel.copy_(self.cfm.solve_after_eager(self.bank, inputs[4], mu, mask, spks, cond))
-                return
-            # An explicit noise tensor keeps CFM.forward off the graphs (eager solve);
-            # it is the default noise, so the graph computes the default solve.
-            mel.copy_(self.cfm(mu, mask, spks, cond, key.streaming, noise=self.cfm.noise))
-
+        start, euler_step = step_program(self.cfm, key, inputs, x, self._step, self._times, self.bank)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             for _ in range(WARMUP_RUNS):
-                solve()
+                start()
+                euler_step()
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads (the LM stage) may use CUDA while a graph is
         # captured lazily; only this thread's calls must be capture-safe.
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            solve()
-        return _CapturedSolve(graph, inputs, mel)
+            euler_step()
+        return _CapturedSolve(graph, inputs, x, start)
 
     @torch.inference_mode()
     def replay_error(self, key: GraphKey) -> float:
@@ -433,8 +474,8 @@ class FlowGraphs:
                 return None
         padded = pad_inputs(*inputs[:4], key.batch, key.frames) + tuple(pad_rows(x, key.batch) for x in inputs[4:])
         captured.replay(padded)
-        # The output buffer is shared by all graphs: copy it out before any other replay.
-        return captured.mel[:rows, :, :length].clone()
+        # The state buffer is shared by all graphs: copy it out before any other replay.
+        return captured.x[:rows, :, :length].to(torch.float32, copy=True)
 
 
 def _order(key: GraphKey) -> tuple[int, int, bool, bool]:
