@@ -303,11 +303,6 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
         before = scrape(f"{http}/metrics")
         take_profile(gateway_pid, profile_path)
         started = time.perf_counter()
-        kernels = None
-        if args.kernel_profile_s:  # a window in the middle of the level
-            kernels = asyncio.create_task(profile_kernels(
-                gateway_pid, profile_path.with_suffix(".kernels.json"), max(0.0, (args.duration - args.kernel_profile_s) / 2),
-                args.kernel_profile_s))
         summary = await asyncio.to_thread(run_load, url, workload, sessions, start_spread, args)
         elapsed = time.perf_counter() - started
         after = scrape(f"{http}/metrics")
@@ -324,13 +319,26 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
             "prefix_cache_hit_ratio": round(hits / queried, 3) if queried else None,
             "stages": stage_report(before, after, elapsed),
             "profile": take_profile(gateway_pid, profile_path),
-            "kernels": await kernels if kernels is not None else None,
             "seconds": round(elapsed, 1),
             "idle_wait_s": idle_wait_s,
         }
         levels.append(level)
         report.put("levels", levels)
         report.put("stall_free_capacity", stall_free_capacity(levels, len(args.start_spread) > 1))
+    if args.kernel_profile_s and plan:
+        # A pass of its own: stopping the profiler holds the gateway (GIL) for tens of seconds
+        # while it sums the records, so the load results of this pass are not reported.
+        workload, sessions = kernel_profile_level(plan)
+        kernels = asyncio.create_task(profile_kernels(
+            gateway_pid, profile_path.with_suffix(".kernels.json"), max(0.0, (args.duration - args.kernel_profile_s) / 2),
+            args.kernel_profile_s))
+        await asyncio.to_thread(run_load, url, workload, sessions, args.start_spread[-1], args)
+        report.put("kernel_profile", {"workload": workload, "sessions": sessions, **(await kernels or {})})
+
+
+def kernel_profile_level(plan: list[tuple[str, int]]) -> tuple[str, int]:
+    """The level the kernel profile pass repeats: the largest whole-reply level, else the largest."""
+    return max(plan, key=lambda level: (level[0] == "full", level[1]))
 
 
 def stall_free_capacity(levels: list[dict], by_spread: bool) -> dict:
@@ -389,8 +397,9 @@ def main() -> int:
     parser.add_argument("--second-chunk-on-lane", action="store_true",
                         help="the lane also runs the chunk after a short first chunk (second_chunk_on_lane = true)")
     parser.add_argument("--kernel-profile-s", type=float, default=0.0,
-                        help="profile the gateway's GPU kernels for this many seconds in the middle of each level "
-                        "(torch profiler; it slows the level down a little)")
+                        help="after the levels, one more pass of the largest whole-reply level with the gateway's "
+                        "GPU kernels profiled for this many seconds in its middle (torch profiler; its load "
+                        "results are not reported: stopping the profiler holds the gateway for seconds)")
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's pipelined scheduling on")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-equality", action="store_true")

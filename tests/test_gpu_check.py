@@ -110,6 +110,11 @@ def test_a_level_starts_once_the_gateway_is_idle(monkeypatch):
     assert gpu_check.wait_idle("http://gateway/metrics", timeout=0.2) >= 0.2  # never idle: gives up
 
 
+def test_the_kernel_profile_repeats_the_largest_whole_reply_level():
+    assert gpu_check.kernel_profile_level([("full-barge-in", 1), ("full", 64), ("full", 16), ("llm", 256)]) == ("full", 64)
+    assert gpu_check.kernel_profile_level([("full-barge-in", 1), ("llm", 16), ("llm", 128)]) == ("llm", 128)
+
+
 def test_stall_free_capacity_by_workload_and_start_spread():
     def level(workload, sessions, spread, stall_free):
         return {"workload": workload, "sessions": sessions, "start_spread_s": spread, "stall_free": stall_free}
