@@ -1,0 +1,104 @@
+"""Which attention kernel SDPA picks for the flow decoder's attention shapes, and why not cuDNN.
+
+The gateway's kernel profile at 128 sessions (docs/benchmarks.md) showed the memory-efficient
+kernel (``fmha_cutlassF``) taking 23% of token2wav's GPU time, while ``bench/flow_profile.py``
+(plain solves of 320-800 frames) saw cuDNN's flash kernel. This probe asks SDPA for its choice
+on the decoder's attention inputs (8 heads of 64, an additive bias ``[B, 1, Tq, Tk]`` shared by
+the heads, bf16) in the layouts the decoder makes:
+
+- ``views``: query, key and value as head views of the projections (a solve without a voice
+  prefix);
+- ``prefix``: the query a view, key and value contiguous (a voice prefix's keys concatenated
+  in front of the new ones, ``Tk = prefix + Tq``);
+
+at frame counts that are and are not multiples of 8. For each case it records SDPA's choice,
+the time of one call with that choice and with cuDNN forced, and the reasons SDPA gives when
+cuDNN is forced and refuses (its warnings).
+
+    python bench/sdpa_choice.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HEADS, HEAD_DIM = 8, 64
+# (layout, rows of the CFG-doubled batch, query frames, prefix frames)
+CASES = [
+    ("views", 16, 400, 0), ("views", 16, 300, 0), ("views", 2, 320, 0), ("views", 2, 350, 0),
+    ("prefix", 16, 300, 150), ("prefix", 16, 304, 152), ("prefix", 16, 400, 150), ("prefix", 16, 400, 152),
+]
+
+
+def inputs(layout: str, rows: int, frames: int, prefix: int, device: torch.device, dtype: torch.dtype):
+    def heads(length: int) -> torch.Tensor:  # a projection's output viewed as heads, as the decoder does
+        return torch.randn(rows, length, HEADS * HEAD_DIM, device=device, dtype=dtype).view(
+            rows, length, HEADS, HEAD_DIM).transpose(1, 2)
+
+    query = heads(frames)
+    if layout == "views":
+        key, value = heads(frames), heads(frames)
+    else:
+        key = torch.cat([torch.randn(rows, HEADS, prefix, HEAD_DIM, device=device, dtype=dtype), heads(frames)], dim=2)
+        value = torch.cat([torch.randn(rows, HEADS, prefix, HEAD_DIM, device=device, dtype=dtype), heads(frames)], dim=2)
+    allowed = torch.ones(rows, 1, frames, prefix + frames, dtype=torch.bool, device=device).tril(prefix)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return query, key, value, bias
+
+
+def timed_ms(call, repeats: int, device: torch.device) -> float:
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return round((time.perf_counter() - started) * 1000 / repeats, 3)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "cases": []}
+    for layout, rows, frames, prefix in CASES:
+        query, key, value, bias = inputs(layout, rows, frames, prefix, device, dtype)
+        choice = SDPBackend(torch._fused_sdp_choice(query, key, value, bias)).name
+        case = {"layout": layout, "rows": rows, "query_frames": frames, "key_frames": prefix + frames,
+                "choice": choice,
+                "choice_ms": timed_ms(lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=bias),
+                                      args.repeats, device)}
+        if device.type == "cuda":
+            with warnings.catch_warnings(record=True) as caught, sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                warnings.simplefilter("always")
+                try:
+                    case["cudnn_ms"] = timed_ms(
+                        lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=bias), args.repeats, device)
+                except RuntimeError as error:  # refused: the reasons are the warnings
+                    case["cudnn_ms"] = None
+                    case["cudnn_error"] = str(error)[:300]
+            case["cudnn_warnings"] = sorted({str(w.message)[:300] for w in caught})
+        report["cases"].append(case)
+        print(json.dumps(case), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
