@@ -19,6 +19,7 @@ from torch import Tensor
 from bench import flow_graphs as bench_flow_graphs
 from bench import flow_profile as bench_flow_profile
 from bench import gpu_sharing as bench_gpu_sharing
+from bench import sdpa_choice as bench_sdpa_choice
 from engine.cosyvoice2.flow import CFM, N_TIMESTEPS, CFMConfig, PrefixBank
 from engine.cosyvoice2.flow_graphs import (
     FlowBuckets,
@@ -347,3 +348,15 @@ def test_bench_gpu_sharing_smoke_cpu(tmp_path) -> None:
         assert all(w["solves_per_s"] > 0 and w["median_ms"] > 0 for w in mode["workers"])
         assert mode["solves_per_s"] == pytest.approx(sum(w["solves_per_s"] for w in mode["workers"]), abs=0.02)
     assert json.loads((tmp_path / "sharing.json").read_text()) == report
+
+
+def test_bench_sdpa_choice_smoke_cpu(tmp_path) -> None:
+    """bench/sdpa_choice.py on CPU: SDPA's choice and a timing for every case, the key frames of
+    a prefix case counting the prefix; the cuDNN probe is GPU-only."""
+    report = bench_sdpa_choice.main(["--device", "cpu", "--repeats", "1", "--json", str(tmp_path / "sdpa.json")])
+    assert len(report["cases"]) == len(bench_sdpa_choice.CASES)
+    for case, (layout, rows, frames, prefix) in zip(report["cases"], bench_sdpa_choice.CASES):
+        assert (case["layout"], case["rows"], case["key_frames"]) == (layout, rows, prefix + frames)
+        assert hasattr(bench_sdpa_choice.SDPBackend, case["choice"]) and case["choice_ms"] > 0
+        assert "cudnn_ms" not in case
+    assert json.loads((tmp_path / "sdpa.json").read_text()) == report
