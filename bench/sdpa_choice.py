@@ -11,7 +11,10 @@ the heads, bf16) in the layouts the decoder makes:
 - ``prefix``: the query a view, key and value contiguous (a voice prefix's keys concatenated
   in front of the new ones, ``Tk = prefix + Tq``);
 
-at frame counts that are and are not multiples of 8. For each case it records SDPA's choice,
+at frame counts that are and are not multiples of 8, with the bias allocated at its width or
+as a slice of one padded to a multiple of 8 keys (so that its rows start 16-byte aligned, which
+the memory-efficient kernel otherwise arranges by copying the bias in every call). For each
+case it records SDPA's choice,
 the time of one call with that choice and with cuDNN forced, and the reasons SDPA gives when
 cuDNN is forced and refuses (its warnings).
 
@@ -21,6 +24,7 @@ cuDNN is forced and refuses (its warnings).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 import warnings
@@ -38,7 +42,8 @@ CASES = [
 ]
 
 
-def inputs(layout: str, rows: int, frames: int, prefix: int, device: torch.device, dtype: torch.dtype):
+def inputs(layout: str, rows: int, frames: int, prefix: int, aligned_bias: bool, device: torch.device,
+           dtype: torch.dtype):
     def heads(length: int) -> torch.Tensor:  # a projection's output viewed as heads, as the decoder does
         return torch.randn(rows, length, HEADS * HEAD_DIM, device=device, dtype=dtype).view(
             rows, length, HEADS, HEAD_DIM).transpose(1, 2)
@@ -49,9 +54,11 @@ def inputs(layout: str, rows: int, frames: int, prefix: int, device: torch.devic
     else:
         key = torch.cat([torch.randn(rows, HEADS, prefix, HEAD_DIM, device=device, dtype=dtype), heads(frames)], dim=2)
         value = torch.cat([torch.randn(rows, HEADS, prefix, HEAD_DIM, device=device, dtype=dtype), heads(frames)], dim=2)
-    allowed = torch.ones(rows, 1, frames, prefix + frames, dtype=torch.bool, device=device).tril(prefix)
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-    return query, key, value, bias
+    keys = prefix + frames
+    allowed = torch.ones(rows, 1, frames, keys, dtype=torch.bool, device=device).tril(prefix)
+    width = -(-keys // 8) * 8 if aligned_bias else keys
+    bias = torch.zeros(rows, 1, frames, width, dtype=dtype, device=device)[..., :keys]
+    return query, key, value, bias.masked_fill_(~allowed, float("-inf"))
 
 
 def timed_ms(call, repeats: int, device: torch.device) -> float:
@@ -76,11 +83,11 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.bfloat16
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "cases": []}
-    for layout, rows, frames, prefix in CASES:
-        query, key, value, bias = inputs(layout, rows, frames, prefix, device, dtype)
+    for (layout, rows, frames, prefix), aligned_bias in itertools.product(CASES, (False, True)):
+        query, key, value, bias = inputs(layout, rows, frames, prefix, aligned_bias, device, dtype)
         choice = SDPBackend(torch._fused_sdp_choice(query, key, value, bias)).name
         case = {"layout": layout, "rows": rows, "query_frames": frames, "key_frames": prefix + frames,
-                "choice": choice,
+                "aligned_bias": aligned_bias, "choice": choice,
                 "choice_ms": timed_ms(lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=bias),
                                       args.repeats, device)}
         if device.type == "cuda":

@@ -354,9 +354,11 @@ def test_bench_sdpa_choice_smoke_cpu(tmp_path) -> None:
     """bench/sdpa_choice.py on CPU: SDPA's choice and a timing for every case, the key frames of
     a prefix case counting the prefix; the cuDNN probe is GPU-only."""
     report = bench_sdpa_choice.main(["--device", "cpu", "--repeats", "1", "--json", str(tmp_path / "sdpa.json")])
-    assert len(report["cases"]) == len(bench_sdpa_choice.CASES)
-    for case, (layout, rows, frames, prefix) in zip(report["cases"], bench_sdpa_choice.CASES):
+    assert len(report["cases"]) == 2 * len(bench_sdpa_choice.CASES)
+    expected = [(*case, aligned) for case in bench_sdpa_choice.CASES for aligned in (False, True)]
+    for case, (layout, rows, frames, prefix, aligned) in zip(report["cases"], expected):
         assert (case["layout"], case["rows"], case["key_frames"]) == (layout, rows, prefix + frames)
+        assert case["aligned_bias"] is aligned
         assert hasattr(bench_sdpa_choice.SDPBackend, case["choice"]) and case["choice_ms"] > 0
         assert "cudnn_ms" not in case
     assert json.loads((tmp_path / "sdpa.json").read_text()) == report
