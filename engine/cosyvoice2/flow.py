@@ -322,7 +322,7 @@ class PrefixBank:
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.conv_context = [
-            like.new_zeros(N_TIMESTEPS, slots, *c.shape) for c in cfm._zero_conv_context(2, like)[: self.n_conv]
+            like.new_zeros(N_TIMESTEPS, slots, 2, conv.in_channels, conv.context) for conv in cfm.estimator.causal_convs
         ]
         self.start = torch.zeros(slots, dtype=torch.long, device=like.device)
 

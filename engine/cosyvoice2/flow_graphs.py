@@ -40,9 +40,9 @@ of ``torch.cuda.memory_reserved`` since construction (pool + static buffers), fo
 engine to check against its memory budget.
 
 Graphs after voice prefixes (``GraphKey.after_prefix``) capture the steps of
-``CFM.solve_after_eager`` over one ``PrefixBank``: the rows' bank slots are one more static input (padded rows copy
-row 0's slot too), and the bank's tensors are read in place, so voices may come and go
-between replays (``PrefixBank.put`` writes in place). ``solve_after_padded`` is its padded
+``CFM.solve_after_eager`` over one ``PrefixBank``: the rows' bank slots are one more static
+input (padded rows copy row 0's slot too), and the bank's tensors are read in place, so
+voices may come and go between replays (``PrefixBank.put`` writes in place). ``solve_after_padded`` is its padded
 eager twin for the CPU tests.
 
 A graph bakes in the addresses of the weights, of ``CFM.noise`` and of the bank: capture
