@@ -2,7 +2,9 @@
 
 The gateway's kernel profile at 128 sessions (docs/benchmarks.md) showed the memory-efficient
 kernel (``fmha_cutlassF``) taking 23% of token2wav's GPU time, while ``bench/flow_profile.py``
-(plain solves of 320-800 frames) saw cuDNN's flash kernel. This probe asks SDPA for its choice
+(plain solves of 320-800 frames) saw cuDNN's flash kernel: importing vLLM turns cuDNN's SDPA
+off process-wide, and ``flow_cudnn_attention`` turns it back on. Before that is relied on,
+this probe (which does not import vLLM) asks SDPA for its choice
 on the decoder's attention inputs (8 heads of 64, an additive bias ``[B, 1, Tq, Tk]`` shared by
 the heads, bf16) in the layouts the decoder makes:
 

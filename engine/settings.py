@@ -155,6 +155,12 @@ class CosyVoice2Settings:
     # GPU: CUDA graphs of the HiFT vocoder for the streamed chunk shapes at every batch
     # bucket up to max_batch (engine/cosyvoice2/hift_graphs.py); final chunks run eagerly.
     hift_graphs: bool = True
+    # The flow decoder's attention (an additive chunk mask, which SDPA's flash kernel does not
+    # take) runs on cuDNN's kernel or else the memory-efficient one. Importing vLLM turns
+    # cuDNN's SDPA off for the whole process (vllm/platforms/cuda.py, for other models' sake);
+    # vLLM's own model runs in its engine core process, so true turns it back on in the
+    # gateway's. Off by default until measured in the gateway (docs/cosyvoice2.md).
+    flow_cudnn_attention: bool = False
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
 
     def __post_init__(self) -> None:

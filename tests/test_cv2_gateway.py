@@ -14,6 +14,7 @@ import wave
 import numpy as np
 import pytest
 import pytest_asyncio
+import torch
 
 from engine.cosyvoice2.checkpoint import make_checkpoint
 from engine.cosyvoice2.engine import CosyVoice2Engine
@@ -41,12 +42,13 @@ def prompt_wav() -> bytes:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def cv2_engine(tmp_path_factory):
     model_dir = make_checkpoint(tmp_path_factory.mktemp("cv2") / "model", "tiny", seed=0)
-    settings = CosyVoice2Settings(model_dir=str(model_dir), device="cpu")
+    settings = CosyVoice2Settings(model_dir=str(model_dir), device="cpu", flow_cudnn_attention=True)
     from engine.cosyvoice2.frontend import CosyVoice2Frontend
     from engine.cosyvoice2.voices import VoiceStore
 
     VoiceStore(CosyVoice2Engine(settings).voices_dir, CosyVoice2Frontend(model_dir)).add("narrator", prompt_wav(), PROMPT_TEXT)
     engine = CosyVoice2Engine(settings)
+    torch.backends.cuda.enable_cudnn_sdp(False)  # as importing vLLM leaves the process
     await engine.start()
     yield engine
     await engine.close()
@@ -56,6 +58,12 @@ async def cv2_engine(tmp_path_factory):
 async def cv2_gateway(cv2_engine):
     async with running_gateway(make_config(engine={"name": "cosyvoice2"}), cv2_engine) as gw:
         yield gw
+
+
+async def test_flow_cudnn_attention_is_turned_back_on(cv2_engine):
+    """flow_cudnn_attention: the engine turns cuDNN's SDPA back on, which importing vLLM turns
+    off for the whole process (the fixture turns it off before the engine starts)."""
+    assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 async def test_text_deltas_in_pcm_out(cv2_gateway):

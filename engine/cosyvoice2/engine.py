@@ -106,6 +106,10 @@ class CosyVoice2Engine(Engine):
                 raise EngineError("llm_backend = 'vllm' needs a CUDA GPU; use llm_backend = 'torch' on this machine")
             # vLLM first: it sizes its KV cache from the memory it finds free.
             self.lm = await _start_vllm_stage(settings)
+        if settings.flow_cudnn_attention:  # after the vLLM stage, whose import turned it off
+            torch.backends.cuda.enable_cudnn_sdp(True)
+        if device.type == "cuda":
+            log.info("flow attention: cuDNN SDPA %s", "on" if torch.backends.cuda.cudnn_sdp_enabled() else "off")
         try:
             self.models = await asyncio.to_thread(
                 load_models,
