@@ -16,9 +16,9 @@ the heads, bf16) in the layouts the decoder makes:
 at frame counts that are and are not multiples of 8, with the bias allocated at its width or
 as a slice of one padded to a multiple of 8 keys (so that its rows start 16-byte aligned, which
 the memory-efficient kernel otherwise arranges by copying the bias in every call). For each
-case it records SDPA's choice,
-the time of one call with that choice and with cuDNN forced, and the reasons SDPA gives when
-cuDNN is forced and refuses (its warnings).
+case it records SDPA's choice, the median time of one call with that choice and with cuDNN
+forced (``flow_profile.timed_ms``), and the reasons SDPA gives when cuDNN is forced and
+refuses (its warnings).
 
     python bench/sdpa_choice.py --json out.json
 """
@@ -28,13 +28,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import time
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.flow_profile import timed_ms  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
 # (layout, rows of the CFG-doubled batch, query frames, prefix frames)
@@ -63,18 +67,6 @@ def inputs(layout: str, rows: int, frames: int, prefix: int, aligned_bias: bool,
     return query, key, value, bias.masked_fill_(~allowed, float("-inf"))
 
 
-def timed_ms(call, repeats: int, device: torch.device) -> float:
-    call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return round((time.perf_counter() - started) * 1000 / repeats, 3)
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -91,13 +83,13 @@ def main(argv: list[str] | None = None) -> dict:
         case = {"layout": layout, "rows": rows, "query_frames": frames, "key_frames": prefix + frames,
                 "aligned_bias": aligned_bias, "choice": choice,
                 "choice_ms": timed_ms(lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=bias),
-                                      args.repeats, device)}
+                                      args.repeats)}
         if device.type == "cuda":
             with warnings.catch_warnings(record=True) as caught, sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 warnings.simplefilter("always")
                 try:
                     case["cudnn_ms"] = timed_ms(
-                        lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=bias), args.repeats, device)
+                        lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=bias), args.repeats)
                 except RuntimeError as error:  # refused: the reasons are the warnings
                     case["cudnn_ms"] = None
                     case["cudnn_error"] = str(error)[:300]
