@@ -116,7 +116,7 @@ hift_graphs = {str(not args.no_hift_graphs).lower()}
 first_chunk_lane = {str(not args.no_first_chunk_lane).lower()}
 first_chunk_by_load = {str(args.first_chunk_by_load).lower()}
 second_chunk_on_lane = {str(args.second_chunk_on_lane).lower()}
-flow_cudnn_attention = {str(args.flow_cudnn_attention).lower()}
+flow_cudnn_attention = {str(not args.no_flow_cudnn_attention).lower()}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
@@ -397,9 +397,9 @@ def main() -> int:
                         help="the short first chunk only when the next can follow in time (first_chunk_by_load = true)")
     parser.add_argument("--second-chunk-on-lane", action="store_true",
                         help="the lane also runs the chunk after a short first chunk (second_chunk_on_lane = true)")
-    parser.add_argument("--flow-cudnn-attention", action="store_true",
-                        help="the flow's attention on cuDNN's kernel, which importing vLLM turns off "
-                        "(flow_cudnn_attention = true)")
+    parser.add_argument("--no-flow-cudnn-attention", action="store_true",
+                        help="the flow's attention left on the kernel vLLM's import leaves it (the memory-efficient "
+                        "one; flow_cudnn_attention = false)")
     parser.add_argument("--kernel-profile-s", type=float, default=0.0,
                         help="after the levels, one more pass of the largest whole-reply level with the gateway's "
                         "GPU kernels profiled for this many seconds in its middle (torch profiler; its load "

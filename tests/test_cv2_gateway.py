@@ -42,7 +42,7 @@ def prompt_wav() -> bytes:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def cv2_engine(tmp_path_factory):
     model_dir = make_checkpoint(tmp_path_factory.mktemp("cv2") / "model", "tiny", seed=0)
-    settings = CosyVoice2Settings(model_dir=str(model_dir), device="cpu", flow_cudnn_attention=True)
+    settings = CosyVoice2Settings(model_dir=str(model_dir), device="cpu")
     from engine.cosyvoice2.frontend import CosyVoice2Frontend
     from engine.cosyvoice2.voices import VoiceStore
 
@@ -61,8 +61,9 @@ async def cv2_gateway(cv2_engine):
 
 
 async def test_flow_cudnn_attention_is_turned_back_on(cv2_engine):
-    """flow_cudnn_attention: the engine turns cuDNN's SDPA back on, which importing vLLM turns
-    off for the whole process (the fixture turns it off before the engine starts)."""
+    """flow_cudnn_attention (on by default): the engine turns cuDNN's SDPA back on, which
+    importing vLLM turns off for the whole process (the fixture turns it off before the engine
+    starts)."""
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
