@@ -301,15 +301,12 @@ class VoicePrefix:
 class PrefixBank:
     """Voice prefixes in fixed tensors, one slot per voice: what batched calls read.
 
-    ``keys[layer]`` and ``values[layer]`` are ``[steps * slots * 2, frames, heads * head_dim]``:
-    bank row ``(step * slots + slot) * 2 + branch`` holds one Euler step of a slot's prefix for
-    one of its two CFG rows, zero past the slot's own prefix. Frames come first and heads are
-    interleaved, as a key projection writes them, so that a call gathers its rows straight into
-    the front of its attention buffers (``PrefixView.keys_values``). ``conv_context[conv]`` is
-    ``[steps, slots, 2, channels, kernel - 1]``; ``start[slot]`` is the slot's prefix length (0
-    while empty). The step is an index, not a list position, so that one CUDA graph of an Euler
-    step reads every step's state (flow_graphs). ``put`` writes in place, so such a graph stays
-    valid as voices come and go.
+    ``keys[layer]`` is ``[steps, slots, 2, heads, frames, head_dim]`` (Euler step, slot, then
+    the prefix's two rows), zero past a slot's own prefix; ``conv_context[conv]`` likewise
+    ``[steps, slots, 2, channels, kernel - 1]``; ``start[slot]`` is the slot's prefix length
+    (0 while empty). The step is an index, not a list position, so that one CUDA graph of an
+    Euler step reads every step's state (flow_graphs). ``put`` writes in place, so such a graph
+    stays valid as voices come and go.
     """
 
     def __init__(self, cfm: CFM, slots: int, frames: int, like: Tensor) -> None:
@@ -320,7 +317,7 @@ class PrefixBank:
         self.n_attention = len(cfm.estimator.attention_layers)
         self.n_conv = len(cfm.estimator.causal_convs)
         self.keys = [
-            like.new_zeros(N_TIMESTEPS * slots * 2, frames, layer.heads * layer.head_dim)
+            like.new_zeros(N_TIMESTEPS, slots, 2, layer.heads, frames, layer.head_dim)
             for layer in cfm.estimator.attention_layers
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
@@ -333,19 +330,14 @@ class PrefixBank:
         if prefix.frames > self.frames:
             raise ValueError(f"a prefix of {prefix.frames} frames does not fit a bank of {self.frames}")
         for bank, stored in ((self.keys, prefix.keys), (self.values, prefix.values)):
-            for index, part in enumerate(stored):  # [2, heads, frames, head_dim]
+            for index, part in enumerate(stored):
                 step, layer = divmod(index, self.n_attention)
-                rows = bank[layer][self.row(step, slot) : self.row(step, slot) + 2]
-                rows.zero_()
-                rows[:, : prefix.frames] = part.transpose(1, 2).flatten(2)
+                bank[layer][step, slot].zero_()
+                bank[layer][step, slot, :, :, : prefix.frames] = part
         for index, part in enumerate(prefix.conv_context):
             step, conv = divmod(index, self.n_conv)
             self.conv_context[conv][step, slot] = part
         self.start[slot] = prefix.frames
-
-    def row(self, step: int | Tensor, slot: int | Tensor, branch: int | Tensor = 0) -> int | Tensor:
-        """The row of ``keys[layer]`` and ``values[layer]`` that holds this step, slot and CFG row."""
-        return (step * self.slots + slot) * 2 + branch
 
     @property
     def nbytes(self) -> int:
@@ -368,12 +360,10 @@ class PrefixView:
         self.start = bank.start[self.slot_of_row]
         # Row i of the 2B-row batch takes row `branch[i]` (0 conditioned, 1 not) of its slot.
         self.branch = torch.arange(2, device=slots.device).repeat_interleave(len(slots))
-        self.bank_rows = bank.row(0, self.slot_of_row, self.branch)
 
     def at_step(self, step: int | Tensor) -> PrefixView:
         """This view for Euler step ``step``: an int, or a one-element device tensor."""
         self.step = step
-        self.bank_rows = self.bank.row(step, self.slot_of_row, self.branch)
         return self
 
     def _rows(self, stored: Tensor) -> Tensor:
@@ -390,20 +380,9 @@ class PrefixView:
         key_valid = torch.cat([prefix_pos < start[:, None], positions < new_frames[:, None]], dim=1)
         return chunk_attention_mask(key_valid, start[:, None] + positions, chunk, key_pos)
 
-    def keys_values(self, slot: int, x: Tensor, to_k: nn.Linear, to_v: nn.Linear) -> tuple[Tensor, Tensor]:
-        """Keys and values ``[2B, prefix + new frames, heads * head_dim]`` of the bank's frames
-        then the new ones, each built in one buffer: the bank rows are gathered into its front
-        and the projection of ``x`` written behind them. Concatenating them instead copied the
-        prefix twice and the new frames once more, in every layer and Euler step."""
-        rows, frames, _ = x.shape
-        prefix = self.bank.frames
-        built = []
-        for stored, project in ((self.bank.keys[slot], to_k), (self.bank.values[slot], to_v)):
-            buffer = x.new_empty(rows, prefix + frames, project.out_features)
-            torch.index_select(stored, 0, self.bank_rows, out=buffer[:, :prefix])
-            torch.bmm(x, project.weight.t().expand(rows, -1, -1), out=buffer[:, prefix:])
-            built.append(buffer)
-        return built[0], built[1]
+    def keys_values(self, slot: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        keys, values = self.bank.keys[slot], self.bank.values[slot]
+        return torch.cat([self._rows(keys), key], dim=2), torch.cat([self._rows(values), value], dim=2)
 
     def conv_input(self, slot: int, x: Tensor) -> Tensor:
         return torch.cat([self._rows(self.bank.conv_context[slot]), x], dim=2)
@@ -478,16 +457,12 @@ class SelfAttention(nn.Module):
     def forward(self, x: Tensor, mask: Tensor, view: _StepView | PrefixView | None) -> Tensor:
         batch, frames, _ = x.shape
 
-        def heads(h: Tensor) -> Tensor:  # [B, frames, heads * head_dim] -> [B, heads, frames, head_dim]
-            return h.view(batch, h.shape[1], self.heads, self.head_dim).transpose(1, 2)
+        def heads(h: Tensor) -> Tensor:
+            return h.view(batch, frames, self.heads, self.head_dim).transpose(1, 2)
 
-        query = heads(self.to_q(x))
-        if isinstance(view, PrefixView):
-            key, value = map(heads, view.keys_values(self.cache_slot, x, self.to_k, self.to_v))
-        else:
-            key, value = heads(self.to_k(x)), heads(self.to_v(x))
-            if view is not None:
-                key, value = view.keys_values(self.cache_slot, key, value)
+        query, key, value = heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x))
+        if view is not None:
+            key, value = view.keys_values(self.cache_slot, key, value)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
         return self.to_out[0](out.transpose(1, 2).reshape(batch, frames, self.heads * self.head_dim))
 
