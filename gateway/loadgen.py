@@ -130,13 +130,14 @@ class _Playback:
         self.runs_out = None  # perf_counter time when the buffered audio is used up
 
     def add(self, now: float, duration_ms: float, record: Record) -> None:
-        if self.runs_out is not None:
+        start = now
+        if self.runs_out is not None:  # a chunk after the first
             record.slack_ms.append(round((self.runs_out - now) * 1000, 1))
-        if self.runs_out is not None and now > self.runs_out:
-            record.stalls += 1
-            record.stall_ms += (now - self.runs_out) * 1000
-            record.stall_audio_ms.append(round(record.audio_ms, 1))
-        start = now if self.runs_out is None else max(now, self.runs_out)
+            if now > self.runs_out:
+                record.stalls += 1
+                record.stall_ms += (now - self.runs_out) * 1000
+                record.stall_audio_ms.append(round(record.audio_ms, 1))
+            start = max(now, self.runs_out)
         self.runs_out = start + duration_ms / 1000
 
 
