@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(listing)
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["make-checkpoint"]:  # its own parser: engine/cosyvoice2/checkpoint.py
-        from engine.cosyvoice2.checkpoint import main_make_checkpoint
+    if argv[:1] == ["make-checkpoint"]:  # its own parser: testkit/checkpoint.py
+        from testkit.checkpoint import main_make_checkpoint
 
         return main_make_checkpoint(argv[1:])
     if argv[:1] == ["bench"]:  # its own parser, and no config: it is a client of a running gateway
@@ -162,8 +162,8 @@ def _voice(config: Config, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     from engine.cosyvoice2.engine import CosyVoice2Engine
-    from engine.cosyvoice2.frontend import CosyVoice2Frontend
-    from engine.cosyvoice2.voices import VoiceStore
+    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+    from engine.cosyvoice2.frontend.voices import VoiceStore
 
     voices_dir = CosyVoice2Engine(settings).voices_dir
     store = VoiceStore(voices_dir, lambda: CosyVoice2Frontend(settings.model_dir))

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cosyvoice2 import checkpoint as ckpt
-from engine.cosyvoice2 import features
-from engine.cosyvoice2.flow import Flow, FlowConfig
-from engine.cosyvoice2.frontend import TOKENIZER_SPECIALS, TextTokenizer
-from engine.cosyvoice2.hift import HiFT, HiFTConfig
-from engine.cosyvoice2.llm import CosyVoice2LM, LLMConfig
-from engine.cosyvoice2.yamlconf import (
+from testkit import checkpoint as ckpt
+from engine.cosyvoice2.frontend import features
+from engine.cosyvoice2.model.flow import Flow, FlowConfig
+from engine.cosyvoice2.frontend.prompt import TOKENIZER_SPECIALS, TextTokenizer
+from engine.cosyvoice2.model.hift import HiFT, HiFTConfig
+from engine.cosyvoice2.model.llm import CosyVoice2LM, LLMConfig
+from engine.cosyvoice2.modeldir.yamlconf import (
     ConfigError,
     YamlObject,
     config_from_node,
@@ -226,7 +226,7 @@ def test_weights_load_strictly_into_official_modules_and_make_finite_audio(tiny_
     assert all(v.dtype == torch.float32 for v in _load(tiny_dir / "llm.pt").values())
 
     # prompt: conditioning from our frontend; tokens: a random draw
-    from engine.cosyvoice2.frontend import CosyVoice2Frontend
+    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
 
     voice = CosyVoice2Frontend(tiny_dir, configs).prepare(_voiced(1.2, 24000), 24000, "A short prompt.")
     torch.manual_seed(0)

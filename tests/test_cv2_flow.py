@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.flow import (
+from engine.cosyvoice2.model.flow import (
     CFM,
     CFMConfig,
     CFMStreamCache,

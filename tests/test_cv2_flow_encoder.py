@@ -1,4 +1,4 @@
-"""engine.cosyvoice2.flow_encoder against the official CosyVoice2 flow (same random weights).
+"""engine.cosyvoice2.model.flow_encoder against the official CosyVoice2 flow (same random weights).
 
 The official ``UpsampleConformerEncoder`` hard-codes 512 channels for its look-ahead
 and upsampling convs. For narrow test models the official module gets those two
@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.flow_encoder import (
+from engine.cosyvoice2.model.flow_encoder import (
     EncoderStreamState,
     FlowEncoderConfig,
     IncrementalEncoder,
@@ -384,7 +384,7 @@ def test_flow_encoder_full_size_keys() -> None:
 
 def test_flow_encoder_runtime_imports() -> None:
     """The runtime module imports only the standard library and torch (none of the official stack)."""
-    source = Path(__file__).parents[1] / "engine" / "cosyvoice2" / "flow_encoder.py"
+    source = Path(__file__).parents[1] / "engine" / "cosyvoice2" / "model" / "flow_encoder.py"
     imported = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):

@@ -1,4 +1,4 @@
-"""CosyVoice2 LLM stage (engine/cosyvoice2/llm.py, sampling.py) against the official Qwen2LM.
+"""CosyVoice2 LLM stage (engine/cosyvoice2/model/llm.py, sampling.py) against the official Qwen2LM.
 
 Both sides get the same random weights (the official state dict, loaded strictly into
 ours, and back), the same inputs and the same sampler. The official module is used
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, Qwen2ForCausalLM
 
-from engine.cosyvoice2.llm import (
+from engine.cosyvoice2.model.llm import (
     OFFICIAL_TARGET,
     BistreamPlanner,
     Chunk,
@@ -37,7 +37,7 @@ from engine.cosyvoice2.llm import (
     load_llm,
     offline_chunk,
 )
-from engine.cosyvoice2.sampling import (
+from engine.cosyvoice2.serving.lm.sampling import (
     greedy_sampling,
     make_sampler,
     nucleus_sampling,

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
-from engine.cosyvoice2.sampling import Sampler, SamplingConfig, make_sampler
+from engine.cosyvoice2.serving.lm.sampling import Sampler, SamplingConfig, make_sampler
 
 OFFICIAL_TARGET = "cosyvoice.llm.llm.Qwen2LM"
 

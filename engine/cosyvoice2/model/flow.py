@@ -81,7 +81,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.cosyvoice2.flow_encoder import (
+from engine.cosyvoice2.model.flow_encoder import (
     EncoderStreamState,
     FlowEncoderConfig,
     IncrementalEncoder,
@@ -91,7 +91,7 @@ from engine.cosyvoice2.flow_encoder import (
 )
 
 if TYPE_CHECKING:
-    from engine.cosyvoice2.flow_graphs import FlowGraphs
+    from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 
 # The official flow always integrates with 10 Euler steps.
 N_TIMESTEPS = 10

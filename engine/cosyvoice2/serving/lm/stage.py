@@ -3,7 +3,7 @@
 The engine talks to one small interface, so the plain-torch backend here (CPU tests,
 small deployments) and the vLLM backend (continuous batching on a GPU) are
 interchangeable. Both follow the official bistream semantics through
-:class:`engine.cosyvoice2.llm.BistreamPlanner`: 5 text tokens in, up to 15 speech tokens
+:class:`engine.cosyvoice2.model.llm.BistreamPlanner`: 5 text tokens in, up to 15 speech tokens
 out, a fill token asks for more text and is never fed back, and at the end of input the
 rest of the text plus ``task_id`` is appended and decoding runs to eos.
 
@@ -19,7 +19,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from engine.cosyvoice2.llm import CosyVoice2LM, TorchLMBackend
+from engine.cosyvoice2.model.llm import CosyVoice2LM, TorchLMBackend
 
 log = logging.getLogger(__name__)
 

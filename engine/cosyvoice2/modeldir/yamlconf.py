@@ -411,12 +411,12 @@ def _convert(value: Any, hint: Any, where: str, ignored: list[str]) -> Any:
 
 # Official targets of configs that do not carry an OFFICIAL_TARGET class attribute.
 _KNOWN_TARGETS = {
-    "engine.cosyvoice2.llm.LLMConfig": "cosyvoice.llm.llm.Qwen2LM",
-    "engine.cosyvoice2.sampling.SamplingConfig": "cosyvoice.utils.common.ras_sampling",
+    "engine.cosyvoice2.model.llm.LLMConfig": "cosyvoice.llm.llm.Qwen2LM",
+    "engine.cosyvoice2.serving.lm.sampling.SamplingConfig": "cosyvoice.utils.common.ras_sampling",
 }
 # Fields that are not constructor arguments in the yaml.
 _NOT_YAML = {
-    "engine.cosyvoice2.llm.LLMConfig": {"qwen"},
+    "engine.cosyvoice2.model.llm.LLMConfig": {"qwen"},
 }
 QWEN_ENCODER_TARGET = "cosyvoice.llm.llm.Qwen2Encoder"
 
@@ -708,9 +708,9 @@ def load_model_configs(
     overrides where the backbone config comes from (a path or the parsed dict); without
     one and without a directory, the LLM backbone is left to :class:`LLMConfig`'s defaults.
     """
-    from .flow import FlowConfig
-    from .hift import HiFTConfig
-    from .llm import LLMConfig
+    from engine.cosyvoice2.model.flow import FlowConfig
+    from engine.cosyvoice2.model.hift import HiFTConfig
+    from engine.cosyvoice2.model.llm import LLMConfig
 
     path = Path(source)
     model_dir = path if path.is_dir() else None
