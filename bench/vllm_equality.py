@@ -30,13 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.cosyvoice2.model.llm import CosyVoice2LM, TorchLMBackend  # noqa: E402
+from engine.cosyvoice2.model.llm import CosyVoice2LM  # noqa: E402
+from engine.cosyvoice2.serving.lm.torch_stage import TorchLMBackend  # noqa: E402
 from engine.cosyvoice2.serving.lm.stage import MAX_SPEECH_PER_TEXT_TOKEN  # noqa: E402
 from engine.cosyvoice2.serving.lm.vllm_stage import VLLMLMStage  # noqa: E402
 from engine.cosyvoice2.serving.lm.sampling import greedy_sampling  # noqa: E402
 from engine.cosyvoice2.serving.lm.vllm_convert import convert  # noqa: E402
 from engine.cosyvoice2.serving.lm.vllm_rounds import RoundTracker, round_request  # noqa: E402
-from engine.cosyvoice2.modeldir.yamlconf import load_model_configs  # noqa: E402
+from engine.cosyvoice2.modeldir.reading import load_model_configs  # noqa: E402
 from engine.settings import VLLMSettings  # noqa: E402
 
 

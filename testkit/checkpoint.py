@@ -330,9 +330,9 @@ def checkpoint_configs(size: str):
     """
     import dataclasses
 
-    from engine.cosyvoice2.model.flow import FlowConfig
-    from engine.cosyvoice2.model.hift import HiFTConfig
-    from engine.cosyvoice2.model.llm import LLMConfig
+    from engine.cosyvoice2.modeldir.configs import FlowConfig
+    from engine.cosyvoice2.modeldir.configs import HiFTConfig
+    from engine.cosyvoice2.modeldir.configs import LLMConfig
 
     if size == "full":
         return LLMConfig.full(), FlowConfig.full(), HiFTConfig.full()
@@ -393,7 +393,7 @@ def make_checkpoint(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 
     skips the three ``.pt`` files (a frontend-only directory, for tests).
     """
     from engine.cosyvoice2.frontend.prompt import TOKENIZER_DIR
-    from engine.cosyvoice2.modeldir.yamlconf import write_yaml
+    from testkit.yaml_writer import write_yaml
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")

@@ -22,18 +22,17 @@ import torch
 
 from testkit import checkpoint as ckpt
 from engine.cosyvoice2.frontend import features
-from engine.cosyvoice2.model.flow import Flow, FlowConfig
+from engine.cosyvoice2.model.flow import Flow
+from engine.cosyvoice2.modeldir.configs import FlowConfig
 from engine.cosyvoice2.frontend.prompt import TOKENIZER_SPECIALS, TextTokenizer
-from engine.cosyvoice2.model.hift import HiFT, HiFTConfig
-from engine.cosyvoice2.model.llm import CosyVoice2LM, LLMConfig
-from engine.cosyvoice2.modeldir.yamlconf import (
-    ConfigError,
-    YamlObject,
-    config_from_node,
-    load_model_configs,
-    load_yaml,
-    write_yaml,
-)
+from engine.cosyvoice2.model.hift import HiFT
+from engine.cosyvoice2.modeldir.configs import HiFTConfig
+from engine.cosyvoice2.model.llm import CosyVoice2LM, qwen2_config
+from engine.cosyvoice2.modeldir.configs import LLMConfig
+from engine.cosyvoice2.modeldir.hyperyaml import ConfigError, YamlObject, load_yaml
+from engine.cosyvoice2.modeldir.mapping import config_from_node
+from engine.cosyvoice2.modeldir.reading import load_model_configs
+from testkit.yaml_writer import write_yaml
 from tests.reference import official, official_modules
 
 OFFICIAL_YAML = Path(__file__).parent / "data" / "cosyvoice2_official.yaml"
@@ -196,7 +195,7 @@ def test_official_hyperpyyaml_loads_what_we_write(tiny_dir: Path, tmp_path: Path
     # Qwen2Encoder calls from_pretrained on CosyVoice-BlankEN: give it (random) blank weights
     from transformers import Qwen2ForCausalLM
 
-    Qwen2ForCausalLM(LLMConfig.tiny().qwen_config()).save_pretrained(model_dir / "CosyVoice-BlankEN")
+    Qwen2ForCausalLM(qwen2_config(LLMConfig.tiny())).save_pretrained(model_dir / "CosyVoice-BlankEN")
     official("cosyvoice.llm.llm")
     with open(model_dir / "cosyvoice2.yaml") as f:
         overrides = {"qwen_pretrain_path": str(model_dir / "CosyVoice-BlankEN")}

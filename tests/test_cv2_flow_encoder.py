@@ -22,12 +22,12 @@ from torch import Tensor, nn
 
 from engine.cosyvoice2.model.flow_encoder import (
     EncoderStreamState,
-    FlowEncoderConfig,
     IncrementalEncoder,
     TokenEncoder,
     UpsampleConformerEncoder,
     encode_tokens,
 )
+from engine.cosyvoice2.modeldir.configs import FlowEncoderConfig
 from tests.reference import official
 from tests.reference import randomize as reference_randomize
 

@@ -20,7 +20,8 @@ from bench import flow_graphs as bench_flow_graphs
 from bench import flow_profile as bench_flow_profile
 from bench import gpu_sharing as bench_gpu_sharing
 from bench import sdpa_choice as bench_sdpa_choice
-from engine.cosyvoice2.model.flow import CFM, N_TIMESTEPS, CFMConfig, PrefixBank
+from engine.cosyvoice2.model.flow import CFM, N_TIMESTEPS, PrefixBank
+from engine.cosyvoice2.modeldir.configs import CFMConfig
 from engine.cosyvoice2.serving.flow_graphs import (
     FlowBuckets,
     GraphKey,

@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.hift import F0PredictorConfig, HiFT, HiFTConfig
+from engine.cosyvoice2.model.hift import HiFT
+from engine.cosyvoice2.modeldir.configs import F0PredictorConfig, HiFTConfig
 from tests.reference import official
 
 TOLERANCE = 1e-4

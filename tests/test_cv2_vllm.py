@@ -31,11 +31,15 @@ from safetensors.torch import load_file
 
 from engine.cosyvoice2.serving.lm import vllm_stage as lm_vllm
 from testkit.checkpoint import make_checkpoint
-from engine.cosyvoice2.model.llm import Chunk, CosyVoice2LM, LLMConfig, TorchLMBackend, offline_chunk
-from engine.cosyvoice2.serving.lm.sampling import SamplingConfig, greedy_sampling, ras_log_probs, ras_sampling
+from engine.cosyvoice2.model.llm import CosyVoice2LM
+from engine.cosyvoice2.modeldir.configs import LLMConfig
+from engine.cosyvoice2.serving.lm.planner import Chunk, offline_chunk
+from engine.cosyvoice2.serving.lm.torch_stage import TorchLMBackend
+from engine.cosyvoice2.modeldir.configs import SamplingConfig
+from engine.cosyvoice2.serving.lm.sampling import greedy_sampling, ras_log_probs, ras_sampling
 from engine.cosyvoice2.serving.lm.vllm_convert import ARCHITECTURE, convert
 from engine.cosyvoice2.serving.lm.vllm_rounds import RoundRule, RoundTracker, round_request
-from engine.cosyvoice2.modeldir.yamlconf import load_model_configs
+from engine.cosyvoice2.modeldir.reading import load_model_configs
 from engine.settings import VLLMSettings
 from tests.reference import randomize_lm
 

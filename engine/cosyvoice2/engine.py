@@ -40,7 +40,8 @@ from engine.base import (
     UtteranceOptions,
     Voice,
 )
-from engine.cosyvoice2.serving.lm.stage import LMStage, LMStream, TorchLMStage
+from engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
+from engine.cosyvoice2.serving.lm.torch_stage import TorchLMStage
 from engine.cosyvoice2.model.loading import DTYPES, CosyVoice2Models, load_models, missing_files
 from engine.cosyvoice2.serving.token2wav import (
     MAX_CALL_ROW_FRAMES,
@@ -421,7 +422,7 @@ async def _start_vllm_stage(settings: CosyVoice2Settings) -> LMStage:
     """Convert the LM for vLLM (cached beside the model), start it and warm every batch shape."""
     from engine.cosyvoice2.serving.lm.vllm_stage import VLLMLMStage
     from engine.cosyvoice2.serving.lm.vllm_convert import convert
-    from engine.cosyvoice2.modeldir.yamlconf import load_model_configs
+    from engine.cosyvoice2.modeldir.reading import load_model_configs
 
     missing = missing_files(settings.model_dir)
     if missing:

@@ -359,7 +359,7 @@ class CosyVoice2Frontend:
                  intra_op_threads: int = 1, providers: Sequence[str] | None = None) -> None:
         self.model_dir = Path(model_dir)
         if configs is None:
-            from engine.cosyvoice2.modeldir.yamlconf import load_model_configs
+            from engine.cosyvoice2.modeldir.reading import load_model_configs
 
             configs = load_model_configs(self.model_dir)
         self.configs = configs

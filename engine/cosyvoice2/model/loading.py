@@ -16,7 +16,7 @@ from engine.cosyvoice2.model.flow import Flow
 from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
 from engine.cosyvoice2.model.hift import HiFT
 from engine.cosyvoice2.model.llm import CosyVoice2LM
-from engine.cosyvoice2.modeldir.yamlconf import ModelConfigs, load_model_configs
+from engine.cosyvoice2.modeldir.reading import ModelConfigs, load_model_configs
 
 REQUIRED_FILES = (
     "cosyvoice2.yaml",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cosyvoice2.model.llm import LLMConfig, UnifiedVocab
+from engine.cosyvoice2.modeldir.configs import LLMConfig, UnifiedVocab
 from engine.cosyvoice2.modeldir.staging import staged_directory
 
 ARCHITECTURE = "CosyVoice2ForVLLM"

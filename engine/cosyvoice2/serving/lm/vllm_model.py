@@ -28,7 +28,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.sequence import IntermediateTensors
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from engine.cosyvoice2.model.llm import UnifiedVocab
+from engine.cosyvoice2.modeldir.configs import UnifiedVocab
 from engine.cosyvoice2.serving.lm.sampling import ras_log_probs
 from engine.cosyvoice2.serving.lm.vllm_rounds import RoundRule
 

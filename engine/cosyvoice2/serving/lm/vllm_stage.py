@@ -29,9 +29,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.cosyvoice2.model.llm import BistreamPlanner, Chunk, LLMConfig, offline_chunk
+from engine.cosyvoice2.modeldir.configs import LLMConfig
+from engine.cosyvoice2.serving.lm.planner import BistreamPlanner, Chunk, offline_chunk
 from engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
-from engine.cosyvoice2.serving.lm.sampling import SamplingConfig
+from engine.cosyvoice2.modeldir.configs import SamplingConfig
 from engine.cosyvoice2.serving.lm.vllm_rounds import RoundRequest, RoundTracker, round_request
 from engine.settings import VLLMSettings
 
