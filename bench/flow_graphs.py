@@ -42,8 +42,9 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from testkit.checkpoint import checkpoint_configs  # noqa: E402
-from engine.cosyvoice2.model.flow import CFM  # noqa: E402
-from engine.cosyvoice2.serving.flow_graphs import FlowBuckets, FlowGraphs, solve_padded  # noqa: E402
+from engine.cosyvoice2.model.cfm import CFM  # noqa: E402
+from engine.cosyvoice2.serving.buckets import FlowBuckets  # noqa: E402
+from engine.cosyvoice2.serving.flow_graphs import FlowGraphs, solve_padded  # noqa: E402
 from engine.cosyvoice2.model.loading import DTYPES  # noqa: E402
 
 NO_CUDA_NOTE = "no CUDA device: graph capture and replay skipped; only the eager and padded eager solves ran"
@@ -138,7 +139,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "capture_s": round(time.perf_counter() - started, 2),
                 "graph_memory_mb_after": round(graphs.reserved_bytes / 2**20, 1),
             }
-        cfm.graphs = graphs
 
     results = []
     for batch in batches:
@@ -147,11 +147,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         with torch.inference_mode():
 
             def eager() -> Tensor:
-                # An explicit noise tensor (the default one) keeps CFM.forward off the graphs.
-                return cfm(*low, streaming, noise=cfm.noise)
+                return cfm(*low, streaming)
 
             def replay() -> Tensor:
-                return cfm(*low, streaming)
+                return graphs.run(*low, streaming)
 
             solves = {"eager": eager} if graphs is None else {"eager": eager, "graph": replay}
             timed = median_ms(solves, args.repeats, device)

@@ -37,9 +37,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.cosyvoice2.model import flow as flow_module  # noqa: E402
+from engine.cosyvoice2.model import estimator as estimator_module  # noqa: E402
 from testkit.checkpoint import checkpoint_configs  # noqa: E402
-from engine.cosyvoice2.model.flow import CFM  # noqa: E402
+from engine.cosyvoice2.model.cfm import CFM  # noqa: E402
 
 FAMILIES = (
     ("attention", ("fmha", "flash", "attention", "efficient", "cudnn_sdpa", "sdpa")),
@@ -87,10 +87,10 @@ def kernel_profile(solve, rows: int) -> dict:
 
 def use_bool_mask(enabled: bool) -> None:
     """The ``bool`` variant: hand SDPA the boolean mask, as the decoder did before it turned
-    the mask into a bias once per estimator call (``flow.attention_bias``)."""
-    if not hasattr(flow_module, "_attention_bias"):
-        flow_module._attention_bias = flow_module.attention_bias
-    flow_module.attention_bias = (lambda allowed, dtype: allowed) if enabled else flow_module._attention_bias
+    the mask into a bias once per estimator call (``estimator.attention_bias``)."""
+    if not hasattr(estimator_module, "_attention_bias"):
+        estimator_module._attention_bias = estimator_module.attention_bias
+    estimator_module.attention_bias = (lambda allowed, dtype: allowed) if enabled else estimator_module._attention_bias
 
 
 def use_flex(block_mask) -> None:
@@ -99,10 +99,10 @@ def use_flex(block_mask) -> None:
     The mask is chunk-causal with each row's padding, so the kernel skips whole blocks
     of keys that no query of a block may see (about half of them), instead of reading a
     dense mask."""
-    if not hasattr(flow_module, "_sdpa_forward"):
-        flow_module._sdpa_forward = flow_module.SelfAttention.forward
+    if not hasattr(estimator_module, "_sdpa_forward"):
+        estimator_module._sdpa_forward = estimator_module.SelfAttention.forward
     if block_mask is None:
-        flow_module.SelfAttention.forward = flow_module._sdpa_forward
+        estimator_module.SelfAttention.forward = estimator_module._sdpa_forward
         return
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -118,7 +118,7 @@ def use_flex(block_mask) -> None:
         out = use_flex.kernel(heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x)), block_mask=block_mask)
         return self.to_out[0](out.transpose(1, 2).reshape(batch, frames, self.heads * self.head_dim))
 
-    flow_module.SelfAttention.forward = forward
+    estimator_module.SelfAttention.forward = forward
 
 
 def flex_block_mask(mask: Tensor, chunk: int):

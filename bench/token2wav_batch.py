@@ -1,7 +1,7 @@
 """How many streams one token2wav batch serves: chunks of B utterances run together.
 
 Each of B utterances (same 6 s prompt, different random tokens) is advanced to chunk
-``--chunk``; then that chunk of all B runs as one ``Token2Wav.run`` call (recompute mode:
+``--chunk``; then that chunk of all B runs as one ``Token2WavRunner.run`` call (recompute mode:
 one batched flow call + one batched HiFT call). A chunk is 1 s of audio, so B / time is
 how many real-time streams this stage alone could keep up with.
 
@@ -32,7 +32,8 @@ from bench.flow_graphs import sync  # noqa: E402
 from bench.token2wav_chunk_cost import voiced_prompt  # noqa: E402
 from testkit.checkpoint import make_checkpoint  # noqa: E402
 from engine.cosyvoice2.model.loading import DTYPES, load_models, missing_files  # noqa: E402
-from engine.cosyvoice2.serving.token2wav import Token2Wav, VoicePrompt  # noqa: E402
+from engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt  # noqa: E402
+from engine.cosyvoice2.serving.runner import Token2WavRunner  # noqa: E402
 
 
 
@@ -82,21 +83,22 @@ def main() -> None:
     prompt = VoicePrompt(
         voice.speech_tokens.to(device), voice.speech_feat.to(device, dtype), voice.embedding.to(device, dtype)
     )
-    token2wav = Token2Wav(models.flow, models.hift, incremental=False)
+    token2wav = Token2WavRunner.build(models.flow, models.hift, incremental=False)
     batches = [int(b) for b in args.batches.split(",")]
     capture_s = None
     if args.graphs:
-        from engine.cosyvoice2.serving.flow_graphs import FlowBuckets, FlowGraphs
+        from engine.cosyvoice2.serving.buckets import FlowBuckets
+        from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 
         context = 2 * (prompt.tokens + 25 * (args.chunk + 4))  # frames of the largest timed call
         buckets = FlowBuckets.up_to(min(args.graph_max_batch, max(batches)), context, 100)
         graphs = FlowGraphs(models.flow.decoder, buckets)
         graphs.capture(buckets.batches, buckets.frame_buckets(), [args.final is False])
-        models.flow.decoder.graphs = graphs
+        token2wav.flow_graphs = graphs
         capture_s = round(graphs.capture_seconds, 1)
     timer = StageTimer(device)
-    timer.wrap(models.flow, "inference_batch", "flow")
-    timer.wrap(models.flow.decoder, "forward", "flow_solve")
+    timer.wrap(token2wav, "_flow_call", "flow")
+    timer.wrap(token2wav, "_decode", "flow_solve")
     timer.wrap(models.hift, "forward", "hift")
     results = []
     for batch in batches:
@@ -104,17 +106,17 @@ def main() -> None:
         for repeat in range(args.repeats + 1):  # the first pass warms this shape up
             states = []
             for row in range(batch):
-                state = token2wav.new_stream(prompt)
                 generator = torch.Generator().manual_seed(row)
-                state.tokens = torch.randint(0, 6561, (25 * (args.chunk + 3),), generator=generator).tolist()
-                state.tokens_done = args.final
-                states.append(state)
+                tokens = torch.randint(0, 6561, (25 * (args.chunk + 3),), generator=generator).tolist()
+                status = RequestStatus.TOKENS_DONE if args.final else RequestStatus.INPUT_ENDED
+                states.append(Request(prompt, token2wav.new_stream(), None, status=status, tokens=tokens))
+            next_job = token2wav.schedule.next_job
             for _ in range(args.chunk - 1):  # advance every stream to the timed chunk
-                token2wav.run([token2wav.next_job(s) for s in states])
+                token2wav.run([next_job(s) for s in states])
             if args.final:  # every stream's next job is its last
-                while not token2wav.next_job(states[0]).finalize:
-                    token2wav.run([token2wav.next_job(s) for s in states])
-            jobs = [token2wav.next_job(s) for s in states]
+                while not next_job(states[0]).finalize:
+                    token2wav.run([next_job(s) for s in states])
+            jobs = [next_job(s) for s in states]
             sync(device)
             timer.seconds.clear()
             started = time.perf_counter()

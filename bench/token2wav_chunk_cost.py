@@ -41,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from testkit.checkpoint import make_checkpoint  # noqa: E402
 from engine.cosyvoice2.model.loading import DTYPES, load_models, missing_files  # noqa: E402
-from engine.cosyvoice2.serving.token2wav import ChunkJob, StreamState, Token2Wav, VoicePrompt  # noqa: E402
+from engine.cosyvoice2.serving.chunking import ChunkJob  # noqa: E402
+from engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt  # noqa: E402
+from engine.cosyvoice2.serving.runner import Token2WavRunner  # noqa: E402
 
 SAMPLE_RATE = 24000
 SPEECH_TOKEN_VOCAB = 6561
@@ -62,11 +64,12 @@ def voiced_prompt(seconds: float, rate: int = SAMPLE_RATE) -> np.ndarray:
     return (0.3 * audio / np.max(np.abs(audio))).astype(np.float32)
 
 
-def stream_tokens(t2w: Token2Wav, prompt_tokens: int, chunks: int, seed: int) -> list[int]:
+def stream_tokens(t2w: Token2WavRunner, prompt_tokens: int, chunks: int, seed: int) -> list[int]:
     """Enough tokens for exactly ``chunks`` streaming chunks, then a shorter final one."""
-    first_hop_pad = math.ceil(prompt_tokens / t2w.chunk_tokens) * t2w.chunk_tokens - prompt_tokens
-    tail = t2w.hop_len // 2  # < one hop, so it is spoken by the final chunk
-    count = first_hop_pad + chunks * t2w.hop_len + t2w.lookahead + tail
+    schedule = t2w.schedule
+    first_hop_pad = math.ceil(prompt_tokens / schedule.chunk_tokens) * schedule.chunk_tokens - prompt_tokens
+    tail = schedule.hop_len // 2  # < one hop, so it is spoken by the final chunk
+    count = first_hop_pad + chunks * schedule.hop_len + schedule.lookahead + tail
     return np.random.default_rng(seed).integers(0, SPEECH_TOKEN_VOCAB, count).tolist()
 
 
@@ -132,23 +135,19 @@ def tensor_bytes(root) -> int:
     return total
 
 
-def vocode(t2w: Token2Wav, job: ChunkJob, mel: torch.Tensor) -> np.ndarray:
-    """HiFT and its caches for one chunk: the second half of ``Token2Wav.run`` for a single job."""
-    if hasattr(t2w, "_vocode"):  # older Token2Wav: one method
-        return t2w._vocode(job, mel)
+def vocode(t2w: Token2WavRunner, job: ChunkJob, mel: torch.Tensor) -> np.ndarray:
+    """HiFT and its caches for one chunk: the second half of ``Token2WavRunner.run`` for a single job."""
     mel, cache_source = t2w._hift_input(job, mel)
     speech, source = t2w.hift(mel, cache_source)
     return t2w._emit(job, mel, speech, source)
 
 
-def run_stream(t2w: Token2Wav, prompt: VoicePrompt, tokens: list[int], clock: Clock) -> tuple[list[dict], np.ndarray]:
+def run_stream(t2w: Token2WavRunner, prompt: VoicePrompt, tokens: list[int], clock: Clock) -> tuple[list[dict], np.ndarray]:
     """Stream one utterance chunk by chunk; per chunk: flow/HiFT ms, tokens, audio, flow cache bytes."""
     torch.manual_seed(0)  # HiFT's excitation draws from the global RNG: same draws in both modes
-    state = t2w.new_stream(prompt)
-    state.tokens = list(tokens)
-    state.tokens_done = True
+    state = Request(prompt, t2w.new_stream(), None, status=RequestStatus.TOKENS_DONE, tokens=list(tokens))
     chunks, audio = [], []
-    while (job := t2w.next_job(state)) is not None:
+    while (job := t2w.schedule.next_job(state)) is not None:
         start = clock.now()
         mel = t2w._flow(job)
         flow_done = clock.now()
@@ -162,16 +161,16 @@ def run_stream(t2w: Token2Wav, prompt: VoicePrompt, tokens: list[int], clock: Cl
             "flow_ms": flow_done - start,
             "hift_ms": hift_done - flow_done,
             # the final chunk frees the cache; what a live session holds is the last non-final value
-            "flow_cache_bytes": tensor_bytes(state.flow_cache),
-            "flow_cache_decoder_bytes": tensor_bytes(getattr(state.flow_cache, "decoder", None)),
+            "flow_cache_bytes": tensor_bytes(state.stream.flow_cache),
+            "flow_cache_decoder_bytes": tensor_bytes(getattr(state.stream.flow_cache, "decoder", None)),
         })
         audio.append(wav)
     return chunks, np.concatenate(audio)
 
 
-def run_offline(t2w: Token2Wav, prompt: VoicePrompt, tokens: list[int], clock: Clock) -> dict:
+def run_offline(t2w: Token2WavRunner, prompt: VoicePrompt, tokens: list[int], clock: Clock) -> dict:
     """A non-streaming request: one full-attention flow pass over all tokens, then one HiFT pass."""
-    state = StreamState(prompt=prompt, tokens=list(tokens), tokens_done=True)
+    state = Request(prompt, t2w.new_stream(), None, status=RequestStatus.TOKENS_DONE, tokens=list(tokens))
     job = ChunkJob(state, end=len(tokens), finalize=True, advance=len(tokens))
     start = clock.now()
     mel = t2w._flow(job)
@@ -212,7 +211,7 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux; whole process, never resets
 
 
-def measure_mode(mode: str, t2w: Token2Wav, prompt: VoicePrompt, tokens: list[int], clock: Clock,
+def measure_mode(mode: str, t2w: Token2WavRunner, prompt: VoicePrompt, tokens: list[int], clock: Clock,
                  repeats: int, device: torch.device) -> tuple[dict, np.ndarray]:
     run_stream(t2w, prompt, tokens, clock)  # warm-up: kernels, allocator, caches
     if device.type == "cuda":
@@ -229,7 +228,7 @@ def measure_mode(mode: str, t2w: Token2Wav, prompt: VoicePrompt, tokens: list[in
     late = sum(r["total_ms"] for r in streaming[-EDGE_CHUNKS:])
     cache_bytes = max(r["flow_cache_bytes"] for r in rows)
     decoder_bytes = max(r["flow_cache_decoder_bytes"] for r in rows)
-    frames = (prompt.tokens + sum(r["tokens"] for r in streaming)) * t2w.mel_ratio
+    frames = (prompt.tokens + sum(r["tokens"] for r in streaming)) * t2w.schedule.mel_ratio
     result = {
         "chunks": streaming,
         "final": final,
@@ -328,7 +327,7 @@ def run(args, scratch: str | None) -> int:
                          voice.embedding.to(device, flow_dtype))
     clock = Clock(device)
 
-    engines = {mode: Token2Wav(models.flow, models.hift, incremental=mode == "incremental") for mode in MODES}
+    engines = {mode: Token2WavRunner.build(models.flow, models.hift, incremental=mode == "incremental") for mode in MODES}
     tokens = stream_tokens(engines["recompute"], prompt.tokens, args.chunks, args.seed)
     modes, audio = {}, {}
     with torch.inference_mode():
@@ -351,8 +350,8 @@ def run(args, scratch: str | None) -> int:
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "model_dir": str(model_dir),
             "prompt_seconds": args.prompt_seconds, "prompt_tokens": prompt.tokens,
             "prompt_mel_frames": int(prompt.speech_feat.shape[1]), "tokens": len(tokens),
-            "chunks": args.chunks, "repeats": args.repeats, "hop": engines["recompute"].hop_len,
-            "lookahead": engines["recompute"].lookahead, "seed": args.seed,
+            "chunks": args.chunks, "repeats": args.repeats, "hop": engines["recompute"].schedule.hop_len,
+            "lookahead": engines["recompute"].schedule.lookahead, "seed": args.seed,
         },
         "modes": modes,
         "offline": offline,

@@ -13,17 +13,12 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.flow import (
-    CFM,
-    CFMStreamCache,
-    Estimator,
-    Flow,
-    FlowStreamCache,
-    PrefixBank,
-    attention_bias,
-    chunk_attention_mask,
-)
+from engine.cosyvoice2.model.cfm import CFM
+from engine.cosyvoice2.model.estimator import Estimator, attention_bias, chunk_attention_mask
+from engine.cosyvoice2.model.flow import Flow
 from engine.cosyvoice2.modeldir.configs import CFMConfig, EstimatorConfig, FlowConfig
+from engine.cosyvoice2.serving.incremental import CFMStreamCache, FlowStreamCache, forward_chunk, inference_chunk
+from engine.cosyvoice2.serving.prefix_bank import PrefixBank, flow_after_prefix, voice_prefix
 from tests.reference import official, randomize
 
 TOLERANCE = 1e-4
@@ -233,7 +228,7 @@ def test_chunk_causality_flow_decoder(cfm_pair) -> None:
 
 
 def test_chunk_causality_flow_decoder_incremental(cfm_pair) -> None:
-    """CFM.forward_chunk over growing prefixes returns the same mel as a full re-run per prefix."""
+    """forward_chunk (serving/incremental.py) over growing prefixes returns the same mel as a full re-run per prefix."""
     _, ours = cfm_pair
     total = 210
     mu, mask, spks, cond = decoder_inputs(frames=total, prompt=36, seed=30)
@@ -245,8 +240,8 @@ def test_chunk_causality_flow_decoder_incremental(cfm_pair) -> None:
         commit = (end // chunk) * chunk - start
         with torch.inference_mode():
             expected = ours(mu[:, :, :end], mask[:, :, :end], spks, cond[:, :, :end], streaming=True)
-            got = ours.forward_chunk(
-                cache, mu[:, :, start:end], mask[:, :, start:end], spks, cond[:, :, start:end],
+            got = forward_chunk(
+                ours, cache, mu[:, :, start:end], mask[:, :, start:end], spks, cond[:, :, start:end],
                 ours.noise[:, :, start:end], [start], [commit],
             )
         assert max_err(got, expected[:, :, start:end]) <= 1e-5, end
@@ -330,7 +325,7 @@ def test_equivalence_flow_empty_prompt(flow_pair) -> None:
         assert max_err(got, expected) <= TOLERANCE
         cache = FlowStreamCache()
         for (n, final), want in zip(((28, False), (60, True)), official_stream(reference, speech, [25])):
-            mel, _ = ours.inference_chunk(cache, *speech.args(n), finalize=final)
+            mel, _ = inference_chunk(ours, cache, *speech.args(n), finalize=final)
             assert max_err(mel, want) <= TOLERANCE
 
 
@@ -379,7 +374,7 @@ def test_equivalence_flow_after_voice_prefix(flow_pair) -> None:
     reference, ours = flow_pair
     voices = [utterance(60, 50, seed=70), utterance(30, 45, seed=71), utterance(13, 30, seed=72)]
     with torch.inference_mode():
-        prefixes = [ours.voice_prefix(v.prompt_token, v.prompt_feat, v.embedding) for v in voices]
+        prefixes = [voice_prefix(ours, v.prompt_token, v.prompt_feat, v.embedding) for v in voices]
     assert [p.frames for p in prefixes] == [100, 50, 0]
     # Slots in another order than the voices, one slot left empty, and room for a longer prefix.
     bank = PrefixBank(ours.decoder, 4, 150, prefixes[0].keys[0])
@@ -400,9 +395,7 @@ def test_equivalence_flow_after_voice_prefix(flow_pair) -> None:
         torch.cat([s.embedding for s in speech]),
     )
     with torch.inference_mode():
-        mel, mel_len = ours.inference_batch(
-            *batch, streaming=True, finalize=False, after_prefix=(bank, slots)
-        )
+        mel, mel_len = flow_after_prefix(ours, bank, slots, *batch, streaming=True, finalize=False)
     for i, (s, (_, n)) in enumerate(zip(speech, rows)):
         with torch.inference_mode():
             expected, _ = reference.inference(*s.args(n), True, False)
@@ -410,7 +403,7 @@ def test_equivalence_flow_after_voice_prefix(flow_pair) -> None:
         assert expected.abs().max() > 1.0
         assert max_err(mel[i : i + 1, :, : expected.shape[2]], expected) <= TOLERANCE, i
     with pytest.raises(ValueError, match="streaming"):
-        ours.inference_batch(*batch, streaming=False, finalize=True, after_prefix=(bank, slots))
+        flow_after_prefix(ours, bank, slots, *batch, streaming=False, finalize=True)
 
 
 def official_stream(reference: nn.Module, speech: Utterance, hops: list[int]) -> list[Tensor]:
@@ -429,7 +422,7 @@ def official_stream(reference: nn.Module, speech: Utterance, hops: list[int]) ->
 
 
 def test_equivalence_flow_incremental(flow_pair) -> None:
-    """``Flow.inference_chunk`` computes only the frames after the last complete chunk and
+    """``inference_chunk`` (serving/incremental.py) computes only the frames after the last complete chunk and
     returns exactly what the official full re-run returns, chunk by chunk.
 
     Measured: max abs diff <= 2.4e-6 for both the official chunking (first hop padded so
@@ -446,7 +439,7 @@ def test_equivalence_flow_incremental(flow_pair) -> None:
             final = hop is None
             n = speech.token.shape[1] if final else offset + hop + 3
             with torch.inference_mode():
-                mel, mel_len = ours.inference_chunk(cache, *speech.args(n), finalize=final)
+                mel, mel_len = inference_chunk(ours, cache, *speech.args(n), finalize=final)
             assert mel.shape[2] == int(mel_len[0]) == expected[i].shape[2]
             assert max_err(mel, expected[i]) <= TOLERANCE, (hops, i)
             offset += 0 if final else hop
@@ -476,7 +469,7 @@ def test_equivalence_flow_incremental_batched(flow_pair) -> None:
             prompt_token[row, : s.prompt_token.shape[1]] = s.prompt_token[0]
             prompt_feat[row, : s.prompt_feat.shape[1]] = s.prompt_feat[0]
         with torch.inference_mode():
-            mel, mel_len = ours.inference_chunk(
+            mel, mel_len = inference_chunk(ours, 
                 cache, token, torch.tensor(counts), prompt_token, torch.tensor([13, 30]), prompt_feat,
                 torch.tensor([26, 60]), torch.cat([s.embedding for s in sessions]), finalize=final,
             )

@@ -20,17 +20,11 @@ from bench import flow_graphs as bench_flow_graphs
 from bench import flow_profile as bench_flow_profile
 from bench import gpu_sharing as bench_gpu_sharing
 from bench import sdpa_choice as bench_sdpa_choice
-from engine.cosyvoice2.model.flow import CFM, N_TIMESTEPS, PrefixBank
+from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
+from engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, solve_after_prefix
 from engine.cosyvoice2.modeldir.configs import CFMConfig
-from engine.cosyvoice2.serving.flow_graphs import (
-    FlowBuckets,
-    GraphKey,
-    pad_inputs,
-    pad_rows,
-    solve_after_padded,
-    solve_padded,
-    step_program,
-)
+from engine.cosyvoice2.serving.buckets import FlowBuckets, GraphKey, pad_inputs, pad_rows
+from engine.cosyvoice2.serving.flow_graphs import solve_after_padded, solve_padded, step_program
 from tests.reference import randomize
 
 LENGTHS = [110, 57, 81]  # 3 rows -> batch bucket 4; 110 frames -> frame bucket 150
@@ -184,8 +178,8 @@ def prefix_bank(cfm: CFM, like: Tensor) -> PrefixBank:
     mu, _, spks, cond = batch_inputs([200, 200], [200, 200], seed=6)
     mu, spks, cond = mu.to(like), spks.to(like), cond.to(like)
     bank = PrefixBank(cfm, 3, 150, mu)
-    bank.put(2, cfm.voice_prefix(mu[:1], spks[:1], cond[:1], 100))
-    bank.put(0, cfm.voice_prefix(mu[1:], spks[1:], cond[1:], 50))
+    bank.put(2, decoder_prefix(cfm, mu[:1], spks[:1], cond[:1], 100))
+    bank.put(0, decoder_prefix(cfm, mu[1:], spks[1:], cond[1:], 50))
     return bank
 
 
@@ -253,12 +247,12 @@ def test_padded_solve_after_voice_prefixes_equals_unpadded(cfm) -> None:
     buckets = FlowBuckets.up_to(max_batch=8, max_frames=300)
     with torch.inference_mode():
         padded = solve_after_padded(cfm, buckets, bank, slots, new_mu, mask, row_spks, new_cond)
-        unpadded = cfm.solve_after(bank, slots, new_mu, mask, row_spks, new_cond)
+        unpadded = solve_after_prefix(cfm, bank, slots, new_mu, mask, row_spks, new_cond)
         assert unpadded.abs().max() > 1.0
         assert max_err(padded, unpadded) <= 1e-5
         for row, (slot, n) in enumerate(rows):
-            alone = cfm.solve_after(bank, slots[row : row + 1], new_mu[row : row + 1, :, :n], mask[row : row + 1, :, :n],
-                                    row_spks[row : row + 1], new_cond[row : row + 1, :, :n])
+            alone = solve_after_prefix(cfm, bank, slots[row : row + 1], new_mu[row : row + 1, :, :n],
+                                       mask[row : row + 1, :, :n], row_spks[row : row + 1], new_cond[row : row + 1, :, :n])
             assert max_err(padded[row : row + 1, :, :n], alone) <= 1e-5, row
             # ... and the same frames of the whole streaming solve of the voice
             v, start = voice_of_slot[slot], start_of_slot[slot]
@@ -273,28 +267,9 @@ def test_solve_after_voice_prefixes_runs_without_host_sync() -> None:
     mu = torch.zeros(3, 80, 150, device="meta")
     bank = PrefixBank(cfm, 2, 100, mu)
     slots = torch.zeros(3, dtype=torch.long, device="meta")
-    mel = cfm.solve_after_eager(bank, slots, mu, torch.ones(3, 1, 150, device="meta"),
-                                torch.zeros(3, 80, device="meta"), mu)
+    mel = solve_after_prefix(cfm, bank, slots, mu, torch.ones(3, 1, 150, device="meta"),
+                             torch.zeros(3, 80, device="meta"), mu)
     assert mel.shape == (3, 80, 150) and mel.dtype == torch.float32
-
-
-def test_cfm_without_graphs_on_cpu_is_the_eager_solve(cfm) -> None:
-    """graphs is None by default; graphs set on a CPU model are never consulted (CUDA only)."""
-    assert cfm.graphs is None
-    mu, mask, spks, cond = batch_inputs([60], [10], seed=6)
-
-    class Untouchable:
-        def run(self, *args):
-            raise AssertionError("graphs consulted for a CPU call")
-
-    with torch.inference_mode():
-        expected = cfm(mu, mask, spks, cond, True)
-        cfm.graphs = Untouchable()
-        try:
-            got = cfm(mu, mask, spks, cond, True)
-        finally:
-            cfm.graphs = None
-    assert torch.equal(got, expected)
 
 
 def test_bench_flow_graphs_smoke_cpu(tmp_path, capsys) -> None:
@@ -321,9 +296,9 @@ def test_bench_flow_graphs_smoke_cpu(tmp_path, capsys) -> None:
 def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
     """bench/flow_profile.py runs on CPU; the decoder's bias gives the boolean mask's mel exactly,
     and the script puts the decoder back as it was."""
-    from engine.cosyvoice2.model import flow
+    from engine.cosyvoice2.model import estimator
 
-    shipped = flow.attention_bias
+    shipped = estimator.attention_bias
     out = tmp_path / "profile.json"
     report = bench_flow_profile.main(
         ["--size", "tiny", "--device", "cpu", "--shapes", "2x60", "--variants", "bool,bias", "--repeats", "1",
@@ -334,7 +309,7 @@ def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
     assert (shape["rows"], shape["frames"]) == (2, 60)
     assert shape["variants"]["bool"]["graph_ms"] > 0
     assert shape["variants"]["bias"]["max_abs_vs_bool"] == 0.0
-    assert flow.attention_bias is shipped
+    assert estimator.attention_bias is shipped
 
 
 def test_bench_gpu_sharing_smoke_cpu(tmp_path) -> None:

@@ -92,7 +92,7 @@ async def test_cancel_frees_the_engine_work(cv2_gateway, cv2_engine):
         assert reply.cancelled
     await eventually(lambda: cv2_engine.stats().utterances == 0, timeout=10)
     await eventually(lambda: cv2_engine.stats().extra["llm_streams"] == 0, timeout=10)
-    assert not cv2_engine.worker.handles
+    assert not cv2_engine.scheduler.requests
 
 
 async def test_unknown_voice_is_refused(cv2_gateway):

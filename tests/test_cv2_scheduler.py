@@ -1,4 +1,4 @@
-"""The token2wav worker: most urgent listener first, batches, bounded output, cancel."""
+"""The token2wav scheduler: most urgent listener first, batches, bounded output, cancel."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from engine.cosyvoice2.engine import _END, Token2WavWorker, short_first_chunk_fits
-from engine.cosyvoice2.serving.token2wav import Lane, cheapest_groups
+from engine.cosyvoice2.serving.call_plan import cheapest_groups
+from engine.cosyvoice2.serving.request import Request, RequestStatus
+from engine.cosyvoice2.serving.runner import Lane
+from engine.cosyvoice2.serving.scheduler import END, Scheduler, short_first_chunk_fits
 
 from .conftest import eventually, until
 
@@ -30,24 +32,36 @@ class FakeState:
 
 @dataclass(frozen=True)
 class FakeJob:
-    state: FakeState
+    request: Request
     finalize: bool
     early: bool = False
+
+    @property
+    def state(self) -> FakeState:
+        return self.request.stream
 
     @property
     def first(self) -> bool:
         return self.state.first
 
 
-class FakeToken2Wav:
-    """Runs 'chunks' of one second each and records which utterances ran, in which batches."""
+def add(scheduler: Scheduler, state: FakeState, queue: asyncio.Queue) -> Request:
+    """A request whose token2wav state is ``state`` (the fake runner reads it), scheduled.
+    Its text has ended; its speech tokens are the fake's business."""
+    request = Request(prompt=None, stream=state, output=queue, status=RequestStatus.INPUT_ENDED)
+    scheduler.add(request)
+    return request
 
-    class hift:  # noqa: N801 - mirrors token2wav.hift.config.sampling_rate
-        class config:  # noqa: N801
-            sampling_rate = 100
+
+class FakeToken2Wav:
+    """Runs 'chunks' of one second each and records which utterances ran, in which batches.
+    It is the runner and its chunk schedule at once (``schedule`` is itself)."""
+
+    sample_rate = 100
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
+        self.schedule = self
 
     def work_totals(self) -> dict[str, float]:
         return {"flow_calls": len(self.batches)}
@@ -56,18 +70,21 @@ class FakeToken2Wav:
         return job.state.frames
 
     def plan(self, jobs, lane=None):
-        # Calls padded to their longest row, at a small cost per call (as Token2Wav.plan).
+        # Calls padded to their longest row, at a small cost per call (as Token2WavRunner.plan).
         return cheapest_groups([job.state.frames for job in jobs], lambda rows, width: 100 + rows * width)
 
     def lane_serves(self, job, lane) -> bool:
-        # The lane runs a turn's opening chunks (Token2Wav.opens_turn); it has graphs up to 1000 frames.
+        # The lane runs a turn's opening chunks (ChunkSchedule.opens_turn); it has graphs up to 1000 frames.
         opens = job.first or job.state.after_short_first
         return opens and not job.finalize and job.state.frames <= 1000
 
-    def next_job(self, state: FakeState):
+    def next_job(self, request: Request):
+        state = request.stream
         if state.chunks == 0:
             return None
-        return FakeJob(state, finalize=state.chunks == 1)
+        if state.chunks == 1:  # a stream's last chunk is ready once all its tokens are
+            request.status = RequestStatus.TOKENS_DONE
+        return FakeJob(request, finalize=state.chunks == 1)
 
     def run(self, jobs, lane=None):
         self.batches.append([job.state.name for job in jobs])
@@ -82,81 +99,81 @@ class FakeToken2Wav:
 
 async def test_the_listener_closest_to_running_dry_goes_first():
     fake = FakeToken2Wav()
-    worker = Token2WavWorker(fake, max_batch=1, loop=asyncio.get_running_loop())
+    scheduler = Scheduler(fake, max_batch=1, loop=asyncio.get_running_loop())
     try:
         queues = {name: asyncio.Queue() for name in "abc"}
-        # add() does not wake the worker, so all three are in place before it looks.
-        handles = {name: worker.add(FakeState(name, 1), queues[name]) for name in "abc"}
-        with worker.lock:
+        # add() does not wake the scheduler, so all three are in place before it looks.
+        requests = {name: add(scheduler, FakeState(name, 1), queues[name]) for name in "abc"}
+        with scheduler.lock:
             # a: has been playing for 1 s with 30 s of audio buffered; b: 2 s buffered;
             # c: no audio yet. Most urgent first: c (due now), then b, then a.
             now = time.monotonic()
-            handles["a"].clock.produced(30.0, now - 1)
-            handles["b"].clock.produced(2.0, now - 1)
-            worker.wake.notify_all()
+            requests["a"].clock.produced(30.0, now - 1)
+            requests["b"].clock.produced(2.0, now - 1)
+            scheduler.wake.notify_all()
         for name in "abc":
             await until(queues[name].get())
-            assert await until(queues[name].get()) is _END
+            assert await until(queues[name].get()) is END
         assert fake.batches == [["c"], ["b"], ["a"]]
     finally:
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(scheduler.stop)
 
 
 async def test_calls_are_timed_by_their_kind():
-    """The worker books each call's count and time by its kind (first, later or final chunks):
+    """The scheduler books each call's count and time by its kind (first, later or final chunks):
     the totals behind tts_token2wav_calls_<kind>_total and tts_token2wav_call_seconds_<kind>_total."""
     fake = FakeToken2Wav()
-    worker = Token2WavWorker(fake, max_batch=1, loop=asyncio.get_running_loop())
+    scheduler = Scheduler(fake, max_batch=1, loop=asyncio.get_running_loop())
     try:
         queue: asyncio.Queue = asyncio.Queue()
-        worker.add(FakeState("a", 3, first=True), queue)
-        with worker.lock:
-            worker.wake.notify_all()
+        add(scheduler, FakeState("a", 3, first=True), queue)
+        with scheduler.lock:
+            scheduler.wake.notify_all()
         for _ in range(3):
             await until(queue.get())
-        totals = worker.totals()
+        totals = scheduler.totals()
         assert [totals[f"token2wav_calls_{kind}"] for kind in ("first", "later", "final")] == [1, 1, 1]
         for kind in ("first", "later", "final"):  # each fake call sleeps 10 ms
             assert 0.01 <= totals[f"token2wav_call_seconds_{kind}"] < 1.0
     finally:
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(scheduler.stop)
 
 
 async def test_ready_chunks_of_many_utterances_run_as_one_batch():
     fake = FakeToken2Wav()
-    worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop())
+    scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop())
     try:
         queues = [asyncio.Queue() for _ in range(5)]
         for i, queue in enumerate(queues):
-            worker.add(FakeState(str(i), 1), queue)
-        with worker.lock:
-            worker.wake.notify_all()
+            add(scheduler, FakeState(str(i), 1), queue)
+        with scheduler.lock:
+            scheduler.wake.notify_all()
         for queue in queues:
             await until(queue.get())
         assert sorted(fake.batches[0]) == ["0", "1", "2", "3", "4"]
     finally:
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(scheduler.stop)
 
 
 async def test_an_utterance_whose_consumer_lags_is_not_scheduled():
     fake = FakeToken2Wav()
-    worker = Token2WavWorker(fake, max_batch=1, loop=asyncio.get_running_loop())
+    scheduler = Scheduler(fake, max_batch=1, loop=asyncio.get_running_loop())
     try:
         queue: asyncio.Queue = asyncio.Queue()
-        handle = worker.add(FakeState("slow", 20), queue)
-        with worker.lock:
-            worker.wake.notify_all()
+        request = add(scheduler, FakeState("slow", 20), queue)
+        with scheduler.lock:
+            scheduler.wake.notify_all()
         await eventually(lambda: queue.qsize() == 4)  # the output bound
         await asyncio.sleep(0.1)
         assert queue.qsize() == 4 and len(fake.batches) == 4
         await queue.get()
-        handle.taken()  # the consumer takes one: one more is made
+        scheduler.taken(request)  # the consumer takes one: one more is made
         await eventually(lambda: len(fake.batches) == 5)
-        worker.remove(handle)  # cancel: nothing more runs
+        scheduler.cancel(request)  # cancel: nothing more runs
         await asyncio.sleep(0.1)
         assert len(fake.batches) == 5
     finally:
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(scheduler.stop)
 
 
 async def test_a_much_longer_context_waits_for_a_batch_of_its_size():
@@ -166,23 +183,23 @@ async def test_a_much_longer_context_waits_for_a_batch_of_its_size():
     async def batches_for(utterances: dict[str, tuple[int, float | None]]) -> list[list[str]]:
         """utterances: name -> (context frames, seconds of buffered audio left, or None for no audio yet)."""
         fake = FakeToken2Wav()
-        worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop())
+        scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop())
         try:
             queues = {name: asyncio.Queue() for name in utterances}
-            # add() does not wake the worker, so all are in place before it looks.
-            handles = {name: worker.add(FakeState(name, 1, frames=frames), queues[name])
+            # add() does not wake the scheduler, so all are in place before it looks.
+            requests = {name: add(scheduler, FakeState(name, 1, frames=frames), queues[name])
                        for name, (frames, _) in utterances.items()}
-            with worker.lock:
+            with scheduler.lock:
                 now = time.monotonic()
                 for name, (_, left) in utterances.items():
                     if left is not None:
-                        handles[name].clock.produced(1.0 + left, now - 1.0)
-                worker.wake.notify_all()
+                        requests[name].clock.produced(1.0 + left, now - 1.0)
+                scheduler.wake.notify_all()
             for queue in queues.values():
                 await until(queue.get())
             return [sorted(batch) for batch in fake.batches]
         finally:
-            await asyncio.to_thread(worker.stop)
+            await asyncio.to_thread(scheduler.stop)
 
     assert await batches_for({"short1": (300, None), "short2": (300, 0.5), "long": (1200, 5.0)}) == [
         ["short1", "short2"],
@@ -198,27 +215,27 @@ async def test_a_new_turns_first_chunk_runs_between_the_calls_of_a_round():
     """A batch runs as several flow calls; a first chunk that becomes ready during one goes
     next, before the rest of the round."""
     fake = FakeToken2Wav()
-    worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop())
+    scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop())
     queues = {name: asyncio.Queue() for name in ("short", "mid", "long", "new")}
     run = fake.run
 
     def run_and_start_a_turn(jobs, lane=None):
         if len(fake.batches) == 0:  # during the round's first call, a new turn's tokens arrive
-            worker.add(FakeState("new", 2, first=True), queues["new"])
+            add(scheduler, FakeState("new", 2, first=True), queues["new"])
         return run(jobs, lane)
 
     fake.run = run_and_start_a_turn
     try:
         # Padded to the longest row, these three contexts are cheapest as three calls.
         for name, frames in (("short", 300), ("mid", 1200), ("long", 3000)):
-            worker.add(FakeState(name, 1, frames=frames), queues[name])
-        with worker.lock:
-            worker.wake.notify_all()
+            add(scheduler, FakeState(name, 1, frames=frames), queues[name])
+        with scheduler.lock:
+            scheduler.wake.notify_all()
         for queue in queues.values():
             await until(queue.get())
         assert fake.batches[:4] == [["short"], ["new"], ["mid"], ["long"]]
     finally:
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(scheduler.stop)
 
 
 def lane_recording_fake(blocked: Lane | str | None) -> tuple[FakeToken2Wav, list, threading.Event]:
@@ -248,16 +265,16 @@ async def test_the_first_chunk_lane_runs_a_new_turn_while_a_call_is_in_flight(sh
     lane = Lane()  # on a CPU: no stream and no graphs of its own
     opening = 2 if short_first else 1
     fake, lanes, release = lane_recording_fake(blocked=None)
-    worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
+    scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
     try:
         queues = {"long": asyncio.Queue(), "new": asyncio.Queue()}
-        worker.add(FakeState("long", 2), queues["long"])
-        with worker.lock:
-            worker.wake.notify_all()
-        await eventually(lambda: worker.running == 1)  # the main thread is in its call
-        worker.add(FakeState("new", opening + 1, first=True, short_first=short_first), queues["new"])
-        with worker.lock:
-            worker.wake.notify_all()
+        add(scheduler, FakeState("long", 2), queues["long"])
+        with scheduler.lock:
+            scheduler.wake.notify_all()
+        await eventually(lambda: scheduler.running == 1)  # the main thread is in its call
+        add(scheduler, FakeState("new", opening + 1, first=True, short_first=short_first), queues["new"])
+        with scheduler.lock:
+            scheduler.wake.notify_all()
         for _ in range(opening):
             await until(queues["new"].get())
         assert queues["long"].empty() and not release.is_set()
@@ -271,30 +288,30 @@ async def test_the_first_chunk_lane_runs_a_new_turn_while_a_call_is_in_flight(sh
         assert lanes[opening + 1:] == [None] * len(fake.batches[opening + 1:])
     finally:
         release.set()
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(scheduler.stop)
 
 
 async def test_while_the_lane_is_busy_the_main_thread_takes_first_chunks():
     """A burst of new turns: first chunks the busy lane cannot take run on the main thread."""
     lane = Lane()
     fake, lanes, release = lane_recording_fake(blocked=lane)
-    worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
+    scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
     try:
         queues = {"a": asyncio.Queue(), "b": asyncio.Queue()}
-        worker.add(FakeState("a", 2, first=True), queues["a"])
-        with worker.lock:
-            worker.wake.notify_all()
+        add(scheduler, FakeState("a", 2, first=True), queues["a"])
+        with scheduler.lock:
+            scheduler.wake.notify_all()
         await eventually(lambda: lanes == [lane])
-        worker.add(FakeState("b", 2, first=True), queues["b"])
-        with worker.lock:
-            worker.wake.notify_all()
+        add(scheduler, FakeState("b", 2, first=True), queues["b"])
+        with scheduler.lock:
+            scheduler.wake.notify_all()
         await until(queues["b"].get())
         assert lanes[:2] == [lane, None] and queues["a"].empty()
         release.set()
         await until(queues["a"].get())
     finally:
         release.set()
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(scheduler.stop)
 
 
 async def test_a_first_chunk_the_lane_has_no_graph_for_runs_on_the_main_thread():
@@ -303,22 +320,22 @@ async def test_a_first_chunk_the_lane_has_no_graph_for_runs_on_the_main_thread()
     lane = Lane()
     fake, lanes, release = lane_recording_fake(blocked="nothing")
     release.set()
-    worker = Token2WavWorker(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
+    scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane)
     try:
         queues = {"new voice": asyncio.Queue(), "known voice": asyncio.Queue()}
-        worker.add(FakeState("new voice", 2, first=True, frames=1200), queues["new voice"])
-        with worker.lock:
-            worker.wake.notify_all()
+        add(scheduler, FakeState("new voice", 2, first=True, frames=1200), queues["new voice"])
+        with scheduler.lock:
+            scheduler.wake.notify_all()
         await until(queues["new voice"].get())
-        worker.add(FakeState("known voice", 2, first=True), queues["known voice"])
-        with worker.lock:
-            worker.wake.notify_all()
+        add(scheduler, FakeState("known voice", 2, first=True), queues["known voice"])
+        with scheduler.lock:
+            scheduler.wake.notify_all()
         await until(queues["known voice"].get())
         # Each one's first chunk (their second chunks are final: the main thread's anyway).
         calls = list(zip(fake.batches, lanes))
         assert calls[0] == (["new voice"], None) and (["known voice"], lane) in calls
     finally:
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(scheduler.stop)
 
 
 class EarlyToken2Wav(FakeToken2Wav):
@@ -326,11 +343,12 @@ class EarlyToken2Wav(FakeToken2Wav):
 
     HOP = 10
 
-    def next_job(self, state: FakeState, early: bool = False):
+    def next_job(self, request: Request, early: bool = False):
+        state = request.stream
         if len(state.tokens) >= self.HOP:
-            return FakeJob(state, finalize=False)
+            return FakeJob(request, finalize=False)
         if early and state.tokens:
-            return FakeJob(state, finalize=False, early=True)
+            return FakeJob(request, finalize=False, early=True)
         return None
 
     def run(self, jobs, lane=None):
@@ -342,28 +360,28 @@ class EarlyToken2Wav(FakeToken2Wav):
 
 async def test_a_listener_about_to_run_dry_gets_the_tokens_there_are():
     """Once its audio is about to run out, an utterance with part of a hop gets an early chunk:
-    the worker wakes by itself for it, with no new token to wake it."""
+    the scheduler wakes by itself for it, with no new token to wake it."""
     fake = EarlyToken2Wav()
-    worker = Token2WavWorker(fake, max_batch=4, loop=asyncio.get_running_loop())
+    scheduler = Scheduler(fake, max_batch=4, loop=asyncio.get_running_loop())
     try:
         playing, quiet = asyncio.Queue(), asyncio.Queue()
-        a = worker.add(FakeState("a", 0, tokens=[1, 2, 3]), playing)
-        b = worker.add(FakeState("b", 0, tokens=[1, 2, 3]), quiet)
-        with worker.lock:
+        a = add(scheduler, FakeState("a", 0, tokens=[1, 2, 3]), playing)
+        b = add(scheduler, FakeState("b", 0, tokens=[1, 2, 3]), quiet)
+        with scheduler.lock:
             now = time.monotonic()
             a.clock.produced(1.0, now - 0.7)  # runs dry in 0.3 s
             b.clock.produced(10.0, now - 0.7)  # 9.3 s of audio left
-            worker.wake.notify_all()
+            scheduler.wake.notify_all()
         started = time.monotonic()
         await until(playing.get(), 5)
         waited = time.monotonic() - started
         assert fake.batches == [["a:3"]]
         assert 0.1 < waited < 1.0  # not at once: only when close to running dry (margin ~50 ms here)
         assert quiet.empty()
-        totals = worker.totals()
+        totals = scheduler.totals()
         assert totals["token2wav_early_chunks"] == 1 and totals["token2wav_flow_calls"] == 1
     finally:
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(scheduler.stop)
 
 
 def test_a_short_first_chunk_fits_when_the_next_can_follow_before_it_has_played():
@@ -371,14 +389,14 @@ def test_a_short_first_chunk_fits_when_the_next_can_follow_before_it_has_played(
     assert short_first_chunk_fits(0.24, 25, 0.0035, 0.08, busy=False)
     # Under load: 6.5 ms a token, 0.3 s calls, one in flight: 0.9 s against 0.54.
     assert not short_first_chunk_fits(0.24, 25, 0.0065, 0.3, busy=True)
-    # The tokens alone can be too slow (11 ms each at 128 sessions), even with the worker idle...
+    # The tokens alone can be too slow (11 ms each at 128 sessions), even with the scheduler idle...
     assert not short_first_chunk_fits(0.24, 25, 0.011, 0.08, busy=False)
     # ...unless an early chunk can follow with 5 of them.
     assert short_first_chunk_fits(0.24, 5, 0.011, 0.08, busy=False)
 
 
 class FirstChunkToken2Wav(FakeToken2Wav):
-    """First chunks that the worker may lengthen: a lengthened stream has no chunk until
+    """First chunks that the scheduler may lengthen: a lengthened stream has no chunk until
     its test says the longer chunk's tokens are there."""
 
     hop_len, first_hop_len = 25, 5
@@ -387,59 +405,59 @@ class FirstChunkToken2Wav(FakeToken2Wav):
         super().__init__()
         self.lengthened: list[str] = []
 
-    def first_chunk_playable_s(self, state) -> float:
+    def first_chunk_playable_s(self, request) -> float:
         return 0.24
 
-    def lengthen_first_chunk(self, state) -> bool:
-        self.lengthened.append(state.name)
-        state.waiting = True
+    def lengthen_first_chunk(self, request) -> bool:
+        self.lengthened.append(request.stream.name)
+        request.stream.waiting = True
         return True
 
-    def next_job(self, state):
-        return None if getattr(state, "waiting", False) else super().next_job(state)
+    def next_job(self, request):
+        return None if getattr(request.stream, "waiting", False) else super().next_job(request)
 
 
 async def test_by_load_a_first_chunk_waits_for_the_official_length_when_the_next_cannot_follow():
     fake = FirstChunkToken2Wav()
-    worker = Token2WavWorker(fake, max_batch=4, loop=asyncio.get_running_loop(), first_chunk_by_load=True)
+    scheduler = Scheduler(fake, max_batch=4, loop=asyncio.get_running_loop(), first_chunk_by_load=True)
     try:
         idle, loaded = asyncio.Queue(), asyncio.Queue()
-        worker.add(FakeState("idle", 2, first=True, tokens=[1] * 13), idle)
-        with worker.lock:
-            worker.wake.notify_all()
-        for _ in range(2):  # an idle worker: the short first chunk runs, then the rest
+        add(scheduler, FakeState("idle", 2, first=True, tokens=[1] * 13), idle)
+        with scheduler.lock:
+            scheduler.wake.notify_all()
+        for _ in range(2):  # an idle scheduler: the short first chunk runs, then the rest
             await until(idle.get())
         assert fake.lengthened == [] and fake.batches == [["idle"], ["idle"]]
-        with worker.lock:
-            worker._recent_call_s = 0.4  # calls take 0.4 s now: 0.8 s > 0.4 + 0.24
-        handle = worker.add(FakeState("loaded", 2, first=True, tokens=[1] * 13), loaded)
-        with worker.lock:
-            worker.wake.notify_all()
+        with scheduler.lock:
+            scheduler._recent_call_s = 0.4  # calls take 0.4 s now: 0.8 s > 0.4 + 0.24
+        request = add(scheduler, FakeState("loaded", 2, first=True, tokens=[1] * 13), loaded)
+        with scheduler.lock:
+            scheduler.wake.notify_all()
         await eventually(lambda: fake.lengthened == ["loaded"])
         await asyncio.sleep(0.1)
-        assert loaded.empty() and worker.totals()["token2wav_first_chunks_lengthened"] == 1
-        with worker.lock:  # the official first chunk's tokens are there: it runs, once decided
-            handle.state.waiting = False
-            worker.wake.notify_all()
+        assert loaded.empty() and scheduler.totals()["token2wav_first_chunks_lengthened"] == 1
+        with scheduler.lock:  # the official first chunk's tokens are there: it runs, once decided
+            request.stream.waiting = False
+            scheduler.wake.notify_all()
         await until(loaded.get())
         assert fake.lengthened == ["loaded"] and fake.batches[-1] == ["loaded"]
     finally:
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(scheduler.stop)
 
 
 async def test_no_early_chunks_when_turned_off():
     fake = EarlyToken2Wav()
-    worker = Token2WavWorker(fake, max_batch=4, loop=asyncio.get_running_loop(), early_chunks=False)
+    scheduler = Scheduler(fake, max_batch=4, loop=asyncio.get_running_loop(), early_chunks=False)
     try:
         queue = asyncio.Queue()
-        handle = worker.add(FakeState("a", 0, tokens=[1, 2, 3]), queue)
-        with worker.lock:
-            handle.clock.produced(0.2, time.monotonic() - 0.5)  # already dry
-            worker.wake.notify_all()
+        request = add(scheduler, FakeState("a", 0, tokens=[1, 2, 3]), queue)
+        with scheduler.lock:
+            request.clock.produced(0.2, time.monotonic() - 0.5)  # already dry
+            scheduler.wake.notify_all()
         await asyncio.sleep(0.3)
         assert fake.batches == [] and queue.empty()
     finally:
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(scheduler.stop)
 
 
 def brute_force_cost(widths: list[int], cost) -> int:

@@ -14,11 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from testkit.checkpoint import make_checkpoint
-from engine.cosyvoice2.serving.flow_graphs import FlowBuckets
+import dataclasses
+
 from engine.cosyvoice2.model.loading import load_models
-from engine.cosyvoice2.serving import token2wav as token2wav_module
-from engine.cosyvoice2.serving.token2wav import Token2Wav, VoicePrompt
+from engine.cosyvoice2.serving import call_plan as call_plan_module
+from engine.cosyvoice2.serving import runner as runner_module
+from engine.cosyvoice2.serving.buckets import FlowBuckets
+from engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt
+from engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
+from testkit.checkpoint import make_checkpoint
 from tests.reference import official, official_modules
 
 
@@ -30,6 +34,19 @@ def tiny_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def models(tiny_dir):
     return load_models(tiny_dir, load_llm=False)
+
+
+def make_runner(models, *, scale: int = 1, max_hop_len: int = 100, first_hop_len: int = 25, **options) -> Token2WavRunner:
+    """The engine's token2wav runner (hop 25, as the official streaming) on the test model."""
+    return Token2WavRunner.build(
+        models.flow, models.hift, scale=scale, max_hop_len=max_hop_len, first_hop_len=first_hop_len, **options
+    )
+
+
+def stream(runner: Token2WavRunner, prompt: VoicePrompt, tokens=(), done: bool = False) -> Request:
+    """A request of this voice holding ``tokens``; ``done``: they are all of its speech tokens."""
+    status = RequestStatus.TOKENS_DONE if done else RequestStatus.INPUT_ENDED
+    return Request(prompt, runner.new_stream(), None, status=status, tokens=list(tokens))
 
 
 def voiced(seconds: float, rate: int) -> np.ndarray:
@@ -81,17 +98,15 @@ def official_stream(tiny_dir: Path, models, voice, tokens: list[int]) -> list[np
 
 
 def our_stream(models, voice, tokens: list[int], incremental: bool, prefix_voices: int = 0) -> list[np.ndarray]:
-    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=incremental, prefix_voices=prefix_voices)
-    state = token2wav.new_stream(VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding))
-    state.tokens = list(tokens)
-    state.tokens_done = True
+    token2wav = make_runner(models, scale=1, incremental=incremental, prefix_voices=prefix_voices)
+    state = stream(token2wav, VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding), tokens, done=True)
     torch.manual_seed(1234)
     chunks = []
-    while (job := token2wav.next_job(state)) is not None:
+    while (job := token2wav.schedule.next_job(state)) is not None:
         chunks.append(token2wav.run([job])[0])
     if prefix_voices:  # the stream really started its decoder after a stored prefix
-        assert len(token2wav._slots) == 1
-        assert token2wav.bank.frames == 2 * ((voice.speech_tokens.shape[1] - 3) // 25 * 25) > 0
+        assert len(token2wav.prefixes._slots) == 1
+        assert token2wav.prefixes.bank.frames == 2 * ((voice.speech_tokens.shape[1] - 3) // 25 * 25) > 0
     return chunks
 
 
@@ -121,30 +136,29 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
     """Non-final chunks of different utterances (different prompts, lengths, offsets) in one
     flow call give each utterance the mel it gets alone."""
     shorter = models.frontend.prepare(voiced(1.4, 24000), 24000, "Short.")
-    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
-    after_prefix = Token2Wav(models.flow, models.hift, scale=1, incremental=False, prefix_voices=1)
+    token2wav = make_runner(models, scale=1, incremental=False)
+    after_prefix = make_runner(models, scale=1, incremental=False, prefix_voices=1)
     # One VoicePrompt per voice, as the engine keeps them.
     prompts = {id(v): VoicePrompt(v.speech_tokens, v.speech_feat, v.embedding) for v in (voice, shorter)}
 
     def streams():
         made = []
         for prompt, n, skip in ((voice, 137, 1), (shorter, 90, 0), (voice, 120, 2)):
-            state = token2wav.new_stream(prompts[id(prompt)])
-            state.tokens, state.tokens_done = list(tokens[:n]), True
+            state = stream(token2wav, prompts[id(prompt)], tokens[:n], done=True)
             for _ in range(skip):  # different chunk indices
-                token2wav.run([token2wav.next_job(state)])
+                token2wav.run([token2wav.schedule.next_job(state)])
             made.append(state)
         return made
 
-    alone = [token2wav._flow(token2wav.next_job(state)) for state in streams()]
-    jobs = [token2wav.next_job(state) for state in streams()]
+    alone = [token2wav._flow(token2wav.schedule.next_job(state)) for state in streams()]
+    jobs = [token2wav.schedule.next_job(state) for state in streams()]
     together = token2wav._flow_batched(jobs, False)
     # A flow call with more voices than the bank holds runs without prefixes.
     after_prefix._flow_batched(jobs, False)
-    assert not after_prefix._slots
-    after_prefix.prefix_voices = 2
+    assert not after_prefix.prefixes._slots
+    after_prefix.prefixes.capacity = 2
     together_after_prefix = after_prefix._flow_batched(jobs, False)
-    assert len(after_prefix._slots) == 2
+    assert len(after_prefix.prefixes._slots) == 2
     assert not any(job.finalize for job in jobs)
     for a, b, c in zip(alone, together, together_after_prefix):
         assert a.shape == b.shape == c.shape
@@ -152,13 +166,12 @@ def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tok
         assert float((a - c).abs().max()) <= 1e-4
 
 
-def chunk_after(token2wav: Token2Wav, prompt: VoicePrompt, tokens, skip: int):
+def chunk_after(token2wav: Token2WavRunner, prompt: VoicePrompt, tokens, skip: int):
     """A new stream of all ``tokens``: its chunk after ``skip`` chunks have run."""
-    state = token2wav.new_stream(prompt)
-    state.tokens, state.tokens_done = list(tokens), True
+    state = stream(token2wav, prompt, list(tokens), done=True)
     for _ in range(skip):
-        token2wav.run([token2wav.next_job(state)])
-    return token2wav.next_job(state)
+        token2wav.run([token2wav.schedule.next_job(state)])
+    return token2wav.schedule.next_job(state)
 
 
 @pytest.mark.parametrize("call_row_frames, skips, calls", [
@@ -172,17 +185,17 @@ def test_chunks_run_in_the_flow_calls_that_cost_least(models, voice, tokens, mon
     least total cost, except that a new turn's first chunks run apart from later chunks.
     Each chunk still gets its own mel."""
     if call_row_frames is not None:
-        monkeypatch.setattr(token2wav_module, "CALL_ROW_FRAMES", call_row_frames)
-    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
+        monkeypatch.setattr(call_plan_module, "CALL_ROW_FRAMES", call_row_frames)
+    token2wav = make_runner(models, scale=1, incremental=False)
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
 
     jobs = [chunk_after(token2wav, prompt, tokens, skip) for skip in skips]
-    widths = [token2wav.job_frames(j) for j in jobs]
+    widths = [token2wav.schedule.job_frames(j) for j in jobs]
     assert widths[1] > 1.2 * widths[0] and widths[0] == widths[2] and not any(j.finalize for j in jobs)
     alone = [token2wav._flow(j) for j in jobs]
     made = []
-    batched = token2wav.flow.inference_batch
-    monkeypatch.setattr(token2wav.flow, "inference_batch", lambda *a, **k: made.append(a[0].shape[0]) or batched(*a, **k))
+    batched = token2wav._flow_call
+    monkeypatch.setattr(token2wav, "_flow_call", lambda args, *a: made.append(args[0].shape[0]) or batched(args, *a))
     together = token2wav._flows(jobs)
     assert made == calls
     for a, b in zip(alone, together):
@@ -192,13 +205,13 @@ def test_chunks_run_in_the_flow_calls_that_cost_least(models, voice, tokens, mon
 def test_a_call_of_several_rows_is_held_to_the_call_limit(models, voice, tokens, monkeypatch):
     """A flow call runs to its end while new turns wait: calls of several rows stay within
     MAX_CALL_ROW_FRAMES even where one call would cost less; each chunk keeps its mel."""
-    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
+    token2wav = make_runner(models, scale=1, incremental=False)
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
 
     jobs = [chunk_after(token2wav, prompt, tokens, 1) for _ in range(5)]
-    width = token2wav.job_frames(jobs[0])
+    width = token2wav.schedule.job_frames(jobs[0])
     assert [len(g) for g in token2wav.plan(jobs)] == [5]
-    monkeypatch.setattr(token2wav_module, "MAX_CALL_ROW_FRAMES", token2wav_module.CALL_ROW_FRAMES + 2 * width)
+    monkeypatch.setattr(call_plan_module, "MAX_CALL_ROW_FRAMES", call_plan_module.CALL_ROW_FRAMES + 2 * width)
     assert sorted(len(g) for g in token2wav.plan(jobs)) == [1, 2, 2]
     alone = [token2wav._flow(j) for j in jobs]
     for a, b in zip(alone, token2wav._flows(jobs)):
@@ -219,17 +232,17 @@ class GraphsOfEveryShape:
 def test_on_a_gpu_a_call_costs_its_graph_buckets_rows(models, voice, tokens, monkeypatch):
     """A graph of five rows computes eight (batch buckets 1, 2, 4, 8): on a GPU the plan counts
     the padded rows, so five wide rows go as four + one rather than as eight."""
-    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
+    token2wav = make_runner(models, scale=1, incremental=False)
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
     jobs = [chunk_after(token2wav, prompt, tokens, 1) for _ in range(5)]
     # The per-call cost of this tiny model's width: three padded rows cost more than a call.
-    width = token2wav.job_frames(jobs[0])
-    monkeypatch.setattr(token2wav_module, "CALL_ROW_FRAMES", 2 * width)
-    monkeypatch.setattr(models.flow.decoder, "graphs", GraphsOfEveryShape(8))
+    width = token2wav.schedule.job_frames(jobs[0])
+    monkeypatch.setattr(call_plan_module, "CALL_ROW_FRAMES", 2 * width)
+    token2wav.flow_graphs = GraphsOfEveryShape(8)
     assert [len(g) for g in token2wav.plan(jobs)] == [5]  # on a CPU: no graphs, no padding
-    monkeypatch.setattr(Token2Wav, "_on_gpu", property(lambda self: True))
+    token2wav.planner = dataclasses.replace(token2wav.planner, on_gpu=True)
     assert sorted(len(g) for g in token2wav.plan(jobs)) == [1, 4]
-    monkeypatch.setattr(models.flow.decoder, "graphs", GraphsOfEveryShape(5))  # a bucket of five: one call
+    token2wav.flow_graphs = GraphsOfEveryShape(5)  # a bucket of five: one call
     assert [len(g) for g in token2wav.plan(jobs)] == [5]
 
 
@@ -246,59 +259,95 @@ def test_chunks_run_with_graphs_set_on_either_thread(models, voice, tokens, monk
     """With the decoder's graphs set, batched streaming chunks after voice prefixes (the
     engine's thread) and a lane's calls (its own graphs, no prefixes) both run, each chunk
     with its own mel."""
-    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False, prefix_voices=1)
+    token2wav = make_runner(models, scale=1, incremental=False, prefix_voices=1)
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
     token2wav.prepare_voices([prompt], prompt.tokens)
 
     jobs = [chunk_after(token2wav, prompt, tokens, skip) for skip in (0, 0, 1)]
     alone = [token2wav._flow(j) for j in jobs]
     own, lanes = GraphsWithNoShapes(), GraphsWithNoShapes()
-    monkeypatch.setattr(models.flow.decoder, "graphs", own)
-    calls = []
-    batched = models.flow.inference_batch
+    token2wav.flow_graphs = own
+    calls = []  # (the decoder ran after the voice prefixes, the graphs it was offered)
+    whole, after = token2wav._flow_call, token2wav._solve_after_prefix
 
-    def recording(*args, **kwargs):
-        calls.append((kwargs.get("after_prefix") is not None, kwargs.get("graphs")))
-        return batched(*args, **kwargs)
+    def recording_whole(args, streaming, finalize, graphs):
+        calls.append((False, graphs))
+        return whole(args, streaming, finalize, graphs)
 
-    monkeypatch.setattr(models.flow, "inference_batch", recording)
-    lane = token2wav_module.Lane(flow_graphs=lanes) if use_lane else None
+    def recording_after(*args):
+        calls.append((True, token2wav.flow_graphs))
+        return after(*args)
+
+    monkeypatch.setattr(token2wav, "_flow_call", recording_whole)
+    monkeypatch.setattr(token2wav, "_solve_after_prefix", recording_after)
+    lane = Lane(flow_graphs=lanes) if use_lane else None
     together = token2wav._flows(jobs, lane)
     for a, b in zip(alone, together):
         assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
     # The engine's thread: after the prefixes, with the decoder's own graphs; a lane: its own, whole.
-    assert calls and set(calls) == ({(False, lanes)} if use_lane else {(True, None)})
+    assert calls and set(calls) == ({(False, lanes)} if use_lane else {(True, own)})
     # The lane's graphs are captured at first_chunk_widths: the width its first chunks ask for.
-    assert jobs[0].first and [token2wav._decoder_width(token2wav.job_frames(jobs[0]), False)] == (
-        token2wav.first_chunk_widths(prompt.tokens)
+    assert jobs[0].first and [token2wav.planner.decoder_width(token2wav.schedule.job_frames(jobs[0]), False)] == (
+        token2wav.schedule.first_chunk_widths(prompt.tokens)
     )
     # A lane without graphs (a CPU) runs any chunk; one with graphs only those it has a shape for.
-    assert token2wav.lane_serves(jobs[0], token2wav_module.Lane())
-    assert not token2wav.lane_serves(jobs[0], token2wav_module.Lane(flow_graphs=lanes))
+    assert token2wav.lane_serves(jobs[0], Lane())
+    assert not token2wav.lane_serves(jobs[0], Lane(flow_graphs=lanes))
 
+
+
+def test_graphs_set_on_a_cpu_runner_are_never_consulted(models, voice, tokens):
+    """The flow's graphs serve CUDA calls only: set on a CPU runner (the engine thread's, and a
+    lane's), they are never asked (every chunk, first to final, is the eager solve)."""
+
+    class Untouchable:
+        def run(self, *args):
+            raise AssertionError("graphs consulted for a CPU call")
+
+        run_after_prefix = run
+
+        def has(self, *args):
+            return False
+
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    audio = {}
+    for graphs in (None, Untouchable()):
+        token2wav = make_runner(models, incremental=False, prefix_voices=1)
+        token2wav.flow_graphs = graphs
+        state = stream(token2wav, prompt, tokens[:90], done=True)
+        torch.manual_seed(5)
+        chunks = []
+        while (job := token2wav.schedule.next_job(state)) is not None:
+            chunks += token2wav.run([job], Lane(flow_graphs=graphs) if job.first else None)
+        audio[graphs is None] = np.concatenate(chunks)
+    assert np.array_equal(audio[True], audio[False])
 
 
 def test_flow_work_totals_are_the_decoder_calls_made(models, voice, tokens, monkeypatch):
     """The flow-work totals (exported as metrics) book every decoder call: its rows x the
     frames each row needed, and the rows x frames it computed, by chunk kind."""
-    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False, prefix_voices=1)
+    token2wav = make_runner(models, scale=1, incremental=False, prefix_voices=1)
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
-    decoder = token2wav.flow.decoder
     solves = []  # (rows x frames computed, frames needed) of each decoder call
-    for name, mask_at in (("forward", 1), ("solve_after", 3)):
-        def recording(*args, _original=getattr(decoder, name), _mask_at=mask_at, **kwargs):
+
+    def recording(_original, _mask_at):
+        def record(*args, **kwargs):
             mask = args[_mask_at]
             solves.append((mask.shape[0] * mask.shape[2], int(mask.sum())))
             return _original(*args, **kwargs)
-        monkeypatch.setattr(decoder, name, recording)
+        return record
+
+    decoder = token2wav.flow.decoder
+    monkeypatch.setattr(decoder, "forward", recording(decoder.forward, 1))  # the whole solve
+    # After the voice prefixes: (cfm, bank, slots, mu, mask, ...).
+    monkeypatch.setattr(runner_module, "solve_after_prefix", recording(runner_module.solve_after_prefix, 4))
 
     states = []
     for n in (137, 90):
-        state = token2wav.new_stream(prompt)
-        state.tokens, state.tokens_done = list(tokens[:n]), True
+        state = stream(token2wav, prompt, list(tokens[:n]), done=True)
         states.append(state)
-    token2wav.run([token2wav.next_job(states[0])])  # one stream a chunk ahead: rows of different widths
-    while jobs := [job for state in states if (job := token2wav.next_job(state)) is not None]:
+    token2wav.run([token2wav.schedule.next_job(states[0])])  # one stream a chunk ahead: rows of different widths
+    while jobs := [job for state in states if (job := token2wav.schedule.next_job(state)) is not None]:
         token2wav.run(jobs)
 
     work = token2wav.work_totals()
@@ -308,7 +357,7 @@ def test_flow_work_totals_are_the_decoder_calls_made(models, voice, tokens, monk
     assert sum(needed) == sum(frames for _, frames in solves) and all(needed)
     # First chunks run after the voice prefix: each needs the frames past it.
     prefix = token2wav.flow.voice_prefix_frames(prompt.tokens)
-    first_width = token2wav.first_chunk_widths(prompt.tokens)[0] - prefix
+    first_width = token2wav.schedule.first_chunk_widths(prompt.tokens)[0] - prefix
     assert needed[0] == 2 * first_width and solves[0] == (first_width, first_width)
     # The streams are a chunk apart, so calls of both padded the shorter row.
     assert work["flow_padded_row_frames"] > sum(needed)
@@ -319,44 +368,42 @@ def test_voice_prefix_bank_slots(models, voice, tokens):
     what it is alone."""
     shorter = models.frontend.prepare(voiced(1.4, 24000), 24000, "Short.")
     wide, narrow = (VoicePrompt(v.speech_tokens, v.speech_feat, v.embedding) for v in (voice, shorter))
-    plain = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
+    plain = make_runner(models, scale=1, incremental=False)
 
     def first_job(prompt: VoicePrompt):
-        state = plain.new_stream(prompt)
-        state.tokens, state.tokens_done = list(tokens), True
-        return plain.next_job(state)
+        state = stream(plain, prompt, list(tokens), done=True)
+        return plain.schedule.next_job(state)
 
-    def check(token2wav: Token2Wav, prompt: VoicePrompt) -> None:
+    def check(token2wav: Token2WavRunner, prompt: VoicePrompt) -> None:
         job = first_job(prompt)
         (mel,) = token2wav._flows([job])
         expected = plain._flow(job)
         assert mel.shape == expected.shape and float((mel - expected).abs().max()) <= 1e-4
 
-    one_slot = Token2Wav(models.flow, models.hift, scale=1, incremental=False, prefix_voices=1)
+    one_slot = make_runner(models, scale=1, incremental=False, prefix_voices=1)
     one_slot.prepare_voices([narrow], widest_prompt_tokens=wide.tokens)
-    assert one_slot.bank.frames == 100 and [p for p, _ in one_slot._slots.values()] == [narrow]
+    assert one_slot.prefixes.bank.frames == 100 and [p for p, _ in one_slot.prefixes._slots.values()] == [narrow]
     for prompt in (wide, narrow, wide):
         check(one_slot, prompt)
-        assert [p for p, _ in one_slot._slots.values()] == [prompt]
+        assert [p for p, _ in one_slot.prefixes._slots.values()] == [prompt]
 
-    too_narrow = Token2Wav(models.flow, models.hift, scale=1, incremental=False, prefix_voices=2)
+    too_narrow = make_runner(models, scale=1, incremental=False, prefix_voices=2)
     too_narrow.prepare_voices([narrow], widest_prompt_tokens=narrow.tokens)
     check(too_narrow, wide)
-    assert too_narrow.bank.frames == 50 and too_narrow._voice_slot(wide) is None
-    assert [p for p, _ in too_narrow._slots.values()] == [narrow]
+    assert too_narrow.prefixes.bank.frames == 50 and too_narrow.prefixes.slot(wide) is None
+    assert [p for p, _ in too_narrow.prefixes._slots.values()] == [narrow]
 
 
 def test_final_chunks_of_several_utterances_batch_exactly(models, voice, tokens):
     """Final chunks (full attention over prompt + all tokens) of different utterances in one
     flow call give each utterance the mel it gets alone."""
-    token2wav = Token2Wav(models.flow, models.hift, scale=1, incremental=False)
+    token2wav = make_runner(models, scale=1, incremental=False)
 
     def final_jobs():
         jobs = []
         for n in (137, 61, 100):
-            state = token2wav.new_stream(VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding))
-            state.tokens, state.tokens_done = list(tokens[:n]), True
-            while not (job := token2wav.next_job(state)).finalize:
+            state = stream(token2wav, VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding), list(tokens[:n]), done=True)
+            while not (job := token2wav.schedule.next_job(state)).finalize:
                 token2wav.run([job])
             jobs.append(job)
         return jobs
@@ -381,18 +428,17 @@ class RecordingGraphs:
 
 @pytest.mark.parametrize("first_hop_len, scale", [(25, 1), (5, 1), (5, 2)])
 def test_chunk_shapes_are_what_streaming_gives_the_vocoder(models, voice, tokens, first_hop_len, scale):
-    """The vocoder graphs are captured for Token2Wav.chunk_shapes: every non-final chunk of a
+    """The vocoder graphs are captured for ChunkSchedule.chunk_shapes: every non-final chunk of a
     stream must have one of those shapes, and the final chunk is left to eager mode."""
-    token2wav = Token2Wav(models.flow, models.hift, scale=scale, max_hop_len=50, first_hop_len=first_hop_len)
+    token2wav = make_runner(models, scale=scale, max_hop_len=50, first_hop_len=first_hop_len)
     token2wav.hift_graphs = recorder = RecordingGraphs()
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
-    state = token2wav.new_stream(prompt)
-    state.tokens, state.tokens_done = list(tokens) * 2, True
+    state = stream(token2wav, prompt, list(tokens) * 2, done=True)
     finals = 0
-    while (job := token2wav.next_job(state)) is not None:
+    while (job := token2wav.schedule.next_job(state)) is not None:
         token2wav.run([job])
         finals += job.finalize
-    shapes = token2wav.chunk_shapes(prompt.tokens)
+    shapes = token2wav.schedule.chunk_shapes(prompt.tokens)
     *streamed, final = recorder.calls
     assert finals == 1 and len(streamed) >= 3
     assert set(streamed) <= set(shapes), (streamed, shapes)
@@ -439,13 +485,13 @@ def test_hops_grow_as_upstream_after_a_first_chunk_of_a_whole_hop(models, voice,
     every chunk, as upstream's stream_scale_factor. A shorter first chunk is one more chunk in
     front of that schedule: a whole hop follows it, so that its listener, holding a fraction of
     a second of audio, waits for 25 tokens and not 50."""
-    token2wav = Token2Wav(models.flow, models.hift, scale=2, max_hop_len=200, first_hop_len=first_hop_len)
+    token2wav = make_runner(models, scale=2, max_hop_len=200, first_hop_len=first_hop_len)
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
-    state = token2wav.new_stream(prompt)
-    first = token2wav.first_hop(prompt.tokens)
-    state.tokens = [1] * (first + 25 + 50 + 100 + 200 + 200 + token2wav.lookahead)
+    state = stream(token2wav, prompt)
+    first = token2wav.schedule.first_hop(prompt.tokens)
+    state.tokens = [1] * (first + 25 + 50 + 100 + 200 + 200 + token2wav.schedule.lookahead)
     hops = []
-    while (job := token2wav.next_job(state)) is not None:
+    while (job := token2wav.schedule.next_job(state)) is not None:
         hops.append(job.advance)
         token2wav._emit(job, torch.zeros(1, 80, 2 * job.advance), torch.zeros(1, 480 * 2 * job.advance),
                         torch.zeros(1, 1, 480 * 2 * job.advance))
@@ -463,10 +509,10 @@ def test_the_lane_runs_a_turns_opening_chunks_at_the_widths_and_shapes_it_has_gr
     a short first chunk the chunk after it (its listener holds a fraction of a second). Its
     graphs are captured at lane_widths and lane_shapes: the widths and vocoder shapes those
     chunks ask for."""
-    token2wav = Token2Wav(models.flow, models.hift, first_hop_len=first_hop_len, second_on_lane=second_on_lane,
+    token2wav = make_runner(models, first_hop_len=first_hop_len, second_on_lane=second_on_lane,
                           incremental=False)
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
-    state = token2wav.new_stream(prompt)
+    state = stream(token2wav, prompt)
     state.tokens = list(tokens)
     vocoded = []
     vocode = token2wav._vocode
@@ -474,85 +520,84 @@ def test_the_lane_runs_a_turns_opening_chunks_at_the_widths_and_shapes_it_has_gr
         vocoded.append((mel.shape[2], source.shape[2])), vocode(mel, source, lane))[1])
     opening, widths = [], []
     for _ in range(3):
-        job = token2wav.next_job(state)
+        job = token2wav.schedule.next_job(state)
         assert job is not None and not job.finalize
-        opening.append(token2wav.opens_turn(job))
-        widths.append(token2wav._decoder_width(token2wav.job_frames(job), False))
-        token2wav.run([job], token2wav_module.Lane())
-    count = 2 if second_on_lane and token2wav.first_hop(prompt.tokens) < 25 else 1
+        opening.append(token2wav.schedule.opens_turn(job))
+        widths.append(token2wav.planner.decoder_width(token2wav.schedule.job_frames(job), False))
+        token2wav.run([job], Lane())
+    count = 2 if second_on_lane and token2wav.schedule.first_hop(prompt.tokens) < 25 else 1
     assert opening == [True] * count + [False] * (3 - count)
-    assert token2wav.lane_widths(prompt.tokens) == widths[:count]
-    assert token2wav.lane_shapes(prompt.tokens) == vocoded[:count]
+    assert token2wav.schedule.lane_widths(prompt.tokens) == widths[:count]
+    assert token2wav.schedule.lane_shapes(prompt.tokens) == vocoded[:count]
     # A lane without graphs runs opening chunks only; the final chunk is the main thread's.
-    state.tokens_done = True
-    while not (job := token2wav.next_job(state)).finalize:
+    state.status = RequestStatus.TOKENS_DONE
+    while not (job := token2wav.schedule.next_job(state)).finalize:
         token2wav.run([job])
-    assert not token2wav.lane_serves(job, token2wav_module.Lane())
+    assert not token2wav.lane_serves(job, Lane())
 
 
 def test_a_short_first_chunk_lengthened_to_the_official_one(models, voice, tokens):
     """first_by_load: both first chunks get their shapes; a stream that has not spoken yet can
     start with the official first chunk instead, and its hops then grow as upstream's."""
-    token2wav = Token2Wav(models.flow, models.hift, scale=2, max_hop_len=200, first_hop_len=5, first_by_load=True)
+    token2wav = make_runner(models, scale=2, max_hop_len=200, first_hop_len=5, first_by_load=True)
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
-    short, official = token2wav.first_hop(prompt.tokens), token2wav.first_hop(prompt.tokens, 25)
-    assert short < 25 <= official and token2wav.first_hops(prompt.tokens) == [short, official]
-    assert token2wav.first_chunk_shapes(prompt.tokens) == [(2 * short, 0), (2 * official, 0)]
-    assert token2wav.chunk_shapes(prompt.tokens)[:2] == token2wav.first_chunk_shapes(prompt.tokens)
-    assert token2wav.first_chunk_playable_s(Token2Wav.new_stream(token2wav, prompt)) == pytest.approx(
+    short, official = token2wav.schedule.first_hop(prompt.tokens), token2wav.schedule.first_hop(prompt.tokens, 25)
+    assert short < 25 <= official and token2wav.schedule.first_hops(prompt.tokens) == [short, official]
+    assert token2wav.schedule.first_chunk_shapes(prompt.tokens) == [(2 * short, 0), (2 * official, 0)]
+    assert token2wav.schedule.chunk_shapes(prompt.tokens)[:2] == token2wav.schedule.first_chunk_shapes(prompt.tokens)
+    assert token2wav.schedule.first_chunk_playable_s(stream(token2wav, prompt)) == pytest.approx(
         (short * 2 * 480 - 8 * 480) / 24000)
-    state = token2wav.new_stream(prompt)
-    state.tokens = [1] * (short + token2wav.lookahead)
-    assert token2wav.next_job(state).advance == short
-    assert token2wav.lengthen_first_chunk(state) and not token2wav.lengthen_first_chunk(state)
-    assert token2wav.next_job(state) is None  # waits for the official chunk's tokens
-    state.tokens = [1] * (official + 25 + 50 + 100 + token2wav.lookahead)
+    state = stream(token2wav, prompt)
+    state.tokens = [1] * (short + token2wav.schedule.lookahead)
+    assert token2wav.schedule.next_job(state).advance == short
+    assert token2wav.schedule.lengthen_first_chunk(state) and not token2wav.schedule.lengthen_first_chunk(state)
+    assert token2wav.schedule.next_job(state) is None  # waits for the official chunk's tokens
+    state.tokens = [1] * (official + 25 + 50 + 100 + token2wav.schedule.lookahead)
     hops = []
-    while (job := token2wav.next_job(state)) is not None:
+    while (job := token2wav.schedule.next_job(state)) is not None:
         hops.append(job.advance)
         token2wav._emit(job, torch.zeros(1, 80, 2 * job.advance), torch.zeros(1, 480 * 2 * job.advance),
                         torch.zeros(1, 1, 480 * 2 * job.advance))
-        assert not token2wav.lengthen_first_chunk(state)  # once speaking, never
+        assert not token2wav.schedule.lengthen_first_chunk(state)  # once speaking, never
     assert hops[:3] == [official, 50, 100]
     # Run for real, in both flow modes: every token is spoken once.
     for incremental in (True, False):
-        runner = Token2Wav(models.flow, models.hift, first_hop_len=5, first_by_load=True, incremental=incremental)
-        state = runner.new_stream(prompt)
-        state.tokens, state.tokens_done = list(tokens), True
-        assert runner.lengthen_first_chunk(state)
+        runner = make_runner(models, first_hop_len=5, first_by_load=True, incremental=incremental)
+        state = stream(runner, prompt, list(tokens), done=True)
+        assert runner.schedule.lengthen_first_chunk(state)
         audio = []
-        while (job := runner.next_job(state)) is not None:
+        while (job := runner.schedule.next_job(state)) is not None:
             audio += runner.run([job])
         assert len(audio[0]) == (official * 2 - 8) * 480 and len(np.concatenate(audio)) == len(tokens) * 2 * 480
     # Without first_by_load, only the short first chunk has shapes.
-    plain = Token2Wav(models.flow, models.hift, scale=2, max_hop_len=200, first_hop_len=5)
-    assert plain.first_hops(prompt.tokens) == [short]
+    plain = make_runner(models, scale=2, max_hop_len=200, first_hop_len=5)
+    assert plain.schedule.first_hops(prompt.tokens) == [short]
 
 
 def test_early_chunks_speak_every_token_once_and_keep_the_regular_boundaries(models, voice, tokens):
     """A listener about to run dry gets the tokens there are; the regular chunk after it still
     ends where the schedule put it, and the audio covers every token exactly once."""
-    token2wav = Token2Wav(models.flow, models.hift, scale=1, first_hop_len=5, incremental=False)
+    token2wav = make_runner(models, scale=1, first_hop_len=5, incremental=False)
     prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
-    state = token2wav.new_stream(prompt)
-    lookahead = token2wav.lookahead
-    first = token2wav.first_hop(prompt.tokens)
+    state = stream(token2wav, prompt)
+    lookahead = token2wav.schedule.lookahead
+    first = token2wav.schedule.first_hop(prompt.tokens)
     state.tokens = list(tokens[: first + lookahead])
-    audio = token2wav.run([token2wav.next_job(state)])  # the first chunk
-    assert token2wav.next_job(state, early=True) is None  # nothing new to speak yet
+    audio = token2wav.run([token2wav.schedule.next_job(state)])  # the first chunk
+    assert token2wav.schedule.next_job(state, early=True) is None  # nothing new to speak yet
     state.tokens = list(tokens[: first + 9 + lookahead])  # 9 more: not a whole hop of 25
-    assert token2wav.next_job(state) is None
-    early = token2wav.next_job(state, early=True)
+    assert token2wav.schedule.next_job(state) is None
+    early = token2wav.schedule.next_job(state, early=True)
     assert early.early and early.advance == 9 and not early.finalize
     audio += token2wav.run([early])
     state.tokens = list(tokens[: first + 25 + lookahead])
-    regular = token2wav.next_job(state)
+    regular = token2wav.schedule.next_job(state)
     assert not regular.early and regular.advance == 25 - 9  # ends on the regular boundary
     audio += token2wav.run([regular])
     state.tokens = list(tokens[: first + 50 + lookahead])
-    assert token2wav.next_job(state).advance == 25  # and the hops after it are whole again
-    state.tokens, state.tokens_done = list(tokens), True
-    while (job := token2wav.next_job(state)) is not None:
+    assert token2wav.schedule.next_job(state).advance == 25  # and the hops after it are whole again
+    state.tokens, state.status = list(tokens), RequestStatus.TOKENS_DONE
+    while (job := token2wav.schedule.next_job(state)) is not None:
         audio += token2wav.run([job])
     samples = np.concatenate(audio)
     assert len(samples) == len(tokens) * 2 * 480

@@ -10,8 +10,8 @@ dt, and after voice prefixes the bank's state, at a step counter on the device t
 graph itself advances. So 10 launches run a solve, and capturing a shape costs one step,
 not ten: with ~180 shapes served, capture is a few seconds of start-up, not minutes.
 
-Shapes are bucketed: a graph is keyed by (batch bucket, frame bucket, streaming flag).
-A call is padded up to its bucket, exactly:
+Shapes are bucketed (buckets.py): a graph is keyed by (batch bucket, frame bucket,
+streaming flag). A call is padded up to its bucket, exactly:
 
 - frames are padded on the right with zeros and mask 0. The estimator never lets a
   real frame see a padding frame: every convolution is causal (left padding), the
@@ -33,14 +33,14 @@ Memory: all graphs share one private memory pool. Their inputs, the ODE state x 
 step counter live in one set of static buffers sized for the largest bucket, outside the
 pool and shared by all graphs too. Sharing is safe because solves of one ``FlowGraphs``
 never overlap (they run on one worker thread, on one stream; the first-chunk lane has its
-own ``FlowGraphs``, see token2wav.Lane) and nothing stays live in the pool between
+own ``FlowGraphs``, see runner.Lane) and nothing stays live in the pool between
 replays: the mel is copied out of the shared state buffer right after a solve's last
 replay, before any other solve can overwrite it. ``FlowGraphs.reserved_bytes`` is the growth
 of ``torch.cuda.memory_reserved`` since construction (pool + static buffers), for the
 engine to check against its memory budget.
 
 Graphs after voice prefixes (``GraphKey.after_prefix``) capture the steps of
-``CFM.solve_after_eager`` over one ``PrefixBank``: the rows' bank slots are one more static
+``prefix_bank.solve_after_prefix`` over one ``PrefixBank``: the rows' bank slots are one more static
 input (padded rows copy row 0's slot too), and the bank's tensors are read in place, so
 voices may come and go between replays (``PrefixBank.put`` writes in place). ``solve_after_padded`` is its padded
 eager twin for the CPU tests.
@@ -51,157 +51,23 @@ after the model has its final device and dtype, and do not move them afterwards.
 
 from __future__ import annotations
 
-import bisect
-import functools
 import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from engine.cosyvoice2.model.flow import CFM, N_TIMESTEPS, PrefixBank, PrefixView
+from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
+from engine.cosyvoice2.serving.buckets import FlowBuckets, GraphKey, bucket_order, pad_inputs, pad_rows
+from engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView, noise_after, solve_after_prefix
 
 log = logging.getLogger(__name__)
 
 # Eager runs of a shape before its capture: they do the libraries' lazy per-shape and
 # per-stream set-up (cuBLAS workspaces, kernel selection) outside the graph.
 WARMUP_RUNS = 1
-
-
-@dataclass(frozen=True)
-class GraphKey:
-    batch: int  # rows of the padded solve (before CFG doubling)
-    frames: int
-    streaming: bool
-    after_prefix: bool = False  # CFM.solve_after over the bank's voice prefixes (frames: those after them)
-
-    @property
-    def row_frames(self) -> int:
-        """The rows x frames a replay of this graph computes."""
-        return self.batch * self.frames
-
-
-def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """1, 2, 4, ... (powers of two below ``max_batch``), then ``max_batch``."""
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    return tuple([2**i for i in range(max_batch.bit_length()) if 2**i < max_batch] + [max_batch])
-
-
-def pad_rows(x: Tensor, rows: int) -> Tensor:
-    """``x`` with copies of its row 0 appended up to ``rows`` rows."""
-    if x.shape[0] > rows:
-        raise ValueError(f"cannot pad {x.shape[0]} rows down to {rows}")
-    if x.shape[0] == rows:
-        return x
-    return torch.cat([x, x[:1].expand(rows - x.shape[0], *x.shape[1:])])
-
-
-# Frame buckets are the multiples of frame_step up to this many steps; beyond, the step
-# doubles each time the width does. A wide call is then padded by at most ~1/6 of its
-# frames, and contexts of a minute need a few more graphs rather than dozens.
-FINE_FRAME_STEPS = 12
-
-
-@dataclass(frozen=True)
-class FlowBuckets:
-    """The shapes graphs can exist for: batch buckets, and frame buckets of every multiple of
-    ``frame_step`` frames up to ``FINE_FRAME_STEPS`` steps, coarser beyond, up to
-    ``max_frames`` (rounded up)."""
-
-    batches: tuple[int, ...]
-    frame_step: int
-    max_frames: int
-
-    def __post_init__(self) -> None:
-        if not self.batches or any(b < 1 for b in self.batches) or list(self.batches) != sorted(set(self.batches)):
-            raise ValueError(f"batch buckets must be increasing positive integers, got {self.batches}")
-        if self.frame_step < 1 or self.max_frames < self.frame_step:
-            raise ValueError(f"need 1 <= frame_step <= max_frames, got {self.frame_step}, {self.max_frames}")
-
-    @classmethod
-    def up_to(cls, max_batch: int, max_frames: int, frame_step: int = 50) -> FlowBuckets:
-        """Batch buckets 1, 2, 4, ... (powers of two below ``max_batch``) and ``max_batch``.
-
-        The default frame step is one attention chunk of the flow (25 tokens = 50 frames).
-        """
-        return cls(batch_buckets(max_batch), frame_step, max_frames)
-
-    @property
-    def max_batch(self) -> int:
-        return self.batches[-1]
-
-    @property
-    def max_frame_bucket(self) -> int:
-        return self._frame_buckets[-1]
-
-    def frame_bucket(self, frames: int) -> int:
-        """The bucket of ``frames`` (beyond the largest: a multiple of frame_step, not covered)."""
-        buckets = self._frame_buckets
-        if frames > buckets[-1]:
-            return math.ceil(frames / self.frame_step) * self.frame_step
-        return buckets[bisect.bisect_left(buckets, frames)]
-
-    def frame_buckets(self) -> list[int]:
-        """Every frame bucket, shortest first."""
-        return list(self._frame_buckets)
-
-    @functools.cached_property
-    def _frame_buckets(self) -> tuple[int, ...]:
-        buckets = [self.frame_step]
-        while buckets[-1] < self.max_frames:
-            step = self.frame_step
-            while buckets[-1] >= FINE_FRAME_STEPS * step:
-                step *= 2
-            buckets.append(buckets[-1] + step)
-        return tuple(buckets)
-
-    def key(self, batch: int, frames: int, streaming: bool, after_prefix: bool = False) -> GraphKey:
-        """The bucket a call of this shape pads to; outside ``covers`` when it is too large."""
-        batch_bucket = next((b for b in self.batches if b >= batch), batch)
-        return GraphKey(batch_bucket, self.frame_bucket(frames), streaming, after_prefix)
-
-    def covers(self, key: GraphKey) -> bool:
-        return key.batch in self.batches and key.frames <= self.max_frame_bucket
-
-    def keys(
-        self, batches: Iterable[int], frames: Iterable[int], streaming_flags: Iterable[bool], after_prefix: bool = False,
-        max_row_frames: int | None = None,
-    ) -> set[GraphKey]:
-        """The buckets of ``batches`` x ``frames`` x ``streaming_flags``; with ``max_row_frames``
-        only those of one row or of at most that many rows x frames. Raises ValueError for
-        shapes outside the buckets."""
-        keys = {self.key(b, f, s, after_prefix) for b in batches for f in frames for s in streaming_flags}
-        if max_row_frames is not None:
-            keys = {key for key in keys if key.batch == 1 or key.row_frames <= max_row_frames}
-        if after_prefix and not all(key.streaming for key in keys):
-            raise ValueError("a solve after voice prefixes is a streaming solve")
-        outside = [key for key in keys if not self.covers(key)]
-        if outside:
-            raise ValueError(f"shapes outside the buckets {self}: {sorted(outside, key=_order)}")
-        return keys
-
-
-def pad_inputs(
-    mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, batch: int, frames: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``CFM.forward`` inputs padded to ``batch`` rows and ``frames`` frames.
-
-    Frames: zeros on the right, mask 0. Rows: copies of row 0.
-    """
-    rows, _, length = mu.shape
-    if rows > batch or length > frames:
-        raise ValueError(f"cannot pad {rows} rows x {length} frames down to {batch} x {frames}")
-
-    def padded(x: Tensor) -> Tensor:
-        if x.dim() == 3:
-            x = torch.nn.functional.pad(x, (0, frames - length))
-        return pad_rows(x, batch)
-
-    return padded(mu), padded(mask), padded(spks), padded(cond)
 
 
 def solve_padded(
@@ -222,14 +88,14 @@ def solve_after_padded(
     cfm: CFM, buckets: FlowBuckets, bank: PrefixBank, slots: Tensor, mu: Tensor, mask: Tensor, spks: Tensor,
     cond: Tensor,
 ) -> Tensor:
-    """``cfm.solve_after_eager(bank, slots, ...)`` computed on the inputs padded to their
+    """``solve_after_prefix(cfm, bank, slots, ...)`` computed on the inputs padded to their
     bucket (the slots padded as rows: copies of row 0); returns the unpadded rows and frames."""
     rows, _, length = mu.shape
     key = buckets.key(rows, length, True, after_prefix=True)
     if not buckets.covers(key):
         raise ValueError(f"{rows} rows x {length} frames is outside the buckets {buckets}")
     padded = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
-    return cfm.solve_after_eager(bank, pad_rows(slots, key.batch), *padded)[:rows, :, :length]
+    return solve_after_prefix(cfm, bank, pad_rows(slots, key.batch), *padded)[:rows, :, :length]
 
 
 def step_program(
@@ -250,7 +116,7 @@ def step_program(
 
     def start() -> None:
         if slots is not None:
-            x.copy_(cfm.noise_after(bank, slots, key.frames))
+            x.copy_(noise_after(cfm, bank, slots, key.frames))
         else:
             x.copy_(cfm.noise[:, :, : key.frames].expand(key.batch, -1, -1))
         step.zero_()
@@ -290,10 +156,10 @@ class _CapturedSolve:
 class FlowGraphs:
     """CUDA graphs of ``CFM`` solves (default noise, 10 steps) for the shapes of ``buckets``.
 
-    Construct on the model's final device and dtype, ``capture`` ahead of serving, then
-    set ``cfm.graphs = graphs``: ``CFM.forward`` (so ``Flow.inference`` / ``inference_batch``)
-    then replays a graph whenever one exists for the call's bucket, and otherwise runs
-    eagerly, logging each missing bucket once. With ``capture_missing`` a missing
+    Construct on the model's final device and dtype and ``capture`` ahead of serving. The
+    token2wav runner then asks :meth:`run` (or :meth:`run_after_prefix`) first for every flow
+    call: a graph is replayed whenever one exists for the call's bucket, and otherwise the
+    runner runs the call eagerly; each missing bucket is logged once. With ``capture_missing`` a missing
     bucket inside ``buckets`` is captured on first use instead (a pause of one warm-up
     solve plus one capture, on the serving path).
 
@@ -355,7 +221,7 @@ class FlowGraphs:
         keys = self.buckets.keys(batches, frames, streaming_flags, after_prefix, max_row_frames)
         started = time.perf_counter()
         # Largest first: smaller graphs then fit in the pool blocks the larger ones freed.
-        for key in sorted(keys - self.graphs.keys(), key=_order, reverse=True):
+        for key in sorted(keys - self.graphs.keys(), key=bucket_order, reverse=True):
             self.graphs[key] = self._capture(key)
         self.capture_seconds += time.perf_counter() - started
         self.reserved_bytes = self._measure_reserved()
@@ -417,7 +283,7 @@ class FlowGraphs:
         if key.after_prefix:
             slots = torch.arange(batch, device=self.device) % self.bank.slots
             replayed = self.run_after_prefix(slots, mu, mask, spks, cond)
-            eager = self.cfm.solve_after_eager(self.bank, slots, mu, mask, spks, cond)
+            eager = solve_after_prefix(self.cfm, self.bank, slots, mu, mask, spks, cond)
         else:
             replayed = self.run(mu, mask, spks, cond, key.streaming)
             eager = self.cfm(mu, mask, spks, cond, key.streaming, noise=self.cfm.noise)
@@ -478,5 +344,3 @@ class FlowGraphs:
         return captured.x[:rows, :, :length].to(torch.float32, copy=True)
 
 
-def _order(key: GraphKey) -> tuple[int, int, bool, bool]:
-    return key.batch, key.frames, key.streaming, key.after_prefix

@@ -1,0 +1,318 @@
+"""The flow decoder's velocity network v(x, t | mu, spk, cond) and its layers.
+
+A 1-D U-Net without resampling: causal convolution ResNet blocks and transformer blocks,
+1 down stage, 12 mid stages and 1 up stage (4 transformer blocks each), time-conditioned
+through an MLP on a sinusoidal embedding of t. Parameter names follow the official
+``CausalConditionalDecoder`` (diffusers' attention blocks), so ``flow.pt`` loads strictly.
+
+Attention masks are built with tensor ops only. The official helper checks for
+all-masked rows with ``.item()``, a host sync that stalls the GPU and breaks CUDA-graph
+capture; here the same rule (a query row that sees no key sees every key instead) is a
+tensor ``|``. Masks are boolean ``[B, 1, Tq, Tk]``, shared by all heads, turned once per
+call into the additive bias SDPA takes.
+
+Cached frames: a call may compute only new frames that continue earlier ones (a voice's
+shared prompt prefix, or an utterance's committed chunks). The estimator then reads the
+earlier frames' state through a :class:`CachedFrames` view that every causal convolution
+and attention layer consults: the layer asks for its left context, or its keys and values.
+Where that state is kept, and for how long, is the serving layer's business
+(engine/cosyvoice2/serving/prefix_bank.py, incremental.py); the module only computes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.cosyvoice2.modeldir.configs import EstimatorConfig
+
+
+class CachedFrames(Protocol):
+    """The state of frames before a call's new ones, as the estimator's layers read it.
+
+    ``slot`` numbers a layer among the estimator's causal convolutions or attention layers
+    (``Estimator.causal_convs`` / ``attention_layers``)."""
+
+    def conv_input(self, slot: int, x: Tensor) -> Tensor:
+        """``x`` (the new frames) with the convolution's left context in front."""
+
+    def keys_values(self, slot: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """The layer's keys and values of the earlier frames, then the new ones'."""
+
+    def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> Tensor:
+        """The chunk mask of the new frames (queries) over the earlier and new frames (keys)."""
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def chunk_attention_mask(
+    key_valid: Tensor, query_pos: Tensor, chunk_size: int, key_pos: Tensor | None = None
+) -> Tensor:
+    """Boolean attention mask ``[B, 1, Tq, Tk]`` (True = may attend), built without host syncs.
+
+    key_valid: ``[B, Tk]``, True for real (non-padding) key frames.
+    query_pos: ``[B or 1, Tq]`` absolute frame index of each query.
+    key_pos: ``[B or 1, Tk]`` absolute frame index of each key (default: key j is frame j).
+    chunk_size: > 0: query i sees keys j < (i // chunk_size + 1) * chunk_size (its own
+    chunk and all chunks before it); 0: every real key.
+
+    A query row left with no visible key (only when a row has no real frame) sees every
+    key instead, as in the official helper; otherwise softmax would give NaN there.
+    """
+    allowed = key_valid[:, None, :]
+    if chunk_size > 0:
+        chunk_end = (torch.div(query_pos, chunk_size, rounding_mode="floor") + 1) * chunk_size
+        if key_pos is None:
+            key_pos = torch.arange(key_valid.shape[1], device=key_valid.device)[None]
+        allowed = allowed & (key_pos[:, None, :] < chunk_end[:, :, None])
+    else:
+        allowed = allowed.expand(-1, query_pos.shape[1], -1)
+    allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
+    return allowed[:, None]
+
+
+def attention_bias(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean attention mask as SDPA's additive form: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class CausalConv1d(nn.Conv1d):
+    """Conv1d that sees only the current and past frames (left zero padding, or cached context)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int) -> None:
+        super().__init__(in_channels, out_channels, kernel_size)
+        self.context = kernel_size - 1
+        self.cache_slot = -1  # set by Estimator
+
+    def forward(self, x: Tensor, view: CachedFrames | None = None) -> Tensor:
+        if view is None:
+            x = F.pad(x, (self.context, 0))
+        else:
+            x = view.conv_input(self.cache_slot, x)
+        return super().forward(x)
+
+
+class CausalBlock(nn.Module):
+    """Causal conv -> LayerNorm over channels -> Mish, on masked input and output."""
+
+    def __init__(self, dim: int, dim_out: int) -> None:
+        super().__init__()
+        # Indices follow the official Sequential (conv, transpose, norm, transpose, mish),
+        # whose parameters are stored as block.0.* and block.2.*.
+        self.block = nn.ModuleList([CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out)])
+
+    def forward(self, x: Tensor, mask: Tensor, view: CachedFrames | None) -> Tensor:
+        conv, _, norm = self.block
+        h = conv(x * mask, view)
+        h = norm(h.transpose(1, 2)).transpose(1, 2)
+        return F.mish(h) * mask
+
+
+class ResnetBlock(nn.Module):
+    """Two causal blocks with the time embedding added between them, plus a 1x1 skip."""
+
+    def __init__(self, dim: int, dim_out: int, time_emb_dim: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_emb_dim, dim_out))
+        self.block1 = CausalBlock(dim, dim_out)
+        self.block2 = CausalBlock(dim_out, dim_out)
+        self.res_conv = nn.Conv1d(dim, dim_out, 1)
+
+    def forward(self, x: Tensor, mask: Tensor, time_emb: Tensor, view: CachedFrames | None) -> Tensor:
+        h = self.block1(x, mask, view)
+        h = h + self.mlp(time_emb)[:, :, None]
+        h = self.block2(h, mask, view)
+        return h + self.res_conv(x * mask)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with diffusers' ``Attention`` parameter names."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.head_dim = head_dim
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self.cache_slot = -1  # set by Estimator
+
+    def forward(self, x: Tensor, mask: Tensor, view: CachedFrames | None) -> Tensor:
+        batch, frames, _ = x.shape
+
+        def heads(h: Tensor) -> Tensor:
+            return h.view(batch, frames, self.heads, self.head_dim).transpose(1, 2)
+
+        query, key, value = heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x))
+        if view is not None:
+            key, value = view.keys_values(self.cache_slot, key, value)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+        return self.to_out[0](out.transpose(1, 2).reshape(batch, frames, self.heads * self.head_dim))
+
+
+class GeluProjection(nn.Module):
+    """Linear then GELU (diffusers' ``GELU`` activation module)."""
+
+    def __init__(self, dim_in: int, dim_out: int, approximate: str) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.proj(x), approximate=self.approximate)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, act_fn: str, mult: int = 4) -> None:
+        super().__init__()
+        approximations = {"gelu": "none", "gelu-approximate": "tanh"}
+        if act_fn not in approximations:
+            raise ValueError(f"unsupported act_fn {act_fn!r} (CosyVoice2 uses 'gelu')")
+        # Index 1 held the official dropout; the output projection is stored as net.2.
+        self.net = nn.ModuleList(
+            [GeluProjection(dim, dim * mult, approximations[act_fn]), nn.Identity(), nn.Linear(dim * mult, dim)]
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net[2](self.net[0](x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm self-attention and feed-forward, each with a residual (matcha's ``BasicTransformerBlock``)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, act_fn: str) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn1 = SelfAttention(dim, heads, head_dim)
+        self.norm3 = nn.LayerNorm(dim)
+        self.ff = FeedForward(dim, act_fn)
+
+    def forward(self, x: Tensor, mask: Tensor, view: CachedFrames | None) -> Tensor:
+        x = x + self.attn1(self.norm1(x), mask, view)
+        return x + self.ff(self.norm3(x))
+
+
+class TimestepMLP(nn.Module):
+    def __init__(self, in_channels: int, time_embed_dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_channels, time_embed_dim)
+        self.linear_2 = nn.Linear(time_embed_dim, time_embed_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+def sinusoidal_embedding(t: Tensor, dim: int, scale: float = 1000.0) -> Tensor:
+    """``[B] -> [B, dim]``: sin then cos of scale * t at dim / 2 geometric frequencies 1 .. 1e-4."""
+    half = dim // 2
+    freqs = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
+    angles = scale * t[:, None] * freqs[None, :]
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+# ----------------------------------------------------------------------------- estimator
+
+
+class Estimator(nn.Module):
+    """The velocity network v(x, t | mu, spk, cond): a causal 1-D U-Net with transformer stages.
+
+    Parameter names follow the official ``CausalConditionalDecoder``: ``down_blocks.0`` /
+    ``mid_blocks.i`` / ``up_blocks.0`` are ``[resnet, transformer blocks(, causal conv)]``.
+    Only one resolution level is supported (``channels`` of length 1, as in CosyVoice2):
+    the official multi-level variant resamples with non-causal convolutions.
+    """
+
+    def __init__(self, config: EstimatorConfig) -> None:
+        super().__init__()
+        if len(config.channels) != 1:
+            raise ValueError(f"only one U-Net level is supported, got channels={config.channels}")
+        self.config = config
+        dim = config.channels[0]
+        time_dim = dim * 4
+
+        def transformers() -> nn.ModuleList:
+            return nn.ModuleList(
+                TransformerBlock(dim, config.num_heads, config.attention_head_dim, config.act_fn)
+                for _ in range(config.n_blocks)
+            )
+
+        self.time_mlp = TimestepMLP(config.in_channels, time_dim)
+        self.down_blocks = nn.ModuleList(
+            [nn.ModuleList([ResnetBlock(config.in_channels, dim, time_dim), transformers(), CausalConv1d(dim, dim, 3)])]
+        )
+        self.mid_blocks = nn.ModuleList(
+            nn.ModuleList([ResnetBlock(dim, dim, time_dim), transformers()]) for _ in range(config.num_mid_blocks)
+        )
+        # The up stage takes the down stage's output concatenated to the mid stages' output.
+        self.up_blocks = nn.ModuleList(
+            [nn.ModuleList([ResnetBlock(2 * dim, dim, time_dim), transformers(), CausalConv1d(dim, dim, 3)])]
+        )
+        self.final_block = CausalBlock(dim, dim)
+        self.final_proj = nn.Conv1d(dim, config.out_channels, 1)
+
+        self.attention_layers = [m for m in self.modules() if isinstance(m, SelfAttention)]
+        self.causal_convs = [m for m in self.modules() if isinstance(m, CausalConv1d)]
+        for slot, layer in enumerate(self.attention_layers):
+            layer.cache_slot = slot
+        for slot, conv in enumerate(self.causal_convs):
+            conv.cache_slot = slot
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        streaming: bool = False,
+        view: CachedFrames | None = None,
+    ) -> Tensor:
+        """x, mu, cond: ``[B, 80, T]``; mask: ``[B, 1, T]`` (1 = real frame); t: ``[B]``; spks: ``[B, 80]``.
+
+        With ``view``, the T frames are new frames at per-row offsets ``view.start`` and
+        attend to (and extend) the cached earlier frames (:class:`CachedFrames`); streaming
+        mode only.
+        """
+        time_emb = self.time_mlp(sinusoidal_embedding(t, self.config.in_channels).to(t.dtype))
+        frames = x.shape[2]
+        h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, frames), cond], dim=1)
+        chunk = self.config.static_chunk_size if streaming else 0
+        positions = torch.arange(frames, device=x.device)
+        if view is None:
+            attn_mask = chunk_attention_mask(mask[:, 0] > 0, positions[None], chunk)
+        else:
+            if chunk <= 0:
+                raise ValueError("cached (incremental) estimation needs the streaming chunk mask")
+            attn_mask = view.attention_mask(mask[:, 0].sum(dim=1, dtype=torch.long), positions, chunk)
+        # One additive bias for every attention layer. Given the boolean mask, SDPA would build
+        # this bias itself in each of its calls: on the H200 that was 5-13% of a solve
+        # (bench/flow_profile.py). The scores come out bit for bit the same.
+        attn_mask = attention_bias(attn_mask, x.dtype)
+
+        def transform(h: Tensor, blocks: nn.ModuleList) -> Tensor:
+            h = h.transpose(1, 2)
+            for block in blocks:
+                h = block(h, attn_mask, view)
+            return h.transpose(1, 2)
+
+        resnet, blocks, conv = self.down_blocks[0]
+        skip = transform(resnet(h, mask, time_emb, view), blocks)
+        h = conv(skip * mask, view)
+        for resnet, blocks in self.mid_blocks:
+            h = transform(resnet(h, mask, time_emb, view), blocks)
+        resnet, blocks, conv = self.up_blocks[0]
+        h = transform(resnet(torch.cat([h, skip], dim=1), mask, time_emb, view), blocks)
+        h = conv(h * mask, view)
+        h = self.final_block(h, mask, view)
+        return self.final_proj(h * mask) * mask

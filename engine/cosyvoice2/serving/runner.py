@@ -1,0 +1,352 @@
+"""The token2wav runner: runs chunks of many utterances as batched flow and vocoder calls.
+
+It owns what the model calls need beyond the weights: each utterance's caches (the
+vocoder's context, and in incremental mode the flow's state), the voice-prefix cache, the
+CUDA graphs of the flow and the vocoder, and the running totals of the flow's work.
+
+The flow runs in one of two exact modes. ``recompute`` is the official one: every chunk
+re-runs the flow over prompt + all tokens so far, so chunk k costs O(k). A batch (on a
+GPU, of more than one row) starts its decoder after each voice's shared prompt prefix
+instead (prefix_bank.py): the same mel for less work. ``incremental`` keeps the flow's
+per-chunk state (incremental.py) and computes only the new chunk: the same mel within
+float rounding, at a memory cost per utterance. In both, the final chunk is what the
+official path makes it: one flow pass with full attention over prompt + all tokens (the
+official loop calls its last chunk without the streaming flag).
+
+Synchronous torch code: the scheduler runs it on its worker threads (:meth:`run`).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.cosyvoice2.model.flow import DecoderInputs, Flow
+from engine.cosyvoice2.model.hift import HiFT
+from engine.cosyvoice2.serving.call_plan import CallPlanner
+from engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, ChunkJob, ChunkSchedule, call_kind
+from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
+from engine.cosyvoice2.serving.hift_graphs import HiftGraphs
+from engine.cosyvoice2.serving.incremental import FlowStreamCache, inference_chunk
+from engine.cosyvoice2.serving.prefix_bank import VoicePrefixCache, flow_after_prefix, solve_after_prefix
+from engine.cosyvoice2.serving.request import StreamState
+
+
+@dataclass(frozen=True)
+class Lane:
+    """What a second worker thread runs chunks on while the first runs others: its own CUDA
+    stream (of high priority, so that its kernels go first on a busy GPU) and its own CUDA
+    graphs (graphs that share a memory pool or static buffers must not replay at the same
+    time). It runs without voice prefixes: the bank's slots change on the first thread."""
+
+    stream: torch.cuda.Stream | None = None
+    flow_graphs: FlowGraphs | None = None
+    hift_graphs: HiftGraphs | None = None
+
+
+class Token2WavRunner:
+    """Speech tokens -> 24 kHz audio for chunks of many utterances (:meth:`run`).
+
+    ``incremental``: keep each utterance's flow state (else recompute, see the module
+    docstring); ``prefix_voices``: slots of the voice-prefix cache (recompute mode only).
+    ``flow_graphs`` and ``hift_graphs`` (the engine thread's CUDA graphs) are set at start-up.
+    """
+
+    def __init__(
+        self, flow: Flow, hift: HiFT, schedule: ChunkSchedule, *, incremental: bool = True, prefix_voices: int = 0
+    ) -> None:
+        self.flow = flow
+        self.hift = hift
+        self.schedule = schedule
+        self.incremental = incremental
+        self.planner = CallPlanner(schedule, on_gpu=flow.decoder.noise.is_cuda)
+        self.flow_graphs: FlowGraphs | None = None
+        self.hift_graphs: HiftGraphs | None = None
+        # Incremental streams keep their own flow state: the prefix cache serves recompute only.
+        self.prefixes = VoicePrefixCache(flow, prefix_voices) if prefix_voices and not incremental else None
+        self._window = torch.from_numpy(np.hamming(2 * schedule.cache_samples))
+        # The flow's work as running totals (see work_totals); two worker threads add to them.
+        self._work: collections.Counter[str] = collections.Counter()
+        self._work_lock = threading.Lock()
+
+    @classmethod
+    def build(
+        cls, flow: Flow, hift: HiFT, *, hop_len: int = 25, max_hop_len: int = 100, scale: int = 1,
+        first_hop_len: int | None = None, first_by_load: bool = False, second_on_lane: bool = False,
+        incremental: bool = True, prefix_voices: int = 0,
+    ) -> Token2WavRunner:
+        """A runner with the chunk schedule these settings and the model's chunk sizes give
+        (``first_hop_len`` None: the official first chunk, ``hop_len``)."""
+        schedule = ChunkSchedule(
+            hop_len=hop_len,
+            max_hop_len=max_hop_len,
+            scale=scale,
+            first_hop_len=hop_len if first_hop_len is None else first_hop_len,
+            lookahead=flow.config.pre_lookahead_len,
+            chunk_tokens=flow.config.encoder.static_chunk_size,
+            mel_ratio=flow.config.token_mel_ratio,
+            samples_per_frame=hift.samples_per_frame,
+            sample_rate=hift.config.sampling_rate,
+            first_by_load=first_by_load,
+            second_on_lane=second_on_lane,
+        )
+        return cls(flow, hift, schedule, incremental=incremental, prefix_voices=prefix_voices)
+
+    def new_stream(self) -> StreamState:
+        """A new utterance's token2wav state, at its first chunk."""
+        return StreamState(hop=self.schedule.hop_len, flow_cache=FlowStreamCache() if self.incremental else None)
+
+    # ------------------------------------------------------------------ planning
+
+    def plan(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[list[int]]:
+        """Indices of ``jobs`` in flow calls, in the order to run them (``CallPlanner.plan``);
+        ``lane``: the calls run there (its graphs, no voice prefixes)."""
+        prefix = self.prefixes.shortest() if self.prefixes is not None and lane is None else None
+        return self.planner.plan(jobs, self._flow_graphs(lane), prefix)
+
+    def lane_serves(self, job: ChunkJob, lane: Lane) -> bool:
+        """Whether ``lane`` runs this job: one of its turn's opening chunks (``opens_turn``) that
+        the lane has a flow graph for, run alone (its graphs cover the voices registered at
+        start-up; without graphs, as on a CPU, it runs every opening chunk)."""
+        if not self.schedule.opens_turn(job):
+            return False
+        graphs = lane.flow_graphs
+        width = self.planner.decoder_width(self.schedule.job_frames(job), job.finalize)
+        return graphs is None or graphs.has(1, width, True)
+
+    def _flow_graphs(self, lane: Lane | None) -> FlowGraphs | None:
+        """The flow graphs a call on this lane replays (None: the engine's own thread)."""
+        return self.flow_graphs if lane is None else lane.flow_graphs
+
+    # ------------------------------------------------------------------ running chunks
+
+    @torch.inference_mode()
+    def run(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[np.ndarray]:
+        """Run chunks of several utterances; returns each one's new audio (float32, 24 kHz).
+
+        The flow runs in the calls ``plan`` splits the chunks into (rows padded to the call's
+        longest; each row equals running it alone); incremental non-final chunks run per
+        utterance (each holds its own state). The vocoder runs once for every group of chunks
+        of the same shape, which in steady state is all of them (cached 8 frames + one hop).
+        ``lane``: run on a second thread's stream and graphs (None: the engine's own).
+        """
+        with torch.cuda.stream(lane.stream if lane is not None else None):
+            inputs = [self._hift_input(job, mel) for job, mel in zip(jobs, self._flows(jobs, lane))]
+            groups: dict[tuple, list[int]] = {}
+            for i, (mel, cache_source) in enumerate(inputs):
+                groups.setdefault((mel.shape[2], cache_source.shape[2]), []).append(i)
+            speech: list[torch.Tensor | None] = [None] * len(jobs)
+            source: list[torch.Tensor | None] = [None] * len(jobs)
+            for rows in groups.values():
+                mel = torch.cat([inputs[i][0] for i in rows])
+                cache_source = torch.cat([inputs[i][1] for i in rows])
+                wav, src = self._vocode(mel, cache_source, lane)
+                for k, i in enumerate(rows):
+                    speech[i], source[i] = wav[k : k + 1], src[k : k + 1]
+            return [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
+
+    def _flows(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[torch.Tensor]:
+        """Each job's new mel: batched flow calls as ``plan`` splits them; incremental chunks,
+        and single rows without a voice prefix to use, run one by one."""
+        mels: dict[int, torch.Tensor] = {}
+        for group in self.plan(jobs, lane):
+            finalize = jobs[group[0]].finalize
+            if jobs[group[0]].request.stream.flow_cache is not None and not finalize:
+                continue
+            if len(group) > 1 or (not finalize and self.prefixes is not None and lane is None):
+                mels.update(zip(group, self._flow_batched([jobs[i] for i in group], finalize, lane)))
+        return [mels[i] if i in mels else self._flow(job, lane) for i, job in enumerate(jobs)]
+
+    @torch.inference_mode()
+    def _flow_batched(self, jobs: list[ChunkJob], finalize: bool, lane: Lane | None = None) -> list[torch.Tensor]:
+        """Chunks of several utterances in one flow call (each row equals running it alone)."""
+        prompts = [job.request.prompt for job in jobs]
+        device = prompts[0].speech_feat.device
+
+        def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            lengths = torch.tensor([len(row) for row in rows], dtype=torch.int32, device=device)
+            return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), lengths
+
+        token, token_len = padded(
+            [torch.tensor(job.request.tokens[: job.end], dtype=torch.int32, device=device) for job in jobs]
+        )
+        prompt_token, prompt_token_len = padded([p.speech_tokens[0] for p in prompts])
+        prompt_feat, prompt_feat_len = padded([p.speech_feat[0] for p in prompts])
+        embedding = torch.cat([p.embedding for p in prompts])
+        args = (token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding)
+        slots = None
+        prefixes = self.prefixes
+        # More voices than the cache holds would rebuild prefixes batch after batch. Asked
+        # first whether a prefix serves: taking a slot may build a voice's prefix.
+        if (
+            lane is None and not finalize and prefixes is not None
+            and 0 < len({id(p) for p in prompts}) <= prefixes.capacity and self._prefix_serves(jobs)
+        ):
+            prefixes.make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), prompts[0].speech_feat)
+            taken = [prefixes.slot(p) for p in prompts]
+            if None not in taken:
+                slots = torch.tensor(taken, device=device)
+        widths = [self.planner.decoder_width(self.schedule.job_frames(job), finalize) for job in jobs]
+        if slots is not None:
+            widths = [w - self.flow.voice_prefix_frames(p.tokens) for w, p in zip(widths, prompts)]
+        graphs = self._flow_graphs(lane)
+        self._count_call(jobs, widths, slots is not None, graphs)
+        if slots is not None:
+            mel, new_len = flow_after_prefix(self.flow, prefixes.bank, slots, *args, solve=self._solve_after_prefix)
+        else:
+            mel, new_len = self._flow_call(args, not finalize, finalize, graphs)
+        mel_ratio = self.schedule.mel_ratio
+        return [
+            mel[i : i + 1, :, job.request.stream.offset * mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
+        ]
+
+    def _prefix_serves(self, jobs: list[ChunkJob]) -> bool:
+        """Whether these non-final jobs start after their voice prefixes: unless a graph of the
+        whole solve serves them (the engine captures those for one row only: a one-row replay
+        is latency-bound, and the prefix's extra gathers cost more than its frames save)."""
+        graphs = self.flow_graphs
+        width = self.planner.decoder_width(max(map(self.schedule.job_frames, jobs)), False)
+        return graphs is None or not graphs.has(len(jobs), width, True)
+
+    def prepare_voices(self, prompts, widest_prompt_tokens: int):
+        """At start-up: the voice-prefix bank for these voices (``VoicePrefixCache.prepare``),
+        or None without a prefix cache. Capture the flow's graphs after this: they read it."""
+        if self.prefixes is None:
+            return None
+        return self.prefixes.prepare(prompts, widest_prompt_tokens)
+
+    @torch.inference_mode()
+    def _flow(self, job: ChunkJob, lane: Lane | None = None) -> torch.Tensor:
+        request, prompt = job.request, job.request.prompt
+        state = request.stream
+        device = prompt.speech_feat.device
+        token = torch.tensor([request.tokens[: job.end]], dtype=torch.int32, device=device)
+        args = (
+            token,
+            torch.tensor([token.shape[1]], dtype=torch.int32, device=device),
+            prompt.speech_tokens,
+            torch.tensor([prompt.tokens], dtype=torch.int32, device=device),
+            prompt.speech_feat,
+            torch.tensor([prompt.speech_feat.shape[1]], dtype=torch.int32, device=device),
+            prompt.embedding,
+        )
+        graphs = self._flow_graphs(lane)
+        if state.flow_cache is None or job.finalize:
+            width = self.planner.decoder_width(self.schedule.job_frames(job), job.finalize)
+            self._count_call([job], [width], False, graphs)
+        if job.finalize:
+            # The official path speaks the last chunk with full (not chunk-causal) attention
+            # over prompt + all tokens: one pass that costs O(utterance), once.
+            mel, _ = self._flow_call(args, False, True, graphs)
+        elif state.flow_cache is not None:
+            mel, _ = inference_chunk(self.flow, state.flow_cache, *args, finalize=False)
+            return mel
+        else:
+            mel, _ = self._flow_call(args, True, False, graphs)
+        return mel[:, :, state.offset * self.schedule.mel_ratio :]
+
+    def _flow_call(
+        self, args: tuple, streaming: bool, finalize: bool, graphs: FlowGraphs | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Flow.inference_batch`` with the decoder solved by ``_decode``."""
+        inputs = self.flow.decoder_inputs(*args, streaming, finalize)
+        return self.flow.new_frames(self._decode(inputs, streaming, graphs), inputs), inputs.new_len
+
+    def _decode(self, inputs: DecoderInputs, streaming: bool, graphs: FlowGraphs | None) -> torch.Tensor:
+        """The decoder's mel for these inputs: a CUDA graph's replay when one exists for the
+        call's shape bucket, else the eager solve."""
+        if graphs is not None and inputs.mu.is_cuda:
+            mel = graphs.run(inputs.mu, inputs.mask, inputs.spk, inputs.cond, streaming)
+            if mel is not None:
+                return mel
+        return self.flow.decoder(inputs.mu, inputs.mask, inputs.spk, inputs.cond, streaming)
+
+    def _solve_after_prefix(self, slots, mu, mask, spks, cond) -> torch.Tensor:
+        """The decoder after the rows' voice prefixes: the engine thread's graph replay when one
+        exists for the shape, else the eager solve."""
+        if self.flow_graphs is not None and mu.is_cuda:
+            mel = self.flow_graphs.run_after_prefix(slots, mu, mask, spks, cond)
+            if mel is not None:
+                return mel
+        return solve_after_prefix(self.flow.decoder, self.prefixes.bank, slots, mu, mask, spks, cond)
+
+    # ------------------------------------------------------------------ the vocoder
+
+    def _vocode(
+        self, mel: torch.Tensor, cache_source: torch.Tensor, lane: Lane | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        graphs = self.hift_graphs if lane is None else lane.hift_graphs
+        if graphs is not None:
+            replayed = graphs.run(mel, cache_source)
+            if replayed is not None:
+                return replayed
+        return self.hift(mel, cache_source)
+
+    def _hift_input(self, job: ChunkJob, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's mel behind the cached frames of the last chunk, and the cached source."""
+        state = job.request.stream
+        mel = mel.to(self._hift_dtype)
+        if state.hift_mel is None:
+            return mel, mel.new_zeros(1, 1, 0)
+        return torch.cat([state.hift_mel, mel], dim=2), state.hift_source
+
+    def _emit(self, job: ChunkJob, mel: torch.Tensor, speech: torch.Tensor, source: torch.Tensor) -> np.ndarray:
+        """The chunk's audio: cross-faded with the last chunk's tail, its own tail held back for
+        the next (all of it at the end of the turn); moves the utterance past the chunk."""
+        state = job.request.stream
+        cache_samples = self.schedule.cache_samples
+        if state.hift_speech is not None:
+            speech = self._cross_fade(speech, state.hift_speech)
+        if job.finalize:
+            state.hift_mel = state.hift_source = state.hift_speech = None
+            state.flow_cache = None  # frees the flow's per-chunk state at once
+        else:
+            state.hift_mel = mel[:, :, -MEL_CACHE_FRAMES:]
+            state.hift_source = source[:, :, -cache_samples:]
+            state.hift_speech = speech[:, -cache_samples:]
+            speech = speech[:, :-cache_samples]
+        self.schedule.spoken(job)
+        return speech[0].float().cpu().numpy()
+
+    @property
+    def _hift_dtype(self) -> torch.dtype:
+        return next(self.hift.parameters()).dtype
+
+    def _cross_fade(self, speech: torch.Tensor, previous_tail: torch.Tensor) -> torch.Tensor:
+        """Blend the held-back tail of the last chunk into the start of this one."""
+        n = self.schedule.cache_samples
+        if self._window.device != speech.device:  # once: a copy per chunk would wait for the GPU
+            self._window = self._window.to(speech.device)
+        window = self._window
+        head = speech[:, :n].double() * window[:n] + previous_tail.double() * window[n:]
+        return torch.cat([head.to(speech.dtype), speech[:, n:]], dim=1)
+
+    # ------------------------------------------------------------------ work totals
+
+    def work_totals(self) -> dict[str, float]:
+        """The flow's work so far, as running totals (recompute mode; exported as
+        tts_token2wav_<name>_total): ``flow_calls``, of which ``flow_eager_calls`` had no CUDA
+        graph; ``flow_row_frames_{first,later,final}``, the mel frames the decoder had to
+        compute for each kind of chunk (rows x their own widths: what the work grows with);
+        ``flow_padded_row_frames``, what it computed (rows and frames padded to the call's
+        widest row, or to its graph's bucket). Padded / needed is the share spent on padding."""
+        with self._work_lock:
+            return {f"flow_{name}": float(value) for name, value in self._work.items()}
+
+    def _count_call(self, jobs: list[ChunkJob], widths: list[int], after_prefix: bool, graphs: FlowGraphs | None) -> None:
+        """Book one flow call of these jobs, whose rows need ``widths`` decoder frames each."""
+        finalize = jobs[0].finalize
+        rows, width = len(widths), max(widths)
+        replayed = self.planner.replayed_row_frames(graphs, rows, width, not finalize, after_prefix)
+        padded = rows * width if replayed is None else replayed
+        kind = call_kind(jobs)
+        with self._work_lock:
+            work = self._work
+            work["calls"] += 1
+            work["eager_calls"] += replayed is None
+            work[f"row_frames_{kind}"] += sum(widths)
+            work["padded_row_frames"] += padded

@@ -1,0 +1,380 @@
+"""The token2wav scheduler: which utterances' chunks run next, together, on which thread.
+
+One worker thread serves every utterance: whenever chunks are ready it takes up to
+``max_batch`` of them, most urgent listener first (earliest playback deadline: an
+utterance with no audio yet is due at once, one that is playing is due when its audio runs
+out), leaving out chunks whose context is so much longer than the rest that padding would
+waste the batch (they go with a batch of their size), and runs them together. A playing
+utterance about to run out of audio, with too few tokens for a whole hop, gets the tokens
+there are as an early chunk while batches are short. An utterance whose consumer has not
+taken its last chunks is not scheduled, so output stays bounded.
+
+With a first-chunk lane (a GPU's second stream and graphs, see ``runner.Lane``) a second
+thread runs new turns' first chunks there, up to ``FIRST_LANE_MAX_BATCH`` at a time, as
+soon as they are ready: a first chunk then does not wait for the flow call in flight.
+While the lane is busy, the main thread takes first chunks too (a burst of new turns).
+
+Requests (request.py) are the scheduler's: every change to one happens under its lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+from engine.base import EngineError
+from engine.cosyvoice2.serving.call_plan import PADDING_LIMIT
+from engine.cosyvoice2.serving.chunking import ChunkJob, call_kind
+from engine.cosyvoice2.serving.latency import LatencyBook
+from engine.cosyvoice2.serving.request import Request, RequestStatus
+from engine.cosyvoice2.serving.runner import Lane
+
+log = logging.getLogger(__name__)
+
+OUTPUT_CHUNKS = 4  # chunks an utterance may hold before its consumer takes them
+# Early chunks (ChunkSchedule.next_job(early=True)) only while batches take less than this.
+EARLY_MAX_BATCH_S = 0.3
+# First chunks the first-chunk lane runs in one call (its graphs' largest batch).
+FIRST_LANE_MAX_BATCH = 8
+END = object()  # the last item of a request's output
+
+
+def short_first_chunk_fits(playable_s: float, next_tokens: int, token_s: float, call_s: float, busy: bool) -> bool:
+    """Whether the chunk after a short first chunk can be out before that one has played.
+
+    Either chunk takes about one flow call (``call_s``) once it runs; the next one also waits
+    for the ``next_tokens`` it needs, one every ``token_s`` from now, and for the call in
+    flight when the worker is ``busy``. The first chunk's listener plays ``playable_s``."""
+    next_out = max(next_tokens * token_s, call_s) + (call_s if busy else 0.0) + call_s
+    return next_out <= call_s + playable_s
+
+
+class Scheduler:
+    """Runs token2wav for every open request, most urgent first, in batches.
+
+    ``runner``: what runs chunks (runner.Token2WavRunner: ``schedule``, ``plan``, ``run``,
+    ``lane_serves``, ``work_totals``, ``hift``); ``loop``: the event loop the requests'
+    outputs belong to.
+    """
+
+    def __init__(
+        self, runner, max_batch: int, loop: asyncio.AbstractEventLoop, *, early_chunks: bool = True,
+        first_chunk_lane: Lane | None = None, first_chunk_by_load: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.schedule = runner.schedule
+        self.max_batch = max_batch
+        self.loop = loop
+        self.early_chunks = early_chunks
+        self.first_chunk_lane = first_chunk_lane
+        self.first_chunk_by_load = first_chunk_by_load
+        self._lane_busy = False
+        self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
+        self._recent_call_s = 0.0  # moving average of one flow call of the main thread
+        self._recent_lane_call_s = 0.0  # ... and of the first-chunk lane
+        self._wake_at: float | None = None  # when a listener becomes urgent (early chunks)
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.requests: set[Request] = set()
+        self.running = 0
+        self.latency = LatencyBook()
+        self._stopping = False
+        self._threads = [threading.Thread(target=self._run, name="cosyvoice2-token2wav", daemon=True)]
+        if first_chunk_lane is not None:
+            self._threads.append(
+                threading.Thread(target=self._run_first_chunk_lane, name="cosyvoice2-token2wav-first", daemon=True)
+            )
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------ requests (event loop's thread)
+
+    def add(self, request: Request) -> None:
+        """Schedule a new request (it runs once its first chunk's tokens are there)."""
+        with self.lock:
+            self.requests.add(request)
+
+    def text_sent(self, request: Request) -> None:
+        if request.text_at is None:
+            request.text_at = time.monotonic()
+
+    def push_tokens(self, request: Request, tokens: list[int]) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if request.status.ended:
+                return
+            if request.first_token_at is None:
+                request.first_token_at = now
+            request.tokens.extend(tokens)
+            self._mark_ready(request, now)
+            self.wake.notify_all()
+
+    def end_input(self, request: Request) -> None:
+        with self.lock:
+            request.advance(RequestStatus.INPUT_ENDED)
+
+    def tokens_done(self, request: Request) -> None:
+        """The LM stage has produced the request's last speech token."""
+        with self.lock:
+            if request.status.ended:
+                return
+            request.advance(RequestStatus.TOKENS_DONE)
+            self._mark_ready(request, time.monotonic())
+            self.wake.notify_all()
+
+    def taken(self, request: Request) -> None:
+        """The request's consumer took a chunk: room for the next."""
+        with self.lock:
+            request.pending -= 1
+            self.wake.notify_all()
+
+    def cancel(self, request: Request) -> None:
+        """Forget a request at once; its state is freed once no batch holds it."""
+        with self.lock:
+            if not request.status.ended:
+                request.advance(RequestStatus.CANCELLED)
+            self.requests.discard(request)
+
+    def fail(self, request: Request, error: EngineError) -> None:
+        """End a request with an error its consumer raises."""
+        with self.lock:
+            self._fail(request, error)
+
+    def _fail(self, request: Request, error: EngineError) -> None:
+        if request.status.ended:
+            return
+        request.advance(RequestStatus.FAILED)
+        self.requests.discard(request)
+        self.loop.call_soon_threadsafe(request.output.put_nowait, error)
+
+    def counts(self) -> tuple[int, int]:
+        """Chunks ready but not started, and chunks running."""
+        with self.lock:
+            queued = sum(
+                1 for r in self.requests
+                if not r.running and r.pending < OUTPUT_CHUNKS and self.schedule.next_job(r) is not None
+            )
+            return queued, self.running
+
+    def totals(self) -> dict[str, float]:
+        """Where the time goes, as running totals (exported as tts_<name>_total; latency.py)."""
+        with self.lock:
+            totals = self.latency.totals()
+        return totals | {f"token2wav_{name}": value for name, value in self.runner.work_totals().items()}
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stopping = True
+            self.wake.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+    # ------------------------------------------------------------ picking work (under the lock)
+
+    def _mark_ready(self, request: Request, now: float) -> None:
+        if request.ready_at is None and self.schedule.next_job(request) is not None:
+            request.ready_at = now
+
+    def _early_margin(self) -> float | None:
+        """How long before a listener runs dry its tokens are spoken early (None: not now).
+
+        Twice the recent batch time, plus a little: the early chunk must be out before the
+        listener's audio is. Only while batches are short: under load an early chunk is an
+        extra flow pass the worker has no time for."""
+        if not self.early_chunks or self._recent_batch_s > EARLY_MAX_BATCH_S:
+            return None
+        return 2 * self._recent_batch_s + 0.05
+
+    def _job(self, request: Request, now: float) -> ChunkJob | None:
+        """The chunk this request can run now, if any. With ``first_chunk_by_load``, a short
+        first chunk is kept only if the chunk after it can follow before it has played
+        (``short_first_chunk_fits``, from the tokens' pace so far and the recent flow call
+        time); else the stream waits for the official first chunk."""
+        schedule = self.schedule
+        job = schedule.next_job(request)
+        if job is None or not job.first or job.finalize or not self.first_chunk_by_load or request.first_chunk_chosen:
+            return job
+        request.first_chunk_chosen = True
+        spoken = len(request.tokens) - 1
+        token_s = (now - request.first_token_at) / spoken if request.first_token_at is not None and spoken > 0 else 0.0
+        # An early chunk can follow with first_hop_len tokens, while the worker has time for one.
+        next_tokens = schedule.first_hop_len if self._early_margin() is not None else schedule.hop_len
+        playable_s = schedule.first_chunk_playable_s(request)
+        # The lane may run the chunk after a short first chunk (ChunkSchedule.opens_turn).
+        if self.first_chunk_lane is not None and schedule.second_on_lane:
+            call_s, busy = self._recent_lane_call_s, self._lane_busy
+        else:
+            call_s, busy = self._recent_call_s, self.running > 0
+        if short_first_chunk_fits(playable_s, next_tokens, token_s, call_s, busy):
+            return job
+        if not schedule.lengthen_first_chunk(request):
+            return job
+        self.latency.count("token2wav_first_chunks_lengthened")
+        request.ready_at = None  # its chunk is ready once the longer chunk's tokens are there
+        return schedule.next_job(request)
+
+    def _next_batch(self) -> list[tuple[Request, ChunkJob]]:
+        now = time.monotonic()
+        margin = self._early_margin()
+        self._wake_at = None
+        ready = []
+        for request in list(self.requests):
+            if request.pending >= OUTPUT_CHUNKS or request.running:
+                continue
+            job = self._job(request, now)
+            if job is not None and self._for_lane(job) and not self._lane_busy:
+                continue  # the lane is free to take it now
+            if job is None and margin is not None and request.clock.first_audio_at is not None:
+                early = self.schedule.next_job(request, early=True)
+                urgent_at = request.clock.deadline(now) - margin
+                if early is not None and urgent_at <= now:
+                    job = early
+                elif early is not None:
+                    self._wake_at = urgent_at if self._wake_at is None else min(self._wake_at, urgent_at)
+            if job is not None:
+                ready.append((request.clock.deadline(now), request.request_id, request, job))
+            elif request.status is RequestStatus.TOKENS_DONE and not request.tokens:
+                self._finish(request)  # nothing was generated: nothing to say
+        ready.sort(key=lambda item: item[:2])
+        batch: list[tuple[Request, ChunkJob]] = []
+        useful = width = 0
+        for deadline, _, request, job in ready:
+            if len(batch) == self.max_batch:
+                break
+            frames = self.schedule.job_frames(job)
+            padded = (len(batch) + 1) * max(width, frames)
+            # A much longer context than the batch's, not due yet, waits for a batch of its
+            # size: now it would run on its own after the others (see _run_calls), holding
+            # back whatever arrives meanwhile.
+            if batch and deadline > now and padded > PADDING_LIMIT * (useful + frames):
+                continue
+            batch.append((request, job))
+            useful, width = useful + frames, max(width, frames)
+        return batch
+
+    def _finish(self, request: Request) -> None:
+        request.advance(RequestStatus.FINISHED)
+        self.requests.discard(request)
+        self.loop.call_soon_threadsafe(request.output.put_nowait, END)
+
+    def _for_lane(self, job: ChunkJob) -> bool:
+        """Whether the first-chunk lane runs this job: an opening chunk of its turn (the first;
+        with ``second_chunk_on_lane``, after a short first chunk the next too) of a voice it
+        has graphs for (a voice registered while serving has none there; the main thread
+        takes it)."""
+        lane = self.first_chunk_lane
+        return lane is not None and self.runner.lane_serves(job, lane)
+
+    def _take(self, batch: list[tuple[Request, ChunkJob]]) -> list[tuple[Request, ChunkJob]]:
+        """Mark a batch's requests running (under the lock) and count its chunks."""
+        for request, _ in batch:
+            request.running = True
+        self.running += len(batch)
+        return batch
+
+    def _ready_first_chunks(self, limit: int) -> list[tuple[Request, ChunkJob]]:
+        """(request, job) of up to ``limit`` first chunks ready to run, of requests no thread
+        holds, most urgent first (with a lane: the lane's jobs, see _for_lane)."""
+        now = time.monotonic()
+        ready = []
+        for request in self.requests:
+            if request.running or request.pending >= OUTPUT_CHUNKS:
+                continue
+            job = self._job(request, now)
+            if job is not None and (job.first if self.first_chunk_lane is None else self._for_lane(job)):
+                ready.append((request.clock.deadline(now), request.request_id, request, job))
+        ready.sort(key=lambda item: item[:2])
+        return [(request, job) for _, _, request, job in ready[:limit]]
+
+    # ------------------------------------------------------------ the worker threads
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                batch = self._next_batch()
+                while not batch and not self._stopping:
+                    self.wake.wait(None if self._wake_at is None else max(0.0, self._wake_at - time.monotonic()))
+                    batch = self._next_batch()
+                if self._stopping:
+                    return
+                self._take(batch)
+            started = time.monotonic()
+            self._run_calls(batch)
+            # The whole round of calls: how long until the worker looks at the queue again.
+            self._recent_batch_s += 0.2 * (time.monotonic() - started - self._recent_batch_s)
+
+    def _run_first_chunk_lane(self) -> None:
+        lane = self.first_chunk_lane
+        while True:
+            with self.lock:
+                batch = self._ready_first_chunks(FIRST_LANE_MAX_BATCH)
+                while not batch and not self._stopping:
+                    self.wake.wait()
+                    batch = self._ready_first_chunks(FIRST_LANE_MAX_BATCH)
+                if self._stopping:
+                    return
+                self._take(batch)
+                self._lane_busy = True
+            self._run_calls(batch, lane)
+            with self.lock:
+                self._lane_busy = False
+                self.wake.notify_all()  # first chunks the main thread left to the lane
+
+    def _run_calls(self, batch: list[tuple[Request, ChunkJob]], lane: Lane | None = None) -> None:
+        """Run a batch as the flow calls ``runner.plan`` splits it into, in its order (new
+        turns' first chunks, then narrowest first), each delivered when done; ``lane``: on the
+        first-chunk lane.
+
+        A call runs to its end, and the rest of the batch may take many calls: without a
+        first-chunk lane, first chunks that became ready meanwhile go next, so that a new turn
+        waits for one call, not for the whole round.
+        """
+        calls = [[batch[i] for i in group] for group in self.runner.plan([job for _, job in batch], lane)]
+        while calls:
+            self._run_call(calls.pop(0), lane)
+            if self.first_chunk_lane is not None:
+                continue
+            with self.lock:
+                arrived = self._take(self._ready_first_chunks(self.max_batch))
+            if arrived:
+                plan = self.runner.plan([job for _, job in arrived])
+                calls[:0] = [[arrived[i] for i in group] for group in plan]
+
+    def _run_call(self, batch: list[tuple[Request, ChunkJob]], lane: Lane | None = None) -> None:
+        """Run one call's (request, job) and hand each request its audio (or the error)."""
+        jobs = [job for _, job in batch]
+        call = call_kind(jobs)  # before the run: it moves the streams on
+        started = time.monotonic()
+        try:
+            audio = self.runner.run(jobs, lane)
+            error = None
+        except Exception as exc:  # delivered to each request of the call
+            log.exception("token2wav failed")
+            error = EngineError(f"audio generation failed: {exc}")
+        now = time.monotonic()
+        compute_s = (now - started) / max(len(batch), 1)
+        with self.lock:
+            self.latency.call(call, jobs, started, now, lane is not None)
+            if lane is None:
+                self._recent_call_s += 0.2 * (now - started - self._recent_call_s)
+            else:
+                self._recent_lane_call_s += 0.2 * (now - started - self._recent_lane_call_s)
+            self.running -= len(batch)
+            for i, (request, job) in enumerate(batch):
+                request.running = False
+                if request not in self.requests:
+                    continue  # cancelled while running
+                if error is not None:
+                    self._fail(request, error)
+                    continue
+                samples = audio[i]
+                self.latency.delivered(request, started, now)
+                request.clock.produced(len(samples) / self.schedule.sample_rate, now)
+                request.pending += 1
+                self.loop.call_soon_threadsafe(request.output.put_nowait, (samples, compute_s))
+                if job.finalize:
+                    self._finish(request)
+                else:
+                    self._mark_ready(request, now)  # the next chunk's tokens may be there already

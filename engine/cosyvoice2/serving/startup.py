@@ -1,0 +1,138 @@
+"""Start-up of the CosyVoice2 serving layer: the vLLM LM stage, and the CUDA graphs of the
+flow and the vocoder, captured before the gateway reports ready.
+
+Graphs are captured for the shapes serving asks for: every batch and context bucket of
+streaming chunks (after the voice prefixes where there is a bank), final chunks a few at a
+time, each voice's chunk shapes for the vocoder, and the first-chunk lane's own graphs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+
+from engine.base import EngineError
+from engine.cosyvoice2.serving.buckets import FlowBuckets
+from engine.cosyvoice2.serving.call_plan import MAX_CALL_ROW_FRAMES
+from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
+from engine.cosyvoice2.serving.hift_graphs import HiftGraphs
+from engine.cosyvoice2.serving.lm.stage import LMStage
+from engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
+from engine.cosyvoice2.serving.scheduler import FIRST_LANE_MAX_BATCH
+from engine.settings import CosyVoice2Settings
+
+log = logging.getLogger(__name__)
+
+# Flow graphs of final chunks (full attention over the whole turn) up to this batch: a
+# batch holds few of them, since each turn has one.
+FINAL_GRAPH_MAX_BATCH = 8
+# CUDA stream priority of the first-chunk lane: lower is higher, and torch maps a value
+# past the device's range to its highest priority.
+LANE_PRIORITY = -1000
+
+
+def device_of(name: str) -> torch.device:
+    """The device a ``device`` setting names (auto: cuda if present)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+async def start_vllm_stage(settings: CosyVoice2Settings) -> LMStage:
+    """Convert the LM for vLLM (cached beside the model), start it and warm every batch shape."""
+    from engine.cosyvoice2.model.loading import missing_files
+    from engine.cosyvoice2.modeldir.reading import load_model_configs
+    from engine.cosyvoice2.serving.lm.vllm_convert import convert
+    from engine.cosyvoice2.serving.lm.vllm_stage import VLLMLMStage
+
+    missing = missing_files(settings.model_dir)
+    if missing:
+        raise EngineError(f"model directory {settings.model_dir} is incomplete; missing: {', '.join(missing)}")
+    configs = await asyncio.to_thread(load_model_configs, settings.model_dir)
+    try:
+        path = await asyncio.to_thread(convert, settings.model_dir, configs.llm)
+    except (OSError, ValueError, KeyError) as exc:
+        raise EngineError(f"cannot convert llm.pt for vLLM: {exc}") from exc
+    return await VLLMLMStage.start(settings.vllm, str(path), configs.llm)
+
+
+def capture_flow_graphs(runner: Token2WavRunner, settings: CosyVoice2Settings, device: torch.device) -> None:
+    """CUDA graphs of the flow for every bucket served (after the voice-prefix bank, which
+    they read), then the token2wav memory check."""
+    buckets = FlowBuckets.up_to(settings.graph_max_batch, settings.graph_max_frames, settings.graph_frame_step)
+    bank = runner.prefixes.bank if runner.prefixes is not None else None
+    graphs = FlowGraphs(runner.flow.decoder, buckets, bank=bank)
+    frames = buckets.frame_buckets()
+    # Non-final chunks start after their voices' prefixes where there is a bank (frames:
+    # those after the prefix), else run whole; one row runs whole either way (the faster
+    # replay on the H200: 85 vs 103 ms for a first chunk with the vocoder). Final chunks
+    # end turns, a few at a time. The call planner keeps calls of several rows within
+    # MAX_CALL_ROW_FRAMES, so larger graphs would not be replayed.
+    budget = MAX_CALL_ROW_FRAMES
+    graphs.capture([1] if bank is not None else buckets.batches, frames, [True], max_row_frames=budget)
+    if bank is not None:
+        graphs.capture(buckets.batches, frames, [True], after_prefix=True, max_row_frames=budget)
+    final_batches = [b for b in buckets.batches if b <= FINAL_GRAPH_MAX_BATCH]
+    graphs.capture(final_batches, frames, [False], max_row_frames=budget)
+    runner.flow_graphs = graphs
+    held = torch.cuda.memory_reserved(device) / 2**30
+    # A small graph of each kind against its eager solve.
+    checked = [buckets.key(3, 250, streaming, after) for streaming, after in ((True, bank is not None), (False, False))]
+    errors = ", ".join(f"{key}: {graphs.replay_error(key):.2e}" for key in checked if key in graphs.graphs)
+    log.info(
+        "flow CUDA graphs: %d captured in %.1f s (%.2f GiB); |replay - eager| %s; "
+        "token2wav holds %.1f GiB of %.1f GiB budgeted",
+        len(graphs.graphs), graphs.capture_seconds, graphs.reserved_bytes / 2**30, errors, held,
+        settings.vllm.token2wav_memory_gb,
+    )
+    if held > settings.vllm.token2wav_memory_gb:
+        log.warning("token2wav holds more GPU memory than token2wav_memory_gb; raise it or lower max_batch")
+
+
+def capture_hift_graphs(runner: Token2WavRunner, max_batch: int, voice_prompt_tokens: list[int]) -> None:
+    """CUDA graphs of the vocoder for every voice's chunk shapes at every batch bucket (a voice
+    registered later: its shapes are allowed when it is first used, see the engine)."""
+    graphs = HiftGraphs(runner.hift, max_batch)
+    runner.hift_graphs = graphs
+    for prompt_tokens in voice_prompt_tokens:
+        for shape in runner.schedule.chunk_shapes(prompt_tokens):
+            graphs.allow(*shape)
+    try:
+        graphs.capture_allowed()
+    except Exception as exc:  # an optional speed-up: the vocoder still runs, eagerly
+        runner.hift_graphs = None
+        log.error("HiFT CUDA graphs could not be captured, the vocoder runs eagerly: %s", exc)
+        return
+    log.info(
+        "HiFT CUDA graphs: %d captured in %.1f s; largest |replay - eager| %.2e",
+        len(graphs.graphs), graphs.capture_seconds, graphs.max_error,
+    )
+
+
+def first_chunk_lane(
+    runner: Token2WavRunner, settings: CosyVoice2Settings, voice_prompt_tokens: list[int], device: torch.device
+) -> Lane:
+    """The first-chunk lane: a stream of the highest priority and its own graphs of every
+    voice's opening chunks (``ChunkSchedule.opens_turn``: flow run whole, and the vocoder) up
+    to FIRST_LANE_MAX_BATCH."""
+    schedule = runner.schedule
+    widths = sorted({width for tokens in voice_prompt_tokens for width in schedule.lane_widths(tokens)})
+    buckets = FlowBuckets.up_to(FIRST_LANE_MAX_BATCH, widths[-1], settings.graph_frame_step)
+    flow_graphs = FlowGraphs(runner.flow.decoder, buckets, priority=LANE_PRIORITY)
+    flow_graphs.capture(buckets.batches, widths, [True])
+    hift_graphs = None
+    if settings.hift_graphs:
+        hift_graphs = HiftGraphs(runner.hift, FIRST_LANE_MAX_BATCH, priority=LANE_PRIORITY)
+        for tokens in voice_prompt_tokens:
+            for shape in schedule.lane_shapes(tokens):
+                hift_graphs.allow(*shape)
+        hift_graphs.capture_allowed()
+    log.info(
+        "first-chunk lane: %d flow and %d vocoder CUDA graphs in %.1f s (%.2f GiB)",
+        len(flow_graphs.graphs), len(hift_graphs.graphs) if hift_graphs else 0,
+        flow_graphs.capture_seconds + (hift_graphs.capture_seconds if hift_graphs else 0),
+        flow_graphs.reserved_bytes / 2**30,
+    )
+    return Lane(torch.cuda.Stream(device, priority=LANE_PRIORITY), flow_graphs, hift_graphs)
