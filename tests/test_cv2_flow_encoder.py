@@ -20,13 +20,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.flow_encoder import (
-    EncoderStreamState,
-    IncrementalEncoder,
-    TokenEncoder,
-    UpsampleConformerEncoder,
-    encode_tokens,
-)
+from engine.cosyvoice2.model.flow_encoder import TokenEncoder, UpsampleConformerEncoder, encode_tokens
+from engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState, IncrementalEncoder
 from engine.cosyvoice2.modeldir.configs import FlowEncoderConfig
 from tests.reference import official
 from tests.reference import randomize as reference_randomize

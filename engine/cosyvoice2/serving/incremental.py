@@ -26,7 +26,8 @@ from torch import Tensor
 from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
 from engine.cosyvoice2.model.estimator import SelfAttention, chunk_attention_mask
 from engine.cosyvoice2.model.flow import Flow, gather_frames
-from engine.cosyvoice2.model.flow_encoder import EncoderStreamState, IncrementalEncoder, project_speaker
+from engine.cosyvoice2.model.flow_encoder import project_speaker
+from engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState, IncrementalEncoder
 
 
 class CFMStreamCache:
