@@ -70,6 +70,16 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
+from gateway.wire import (
+    CONTEXT_SURVIVING_CODES,
+    PROTOCOL_VERSION,
+    SESSION_ENDING_CODES,
+    ClientMessage,
+    CloseCode,
+    ErrorCode,
+    GatewayMessage,
+)
+
 __all__ = [
     "AudioChunk",
     "Context",
@@ -80,16 +90,7 @@ __all__ = [
     "write_wav",
 ]
 
-PROTOCOL_VERSION = 1
-
 log = logging.getLogger("gateway.client")
-
-# Session-level error codes (context_id null) after which the gateway closes the socket.
-_FATAL_SESSION_CODES = frozenset({"overloaded", "idle_timeout", "internal"})
-# Context-level codes after which the context is still open on the gateway: only
-# the offending message was not applied. Any other context-level code means the
-# context was refused or dropped, and waiting on it would hang forever.
-_CONTEXT_SURVIVES_CODES = frozenset({"text_too_long", "bad_message"})
 
 
 class GatewayError(Exception):
@@ -109,7 +110,7 @@ class GatewayError(Exception):
         close_code: int | None = None,
     ) -> None:
         super().__init__(f"{code}: {message}")
-        self.code = code
+        self.code = str(code)  # a plain string, whether it came off the wire or from wire.ErrorCode
         self.message = message
         self.context_id = context_id
         self.close_code = close_code
@@ -210,7 +211,7 @@ class Context:
         self._check_open("send_text")
         if not text:
             return
-        message: dict[str, Any] = {"type": "text", "context_id": self.context_id, "text": text}
+        message: dict[str, Any] = {"type": ClientMessage.TEXT, "context_id": self.context_id, "text": text}
         if not self._text_sent:
             message.update(self._options)
         await self._client._send(message)
@@ -220,7 +221,7 @@ class Context:
         """Speak everything buffered so far now; the context stays open."""
         self._check_open("flush")
         if self._text_sent:  # before any text the gateway does not know this context
-            await self._client._send({"type": "flush", "context_id": self.context_id})
+            await self._client._send({"type": ClientMessage.FLUSH, "context_id": self.context_id})
 
     async def end(self) -> None:
         """No more text: the gateway speaks the rest, then iteration ends with ``done``.
@@ -236,7 +237,7 @@ class Context:
             self._client._forget(self)
             self._mark_ended()
             return
-        await self._client._send({"type": "end", "context_id": self.context_id})
+        await self._client._send({"type": ClientMessage.END, "context_id": self.context_id})
 
     async def cancel(self) -> None:
         """Barge-in: stop generation now and drop this context's pending audio.
@@ -254,7 +255,7 @@ class Context:
             self._client._forget(self)
             self._mark_ended()
             return
-        await self._client._send({"type": "cancel", "context_id": self.context_id})
+        await self._client._send({"type": ClientMessage.CANCEL, "context_id": self.context_id})
 
     # -- gateway -> client ---------------------------------------------------
 
@@ -522,7 +523,8 @@ class TTSClient:
         discarding = asyncio.create_task(self._discard_incoming())
         await self._ws.close()
         await discarding
-        self._fail_all(GatewayError("connection_closed", "the client closed the session", close_code=1000))
+        closing = GatewayError("connection_closed", "the client closed the session", close_code=CloseCode.NORMAL)
+        self._fail_all(closing)
 
     async def __aenter__(self) -> TTSClient:
         return self
@@ -568,11 +570,11 @@ class TTSClient:
             self._fail_all(error)
         except _ProtocolViolation as exc:
             self._fail_all(GatewayError("protocol_error", str(exc)))
-            await self._ws.close(1002, "protocol error")
+            await self._ws.close(CloseCode.PROTOCOL_ERROR, "protocol error")
         except Exception as exc:  # a bug here must not leave consumers hanging
             log.exception("tts client reader crashed")
-            self._fail_all(GatewayError("internal", f"client reader crashed: {exc!r}"))
-            await self._ws.close(1011, "client error")
+            self._fail_all(GatewayError(ErrorCode.INTERNAL, f"client reader crashed: {exc!r}"))
+            await self._ws.close(CloseCode.INTERNAL_ERROR, "client error")
 
     async def _dispatch_frames(self) -> None:
         pending_audio: dict[str, Any] | None = None  # an audio header waiting for its binary frame
@@ -591,27 +593,27 @@ class TTSClient:
                 kind = message["type"]
             except (orjson.JSONDecodeError, TypeError, KeyError):
                 raise _ProtocolViolation(f"unreadable frame from the gateway: {frame[:200]!r}") from None
-            if kind == "audio":
+            if kind == GatewayMessage.AUDIO:
                 pending_audio = message
-            elif kind == "alignment":
+            elif kind == GatewayMessage.ALIGNMENT:
                 ctx = self._contexts.get(message.get("context_id"))
                 if ctx is not None and not ctx._cancel_requested:
                     ctx.alignments.extend(
                         Word(word["text"], word["start_ms"], word["end_ms"]) for word in message.get("words", ())
                     )
-            elif kind == "done":
+            elif kind == GatewayMessage.DONE:
                 ctx = self._contexts.pop(message.get("context_id"), None)
                 if ctx is not None:
                     ctx.done = Done(ctx.context_id, message.get("audio_ms", 0.0), message.get("ttfa_ms"))
                     # A cancel that crossed `done` on the wire: its tail was discarded all the same.
                     ctx.cancelled = ctx._cancel_requested
                     ctx._mark_ended()
-            elif kind == "cancelled":
+            elif kind == GatewayMessage.CANCELLED:
                 ctx = self._contexts.pop(message.get("context_id"), None)
                 if ctx is not None:
                     ctx.cancelled = True
                     ctx._mark_ended()
-            elif kind == "error":
+            elif kind == GatewayMessage.ERROR:
                 await self._deliver_error(message)
             else:
                 log.debug("ignoring frame of unknown type %r", kind)  # a newer gateway
@@ -631,9 +633,9 @@ class TTSClient:
 
     async def _deliver_error(self, message: dict[str, Any]) -> None:
         context_id = message.get("context_id")
-        error = GatewayError(message.get("code", "internal"), message.get("message", ""), context_id)
+        error = GatewayError(message.get("code", ErrorCode.INTERNAL), message.get("message", ""), context_id)
         if context_id is None:
-            if error.code in _FATAL_SESSION_CODES:
+            if error.code in SESSION_ENDING_CODES:
                 self._fail_all(error)  # the close that follows only adds its close code
             else:
                 # A malformed frame the gateway could not tie to a context; the
@@ -647,12 +649,12 @@ class TTSClient:
             log.debug("error for a context that is not open: %s", error)
             return
         ctx.error = error
-        if error.code in _CONTEXT_SURVIVES_CODES and ctx._texts_sent == 1:
+        if error.code in CONTEXT_SURVIVING_CODES and ctx._texts_sent == 1:
             # The rejected text was the context's first, so the gateway did not
             # open the context: the next text must carry the options again.
             ctx._texts_sent = 0
         await ctx._queue.put(error)  # raised in stream order, after the audio before it
-        if error.code not in _CONTEXT_SURVIVES_CODES:
+        if error.code not in CONTEXT_SURVIVING_CODES:
             # Marked only once the error is queued, so a consumer draining the
             # queue meanwhile cannot stop without seeing it.
             self._forget(ctx)
@@ -674,9 +676,9 @@ async def _receive_ready(ws: ClientConnection) -> dict[str, Any]:
         message = orjson.loads(frame)
     except orjson.JSONDecodeError:
         raise GatewayError("protocol_error", f"expected a `ready` frame, got {frame[:200]!r}") from None
-    if message.get("type") == "error":  # refused: overloaded, or a bad session default
-        raise GatewayError(message.get("code", "internal"), message.get("message", ""), None)
-    if message.get("type") != "ready":
+    if message.get("type") == GatewayMessage.ERROR:  # refused: overloaded, or a bad session default
+        raise GatewayError(message.get("code", ErrorCode.INTERNAL), message.get("message", ""), None)
+    if message.get("type") != GatewayMessage.READY:
         raise GatewayError("protocol_error", f"expected a `ready` frame, got {message.get('type')!r}")
     if message.get("protocol") != PROTOCOL_VERSION:
         raise GatewayError(

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from engine.settings import CosyVoice2Settings, PiperSettings
+from gateway.wire import ENCODINGS, SAMPLE_RATES
 
 ENV_PREFIX = "TTS_GATEWAY__"
-SAMPLE_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
-ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw")
 DEFAULT_WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 
 

@@ -26,7 +26,8 @@ from gateway.audio import StreamEncoder
 from gateway.auth import authorized
 from gateway.config import Config
 from gateway.metrics import Metrics
-from gateway.protocol import SPEED_RANGE, ContextFinished, ErrorCode
+from gateway.protocol import ContextFinished
+from gateway.wire import SPEED_RANGE, ErrorCode
 
 log = logging.getLogger("tts_gateway.http")
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.client import GatewayError, TTSClient
+from gateway.wire import SAMPLE_RATES, STREAM_PATH
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "bench" / "data"
 WORKLOADS = ("full", "llm", "barge-in", "full-barge-in")
@@ -432,14 +433,16 @@ def write_plots(result: dict, directory: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tts-gateway bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", required=True, help="the gateway's WebSocket URL, e.g. ws://127.0.0.1:8765/v1/stream")
+    parser.add_argument("--url", required=True,
+                        help=f"the gateway's WebSocket URL, e.g. ws://127.0.0.1:8765{STREAM_PATH}")
     parser.add_argument("--sessions", type=int, default=1, help="concurrent agents (one session each)")
     parser.add_argument("--workload", choices=WORKLOADS, default="llm")
     parser.add_argument("--duration", type=float, default=15.0, help="seconds per concurrency level")
     parser.add_argument("--json", type=Path, help="write config, per-context records and summary here")
     parser.add_argument("--tokens-per-second", type=float, default=30.0, help="delta rate of llm and barge-in")
     parser.add_argument("--api-key")
-    parser.add_argument("--sample-rate", type=int, default=24000)
+    parser.add_argument("--sample-rate", type=int, default=24000,
+                        help=f"Hz, one of {', '.join(map(str, SAMPLE_RATES))} (default: %(default)s)")
     parser.add_argument("--lang", choices=("en", "zh", "mix"), default="en", help="which corpus in bench/data")
     parser.add_argument("--corpus", type=Path, help="a replies file instead (one per line, \\n for line breaks)")
     parser.add_argument("--seed", type=int, default=0)

@@ -21,6 +21,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import InvalidStatus
 
 from gateway.client import AudioChunk, GatewayError, TTSClient, Word, write_wav
+from gateway.wire import CONTEXT_SURVIVING_CODES, SESSION_ENDING_CODES, ErrorCode
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -341,6 +342,53 @@ async def test_audio_header_with_wrong_byte_count_raises_protocol_error():
             with pytest.raises(GatewayError) as raised:
                 await collect(ctx)
     assert raised.value.code == "protocol_error"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("code", list(ErrorCode))
+async def test_a_context_error_ends_the_context_exactly_when_the_wire_says(code):
+    """The client reads the rule the gateway's protocol follows (gateway/wire.py, tests/test_wire.py)."""
+
+    async def reports(ws):
+        await send_json(ws, **READY)
+        await receive_json(ws)  # the context's first text
+        await send_json(ws, type="error", code=code, message="no", context_id="c")
+        await ws.wait_closed()
+
+    async with fake_gateway(reports) as url:
+        async with TTSClient.connect(url) as tts:
+            ctx = tts.context("c")
+            await ctx.send_text("Hello")
+            with pytest.raises(GatewayError) as raised:
+                await collect(ctx)
+            assert raised.value.code == code
+            assert ctx.finished == (code not in CONTEXT_SURVIVING_CODES)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("code", list(ErrorCode))
+async def test_a_session_error_ends_the_session_exactly_when_the_wire_says(code):
+    async def reports(ws):
+        await send_json(ws, **READY)
+        await receive_json(ws)  # the context's first text
+        await send_json(ws, type="error", code=code, message="no", context_id=None)
+        await send_audio(ws, "c", 0, b"after")
+        await send_json(ws, type="done", context_id="c", audio_ms=10.0, ttfa_ms=1.0)
+        await ws.wait_closed()
+
+    async with fake_gateway(reports) as url:
+        async with TTSClient.connect(url) as tts:
+            ctx = tts.context("c")
+            await ctx.send_text("Hello")
+            if code in SESSION_ENDING_CODES:
+                with pytest.raises(GatewayError) as raised:
+                    await collect(ctx)
+                assert (raised.value.code, raised.value.context_id) == (code, None)
+                with pytest.raises(GatewayError):
+                    tts.context("d")
+            else:
+                assert [chunk.data for chunk in await collect(ctx)] == [b"after"]
+                assert tts.last_session_error.code == code
 
 
 @pytest.mark.asyncio
