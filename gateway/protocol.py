@@ -281,7 +281,7 @@ class Session:
             if not isinstance(message, dict):
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, "message must be a JSON object")
             kind = message.get("type")
-            if kind not in CLIENT_FIELDS:
+            if not isinstance(kind, str) or kind not in CLIENT_FIELDS:  # a list or object is unhashable
                 raise ProtocolError(
                     ErrorCode.BAD_MESSAGE, f"unknown message type {kind!r}; expected text, flush, end or cancel"
                 )
