@@ -1,4 +1,4 @@
-"""The agent client (gateway/client.py) against a throwaway fake gateway.
+"""The agent client (gateway/client/) against a throwaway fake gateway.
 
 The fake speaks just enough of protocol v1 to exercise the client: scripted
 handlers send exact frame sequences; ``echo_gateway`` answers every `text` with

@@ -1,57 +1,5 @@
-"""Async Python client for the tts-gateway streaming protocol (v1).
-
-Built for LLM agents: connect once, open one context per reply, push the
-model's text deltas as they arrive, and iterate the audio as it is produced::
-
-    from gateway.client import TTSClient
-
-    async with TTSClient.connect("ws://127.0.0.1:8765/v1/stream", api_key=KEY) as tts:
-        reply = tts.context(voice="joe")
-
-        async def pump():
-            async for delta in llm_stream():
-                await reply.send_text(delta)
-            await reply.end()
-
-        pump_task = asyncio.create_task(pump())
-        async for chunk in reply:            # AudioChunk objects, in order
-            play(chunk.data)
-        print(reply.done.ttfa_ms, reply.alignments)
-
-or, when nothing else needs doing meanwhile, ``audio = await reply.speak(deltas)``.
-
-How frames reach a context
---------------------------
-One reader task owns the receiving side of the socket. It pairs every
-``audio`` header with the binary frame that follows it and puts the resulting
-:class:`AudioChunk` on its context's queue. Word timings (``alignment``) are
-appended to ``Context.alignments`` as they arrive; ``done`` / ``cancelled``
-set ``Context.done`` / ``Context.cancelled`` and end the context's iteration
-once its queued audio has been consumed.
-
-Backpressure
-------------
-Each context's queue is bounded (``max_queued_chunks``, default 1024 chunks,
-i.e. minutes of audio). When a consumer falls that far behind, the reader waits
-for it instead of buffering more. The socket then stops being read, which
-stalls every context of the session and, once the gateway's per-session send
-buffer is full, makes the gateway cut the session off: error ``overloaded``
-and close code 1008, or ``connection_closed`` when that frame, stuck behind
-the unread audio, is not reached before the gateway aborts the connection.
-Memory stays bounded either way. Audio of a context you
-cancelled is discarded, so a cancelled context never blocks the reader; but do
-not open a context and leave its audio unread.
-
-Errors
-------
-Everything the gateway reports, and every way a session can end, surfaces as
-:class:`GatewayError`. Its ``code`` is one of the protocol's error codes or one
-of two client-side codes: ``connection_closed`` (the socket closed without an
-explanatory ``error`` frame) and ``protocol_error`` (the gateway broke the
-framing rules, e.g. a binary frame without an ``audio`` header). A handshake
-refused over HTTP (401 for a bad key) raises ``websockets.InvalidStatus``
-from :meth:`TTSClient.connect`.
-"""
+"""One WebSocket session with the gateway: connecting, sending, and the reader task that
+hands each frame to its context (see the package docstring for how and why)."""
 
 from __future__ import annotations
 
@@ -59,9 +7,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-import wave
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Generator, Iterable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Generator
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -70,303 +16,18 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
+from gateway.client.context import Context
+from gateway.client.frames import AudioChunk, Done, GatewayError, Word
 from gateway.wire import (
     CONTEXT_SURVIVING_CODES,
     PROTOCOL_VERSION,
     SESSION_ENDING_CODES,
-    ClientMessage,
     CloseCode,
     ErrorCode,
     GatewayMessage,
 )
 
-__all__ = [
-    "AudioChunk",
-    "Context",
-    "Done",
-    "GatewayError",
-    "TTSClient",
-    "Word",
-    "write_wav",
-]
-
 log = logging.getLogger("gateway.client")
-
-
-class GatewayError(Exception):
-    """An ``error`` frame from the gateway, or the session ending under us.
-
-    ``code`` is a protocol error code (``bad_message``, ``unknown_voice``, ...)
-    or a client-side one: ``connection_closed`` or ``protocol_error``.
-    ``context_id`` is None for session-level errors. ``close_code`` is the
-    WebSocket close code when the error ended the connection, else None.
-    """
-
-    def __init__(
-        self,
-        code: str,
-        message: str,
-        context_id: str | None = None,
-        close_code: int | None = None,
-    ) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = str(code)  # a plain string, whether it came off the wire or from wire.ErrorCode
-        self.message = message
-        self.context_id = context_id
-        self.close_code = close_code
-
-
-@dataclass(frozen=True, slots=True)
-class AudioChunk:
-    """One ``audio`` header with its binary frame: mono samples in the context's format."""
-
-    context_id: str
-    seq: int
-    offset_ms: float
-    duration_ms: float
-    data: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Word:
-    """A word's timing on the context's audio timeline (from ``alignment`` frames)."""
-
-    text: str
-    start_ms: float
-    end_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class Done:
-    """The gateway finished speaking a context.
-
-    ``ttfa_ms`` is measured by the gateway (first ``text`` received -> first
-    audio sent); None when the context produced no audio.
-    """
-
-    context_id: str
-    audio_ms: float
-    ttfa_ms: float | None
-
-
-# Queued to wake a consumer blocked on an empty queue so it re-checks the end state.
-_WAKE = object()
-
-
-class Context:
-    """One utterance stream: text in, audio out. Get one from :meth:`TTSClient.context`.
-
-    Iterate it (``async for chunk in ctx``) to receive :class:`AudioChunk`
-    objects in order. Iteration ends after the gateway's ``done`` or
-    ``cancelled`` (queued audio is yielded first) and raises
-    :class:`GatewayError` when the gateway reports an error for this context
-    or the session ends. After ``text_too_long`` or ``bad_message`` the
-    context is still open: iterate again to continue.
-    """
-
-    def __init__(self, client: TTSClient, context_id: str, options: dict[str, Any], max_queued_chunks: int) -> None:
-        self._client = client
-        self.context_id = context_id
-        self._options = options  # voice/sample_rate/encoding/speed, sent with the first text only
-        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=max_queued_chunks)
-        self._texts_sent = 0
-        self._end_sent = False
-        self._cancel_requested = False
-        self._ended = False  # nothing more will be queued: stop once the queue is drained
-        self._fatal: GatewayError | None = None  # the session died: raise once the queue is drained
-
-        self.done: Done | None = None
-        self.cancelled = False
-        self.alignments: list[Word] = []
-        self.error: GatewayError | None = None  # the last error the gateway reported for this context
-
-    # -- this context's audio format ----------------------------------------
-
-    @property
-    def voice(self) -> str:
-        return self._options.get("voice") or self._client.ready["voice"]
-
-    @property
-    def sample_rate(self) -> int:
-        return self._options.get("sample_rate") or self._client.ready["sample_rate"]
-
-    @property
-    def encoding(self) -> str:
-        return self._options.get("encoding") or self._client.ready["encoding"]
-
-    @property
-    def finished(self) -> bool:
-        """True once the context ended: done, cancelled, refused, or its session lost."""
-        return self._ended or self._fatal is not None
-
-    @property
-    def _text_sent(self) -> bool:
-        """Whether the gateway knows this context: it opens with the first text."""
-        return self._texts_sent > 0
-
-    # -- client -> gateway ---------------------------------------------------
-
-    async def send_text(self, text: str) -> None:
-        """Append a text delta (any split, mid-word is fine). Empty deltas are skipped."""
-        self._check_open("send_text")
-        if not text:
-            return
-        message: dict[str, Any] = {"type": ClientMessage.TEXT, "context_id": self.context_id, "text": text}
-        if not self._text_sent:
-            message.update(self._options)
-        await self._client._send(message)
-        self._texts_sent += 1
-
-    async def flush(self) -> None:
-        """Speak everything buffered so far now; the context stays open."""
-        self._check_open("flush")
-        if self._text_sent:  # before any text the gateway does not know this context
-            await self._client._send({"type": ClientMessage.FLUSH, "context_id": self.context_id})
-
-    async def end(self) -> None:
-        """No more text: the gateway speaks the rest, then iteration ends with ``done``.
-
-        Idempotent; a no-op on a finished or cancelled context. A context that
-        never got any text ends locally at once (``done.audio_ms == 0``).
-        """
-        if self._end_sent or self._cancel_requested or self.finished:
-            return
-        self._end_sent = True
-        if not self._text_sent:
-            self.done = Done(self.context_id, 0.0, None)
-            self._client._forget(self)
-            self._mark_ended()
-            return
-        await self._client._send({"type": ClientMessage.END, "context_id": self.context_id})
-
-    async def cancel(self) -> None:
-        """Barge-in: stop generation now and drop this context's pending audio.
-
-        Audio queued locally is discarded at once, as is any still in flight;
-        iteration ends when the gateway confirms with ``cancelled``. A no-op
-        on a context that already finished.
-        """
-        if self._cancel_requested or self.finished:
-            return
-        self._cancel_requested = True
-        self._discard_queued_audio()
-        if not self._text_sent:
-            self.cancelled = True
-            self._client._forget(self)
-            self._mark_ended()
-            return
-        await self._client._send({"type": ClientMessage.CANCEL, "context_id": self.context_id})
-
-    # -- gateway -> client ---------------------------------------------------
-
-    def __aiter__(self) -> AsyncIterator[AudioChunk]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[AudioChunk]:
-        while True:
-            if self._queue.empty():
-                if self._fatal is not None:
-                    raise self._fatal
-                if self._ended:
-                    return
-            item = await self._queue.get()
-            if isinstance(item, AudioChunk):
-                if not self._cancel_requested:  # a put already under way when cancel() ran
-                    yield item
-            elif isinstance(item, GatewayError):
-                raise item
-            # else _WAKE: loop round and re-check the end state
-
-    async def speak(self, text: str | Iterable[str] | AsyncIterable[str]) -> bytes:
-        """Send ``text`` (a string or an (async) iterable of deltas), end, return all audio.
-
-        Deltas are sent while audio is received, so speech starts while the
-        rest of the text is still streaming in. If the context is cancelled
-        meanwhile (barge-in from another task), returns the audio received so
-        far. Raises :class:`GatewayError` on an error for this context, and
-        whatever the delta iterable raises.
-        """
-        audio = bytearray()
-
-        async def collect() -> None:
-            async for chunk in self:
-                audio.extend(chunk.data)
-
-        collector = asyncio.create_task(collect())
-        sender = asyncio.create_task(self._send_all_then_end(text))
-        try:
-            await asyncio.wait({collector, sender}, return_when=asyncio.FIRST_COMPLETED)
-            if not collector.done():
-                sender.result()  # the sender finished first: re-raise its failure, if any
-                await collector
-            collector.result()
-        finally:
-            # Once the audio has ended, text still being sent is moot.
-            for task in (collector, sender):
-                task.cancel()
-            await asyncio.gather(collector, sender, return_exceptions=True)
-        return bytes(audio)
-
-    async def _send_all_then_end(self, text: str | Iterable[str] | AsyncIterable[str]) -> None:
-        if isinstance(text, str):
-            text = [text]
-        if isinstance(text, AsyncIterable):
-            async for delta in text:
-                if self._cancel_requested:
-                    return  # barge-in: the rest of the reply will not be spoken
-                await self.send_text(delta)
-        else:
-            for delta in text:
-                if self._cancel_requested:
-                    return
-                await self.send_text(delta)
-        await self.end()
-
-    # -- state changes, driven by the calls above and by the reader ----------
-
-    def _check_open(self, action: str) -> None:
-        if self._fatal is not None:
-            raise self._fatal
-        if self._ended and self.error is not None:
-            raise self.error  # the gateway refused or dropped this context
-        if self._end_sent or self._cancel_requested or self._ended:
-            raise RuntimeError(f"{action}: context {self.context_id!r} was already ended or cancelled")
-
-    def _mark_ended(self) -> None:
-        self._ended = True
-        self._wake()
-
-    def _fail(self, error: GatewayError) -> None:
-        """The session is gone: audio already queued is still yielded, then ``error`` is raised."""
-        if self._fatal is None and not self._ended:
-            self._fatal = error
-            self._wake()
-
-    def _wake(self) -> None:
-        # A consumer blocked in get() means the queue is empty, so there is
-        # room; when it is full, the consumer is busy and re-checks by itself.
-        try:
-            self._queue.put_nowait(_WAKE)
-        except asyncio.QueueFull:
-            pass
-
-    def _discard_queued_audio(self) -> None:
-        kept = []
-        while not self._queue.empty():
-            item = self._queue.get_nowait()
-            if not isinstance(item, AudioChunk):
-                kept.append(item)
-        for item in kept:
-            self._queue.put_nowait(item)
-
-    def __repr__(self) -> str:
-        if self.cancelled:
-            state = "cancelled"
-        elif self.done is not None:
-            state = "done"
-        else:
-            state = "finished" if self.finished else "open"
-        return f"<Context {self.context_id!r} {state}>"
 
 
 class _Connecting:
@@ -629,7 +290,7 @@ class TTSClient:
             chunk = AudioChunk(ctx.context_id, header["seq"], header["offset_ms"], header["duration_ms"], data)
         except KeyError as exc:
             raise _ProtocolViolation(f"audio header without {exc.args[0]!r}") from None
-        await ctx._queue.put(chunk)  # waits while the consumer lags: see "Backpressure"
+        await ctx._queue.put(chunk)  # waits while the consumer lags: see "Backpressure" in gateway/client/__init__.py
 
     async def _deliver_error(self, message: dict[str, Any]) -> None:
         context_id = message.get("context_id")
@@ -663,6 +324,7 @@ class TTSClient:
 
 class _ProtocolViolation(Exception):
     """The gateway broke the framing rules; nothing after this can be trusted."""
+
 
 
 async def _receive_ready(ws: ClientConnection) -> dict[str, Any]:
@@ -704,11 +366,3 @@ def _with_query(url: str, params: dict[str, Any]) -> str:
     query.update({name: str(value) for name, value in params.items() if value is not None})
     return urlunsplit(parts._replace(query=urlencode(query)))
 
-
-def write_wav(path: str, pcm_s16le: bytes, sample_rate: int) -> None:
-    """Write mono 16-bit little-endian PCM (encoding ``pcm_s16le``) to a WAV file."""
-    with wave.open(str(path), "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(sample_rate)
-        wav.writeframes(pcm_s16le)
