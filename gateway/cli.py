@@ -1,20 +1,43 @@
-"""``tts-gateway``: run the gateway, or speak a line to a WAV file."""
+"""``tts-gateway``: run the gateway, or speak a line to a WAV file.
+
+Only the standard library is imported up front: ``tts-gateway bench`` is a client of the
+public protocol and runs on the light install (``pip install tts-gateway``). Every other
+command imports what it runs on when it runs, and says which extra to install when that
+is missing.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 import wave
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    from gateway.config import Config
 
-from engine.base import EngineError, UtteranceOptions
-from engine.registry import create_engine
-from gateway.audio import float_to_s16
-from gateway.config import Config, ConfigError, load_config
+
+class MissingExtra(Exception):
+    """A command's third-party dependencies are not installed."""
+
+
+@contextlib.contextmanager
+def _needs_extra(extra: str, command: str) -> Iterator[None]:
+    """Imports made inside this block need ``tts-gateway[extra]``: say so when one is missing."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] in ("gateway", "engine"):
+            raise  # this package's own module is missing: a broken install, not a missing extra
+        raise MissingExtra(
+            f"`tts-gateway {command}` needs the {extra} extra (no module named {exc.name!r}); "
+            f"install it with: pip install 'tts-gateway[{extra}]'"
+        ) from exc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,15 +83,28 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(listing)
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["make-checkpoint"]:  # its own parser: engine/cosyvoice2/checkpoint.py
-        from engine.cosyvoice2.checkpoint import main_make_checkpoint
-
-        return main_make_checkpoint(argv[1:])
     if argv[:1] == ["bench"]:  # its own parser, and no config: it is a client of a running gateway
         from gateway.loadgen import main as main_bench
 
         return main_bench(argv[1:])
-    args = parser.parse_args(argv)
+    try:
+        if argv[:1] == ["make-checkpoint"]:  # its own parser: engine/cosyvoice2/checkpoint.py
+            with _needs_extra("cosyvoice2", "make-checkpoint"):
+                from engine.cosyvoice2.checkpoint import main_make_checkpoint
+            return main_make_checkpoint(argv[1:])
+        return _configured(parser.parse_args(argv))
+    except MissingExtra as exc:
+        print(f"tts-gateway: {exc}", file=sys.stderr)
+        return 2
+
+
+def _configured(args: argparse.Namespace) -> int:
+    """The commands that run on the gateway's config: serve, say, doctor, voice."""
+    from gateway.config import ConfigError  # the standard library and engine/settings.py only
+
+    with _needs_extra("server", args.command):  # every one of them runs engine code
+        from engine.base import EngineError
+
     try:
         config = _load(args)
     except ConfigError as exc:
@@ -79,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.command == "doctor":
-            from gateway.doctor import run_doctor
-
+            with _needs_extra("server", "doctor"):
+                from gateway.doctor import run_doctor
             return run_doctor(config, as_json=args.json)
         if args.command == "serve":
             _run(_serve(config))
@@ -104,6 +140,8 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> Config:
+    from gateway.config import load_config
+
     path = args.config
     if path is None and Path("config.toml").is_file():
         path = Path("config.toml")
@@ -130,13 +168,22 @@ def _run(coro) -> None:
 
 
 async def _serve(config: Config) -> None:
-    from gateway.server import Gateway
+    with _needs_extra("server", "serve"):
+        from engine.registry import create_engine
+        from gateway.server import Gateway
 
     gateway = Gateway(config, create_engine(config.engine.name, config.engine.selected))
     await gateway.serve_forever()
 
 
 async def _say(config: Config, text: str, output: Path, voice: str | None, speed: float) -> None:
+    with _needs_extra("server", "say"):
+        import numpy as np
+
+        from engine.base import UtteranceOptions
+        from engine.registry import create_engine
+        from gateway.audio import float_to_s16
+
     engine = create_engine(config.engine.name, config.engine.selected)
     await engine.start()
     try:
@@ -161,9 +208,10 @@ def _voice(config: Config, args: argparse.Namespace) -> int:
         print("tts-gateway: set engine.cosyvoice2.model_dir (config.toml or TTS_GATEWAY__ENGINE__COSYVOICE2__MODEL_DIR)",
               file=sys.stderr)
         return 2
-    from engine.cosyvoice2.engine import CosyVoice2Engine
-    from engine.cosyvoice2.frontend import CosyVoice2Frontend
-    from engine.cosyvoice2.voices import VoiceStore
+    with _needs_extra("cosyvoice2", "voice"):
+        from engine.cosyvoice2.engine import CosyVoice2Engine
+        from engine.cosyvoice2.frontend import CosyVoice2Frontend
+        from engine.cosyvoice2.voices import VoiceStore
 
     voices_dir = CosyVoice2Engine(settings).voices_dir
     store = VoiceStore(voices_dir, lambda: CosyVoice2Frontend(settings.model_dir))
