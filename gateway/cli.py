@@ -180,17 +180,20 @@ async def _say(config: Config, text: str, output: Path, voice: str | None, speed
     with _needs_extra("server", "say"):
         import numpy as np
 
-        from engine.base import UtteranceOptions
+        from engine.base import AudioChunk, UtteranceOptions, drive
         from engine.registry import create_engine
         from gateway.audio import float_to_s16
+
+    chunks = []
+
+    async def keep(chunk: AudioChunk) -> None:
+        chunks.append(chunk.samples)
 
     engine = create_engine(config.engine.name, config.engine.selected)
     await engine.start()
     try:
         utterance = engine.open_utterance(UtteranceOptions(voice=voice or engine.default_voice, speed=speed))
-        utterance.push_text(text)
-        utterance.end_input()
-        chunks = [chunk.samples async for chunk in utterance]
+        await drive(utterance, keep, text=text)
     finally:
         await engine.close()
     audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)

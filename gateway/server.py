@@ -23,7 +23,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from engine.base import Engine, EngineError, Utterance, UtteranceOptions
+from engine.base import AudioChunk, Engine, EngineError, Utterance, UtteranceOptions, drive
 from gateway.auth import authorized
 from gateway.config import Config
 from gateway.http_api import HttpApi
@@ -391,12 +391,14 @@ class SessionRunner:
             task.cancel()
 
     async def _pump(self, key: int, utterance: Utterance) -> None:
-        """Move one utterance's audio into the session as it is produced."""
+        """Move one utterance's audio into the session as it is produced (its text comes in
+        through PushText/EndInput meanwhile)."""
+
+        async def deliver(chunk: AudioChunk) -> None:
+            self.apply(self.session.audio_ready(key, chunk.samples, chunk.words, chunk.compute_s, self._loop.time()))
+
         try:
-            async for chunk in utterance:
-                self.apply(
-                    self.session.audio_ready(key, chunk.samples, chunk.words, chunk.compute_s, self._loop.time())
-                )
+            await drive(utterance, deliver)
             self.apply(self.session.utterance_finished(key, self._loop.time()))
         except EngineError as exc:
             log.warning("session %s: engine failed: %s", self.session.session_id, exc)
