@@ -1,4 +1,5 @@
-"""In-process baseline: the bench corpus spoken by direct PiperEngine calls (no gateway, no socket).
+"""In-process baseline: the load generator's corpus spoken by direct PiperEngine calls (no gateway,
+no socket).
 
 For each reply: open an utterance, push the whole text, end input, and time
 push -> first chunk (the engine's TTFA) and push -> last chunk over the audio
@@ -73,7 +74,7 @@ async def speak_timed(engine: PiperEngine, text: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, help="replies file (default: bench/data/replies_en.txt)")
+    parser.add_argument("--corpus", type=Path, help="replies file (default: the load generator's English replies)")
     parser.add_argument("--rounds", type=int, default=1, help="passes over the corpus")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()

@@ -99,3 +99,13 @@ def test_a_missing_extra_is_named(tmp_path):
         assert "pip install 'tts-gateway[server]'" in result.stderr
     result = run_light(["cli", "make-checkpoint", "--help"], refused=extras_only, cwd=tmp_path)
     assert result.returncode == 2 and "pip install 'tts-gateway[cosyvoice2]'" in result.stderr
+
+
+def test_the_corpus_ships_as_package_data():
+    """An installed `tts-gateway bench` has its replies: pyproject declares every corpus file."""
+    with open(ROOT / "pyproject.toml", "rb") as file:
+        patterns = tomllib.load(file)["tool"]["setuptools"]["package-data"]["gateway.loadgen"]
+    package = ROOT / "gateway" / "loadgen"
+    declared = {path for pattern in patterns for path in package.glob(pattern)}
+    corpus = set((package / "data").iterdir())
+    assert corpus and declared == corpus
