@@ -41,10 +41,10 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.cosyvoice2.checkpoint import checkpoint_configs  # noqa: E402
-from engine.cosyvoice2.flow import CFM  # noqa: E402
-from engine.cosyvoice2.flow_graphs import FlowBuckets, FlowGraphs, solve_padded  # noqa: E402
-from engine.cosyvoice2.model import DTYPES  # noqa: E402
+from testkit.checkpoint import checkpoint_configs  # noqa: E402
+from engine.cosyvoice2.model.flow import CFM  # noqa: E402
+from engine.cosyvoice2.serving.flow_graphs import FlowBuckets, FlowGraphs, solve_padded  # noqa: E402
+from engine.cosyvoice2.model.loading import DTYPES  # noqa: E402
 
 NO_CUDA_NOTE = "no CUDA device: graph capture and replay skipped; only the eager and padded eager solves ran"
 

@@ -72,9 +72,9 @@ def mps_clients() -> dict | None:
 
 
 def prepare_model(model_dir: Path, prompt_wav: Path, report: Report) -> None:
-    from engine.cosyvoice2.checkpoint import make_checkpoint
-    from engine.cosyvoice2.frontend import CosyVoice2Frontend
-    from engine.cosyvoice2.voices import VoiceStore
+    from testkit.checkpoint import make_checkpoint
+    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+    from engine.cosyvoice2.frontend.voices import VoiceStore
 
     started = time.perf_counter()
     if not (model_dir / "README.md").is_file():  # make_checkpoint writes README.md last

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.flow_graphs import sync  # noqa: E402
 from bench.token2wav_chunk_cost import voiced_prompt  # noqa: E402
-from engine.cosyvoice2.checkpoint import make_checkpoint  # noqa: E402
-from engine.cosyvoice2.model import DTYPES, load_models, missing_files  # noqa: E402
-from engine.cosyvoice2.token2wav import Token2Wav, VoicePrompt  # noqa: E402
+from testkit.checkpoint import make_checkpoint  # noqa: E402
+from engine.cosyvoice2.model.loading import DTYPES, load_models, missing_files  # noqa: E402
+from engine.cosyvoice2.serving.token2wav import Token2Wav, VoicePrompt  # noqa: E402
 
 
 
@@ -86,7 +86,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     capture_s = None
     if args.graphs:
-        from engine.cosyvoice2.flow_graphs import FlowBuckets, FlowGraphs
+        from engine.cosyvoice2.serving.flow_graphs import FlowBuckets, FlowGraphs
 
         context = 2 * (prompt.tokens + 25 * (args.chunk + 4))  # frames of the largest timed call
         buckets = FlowBuckets.up_to(min(args.graph_max_batch, max(batches)), context, 100)

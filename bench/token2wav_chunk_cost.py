@@ -39,9 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.cosyvoice2.checkpoint import make_checkpoint  # noqa: E402
-from engine.cosyvoice2.model import DTYPES, load_models, missing_files  # noqa: E402
-from engine.cosyvoice2.token2wav import ChunkJob, StreamState, Token2Wav, VoicePrompt  # noqa: E402
+from testkit.checkpoint import make_checkpoint  # noqa: E402
+from engine.cosyvoice2.model.loading import DTYPES, load_models, missing_files  # noqa: E402
+from engine.cosyvoice2.serving.token2wav import ChunkJob, StreamState, Token2Wav, VoicePrompt  # noqa: E402
 
 SAMPLE_RATE = 24000
 SPEECH_TOKEN_VOCAB = 6561

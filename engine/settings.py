@@ -153,7 +153,7 @@ class CosyVoice2Settings:
     # and slot at full size in bf16: ~0.32 GB for a 3.6 s prompt). Exact; 0 = off.
     prefix_voices: int = 4
     # GPU: CUDA graphs of the HiFT vocoder for the streamed chunk shapes at every batch
-    # bucket up to max_batch (engine/cosyvoice2/hift_graphs.py); final chunks run eagerly.
+    # bucket up to max_batch (engine/cosyvoice2/serving/hift_graphs.py); final chunks run eagerly.
     hift_graphs: bool = True
     # The flow decoder's attention (an additive chunk mask, which SDPA's flash kernel does not
     # take) runs on cuDNN's kernel or else the memory-efficient one. Importing vLLM turns

@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return main_bench(argv[1:])
     try:
-        if argv[:1] == ["make-checkpoint"]:  # its own parser: engine/cosyvoice2/checkpoint.py
+        if argv[:1] == ["make-checkpoint"]:  # its own parser: testkit/checkpoint.py
             with _needs_extra("cosyvoice2", "make-checkpoint"):
-                from engine.cosyvoice2.checkpoint import main_make_checkpoint
+                from testkit.checkpoint import main_make_checkpoint
             return main_make_checkpoint(argv[1:])
         return _configured(parser.parse_args(argv))
     except MissingExtra as exc:
@@ -213,8 +213,8 @@ def _voice(config: Config, args: argparse.Namespace) -> int:
         return 2
     with _needs_extra("cosyvoice2", "voice"):
         from engine.cosyvoice2.engine import CosyVoice2Engine
-        from engine.cosyvoice2.frontend import CosyVoice2Frontend
-        from engine.cosyvoice2.voices import VoiceStore
+        from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+        from engine.cosyvoice2.frontend.voices import VoiceStore
 
     voices_dir = CosyVoice2Engine(settings).voices_dir
     store = VoiceStore(voices_dir, lambda: CosyVoice2Frontend(settings.model_dir))

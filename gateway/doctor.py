@@ -31,11 +31,11 @@ MIN_PYTHON = (3, 11)
 # token2wav_memory_gb is read as GiB, the unit vLLM and nvidia-smi report in (and the
 # larger reading, so the check errs on the safe side).
 GIB = 2**30
-# The model directory's files, as engine/cosyvoice2/model.py's REQUIRED_FILES: repeated
+# The model directory's files, as engine/cosyvoice2/model/loading.py's REQUIRED_FILES: repeated
 # here because that module needs torch, and doctor must run where torch is missing.
 MODEL_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx")
 TOKENIZER_DIR = "CosyVoice-BlankEN"
-VOICE_MANIFEST = "voice.json"  # <voices_dir>/<voice id>/voice.json (engine/cosyvoice2/voices.py)
+VOICE_MANIFEST = "voice.json"  # <voices_dir>/<voice id>/voice.json (engine/cosyvoice2/frontend/voices.py)
 PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "cosyvoice2"
 # Where CUDA clients look for the MPS control daemon when CUDA_MPS_PIPE_DIRECTORY is not set.
 MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"

@@ -180,7 +180,7 @@ class _EngineCollector:
             yield family
 
 
-# The kinds of token2wav call (engine/cosyvoice2/token2wav.py, call_kind).
+# The kinds of token2wav call (engine/cosyvoice2/serving/token2wav.py, call_kind).
 CALL_KINDS = {"first": "first chunks", "later": "later non-final chunks",
               "final": "final chunks (full attention over the turn)"}
 # Engine-specific series (EngineStats.extra / .totals), by name without the tts_ prefix.

@@ -49,11 +49,13 @@ def official_modules(llm_cfg, flow_cfg, hift_cfg):
     from omegaconf import DictConfig
     from transformers import Qwen2ForCausalLM
 
+    from engine.cosyvoice2.model.llm import qwen2_config
+
     llm_mod = official("cosyvoice.llm.llm")
     common = official("cosyvoice.utils.common")
     backbone = llm_mod.Qwen2Encoder.__new__(llm_mod.Qwen2Encoder)
     torch.nn.Module.__init__(backbone)  # from_pretrained would need blank weights on disk
-    backbone.model = Qwen2ForCausalLM(llm_cfg.qwen_config())
+    backbone.model = Qwen2ForCausalLM(qwen2_config(llm_cfg))
     sampling = functools.partial(common.ras_sampling, **dataclasses.asdict(llm_cfg.sampling))
     llm = llm_mod.Qwen2LM(llm_cfg.llm_input_size, llm_cfg.llm_output_size, llm_cfg.speech_token_size, backbone,
                           sampling, llm_cfg.length_normalized_loss, llm_cfg.lsm_weight, list(llm_cfg.mix_ratio))

@@ -20,20 +20,19 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cosyvoice2 import checkpoint as ckpt
-from engine.cosyvoice2 import features
-from engine.cosyvoice2.flow import Flow, FlowConfig
-from engine.cosyvoice2.frontend import TOKENIZER_SPECIALS, TextTokenizer
-from engine.cosyvoice2.hift import HiFT, HiFTConfig
-from engine.cosyvoice2.llm import CosyVoice2LM, LLMConfig
-from engine.cosyvoice2.yamlconf import (
-    ConfigError,
-    YamlObject,
-    config_from_node,
-    load_model_configs,
-    load_yaml,
-    write_yaml,
-)
+from testkit import checkpoint as ckpt
+from engine.cosyvoice2.frontend import features
+from engine.cosyvoice2.model.flow import Flow
+from engine.cosyvoice2.modeldir.configs import FlowConfig
+from engine.cosyvoice2.frontend.prompt import TOKENIZER_SPECIALS, TextTokenizer
+from engine.cosyvoice2.model.hift import HiFT
+from engine.cosyvoice2.modeldir.configs import HiFTConfig
+from engine.cosyvoice2.model.llm import CosyVoice2LM, qwen2_config
+from engine.cosyvoice2.modeldir.configs import LLMConfig
+from engine.cosyvoice2.modeldir.hyperyaml import ConfigError, YamlObject, load_yaml
+from engine.cosyvoice2.modeldir.mapping import config_from_node
+from engine.cosyvoice2.modeldir.reading import load_model_configs
+from testkit.yaml_writer import write_yaml
 from tests.reference import official, official_modules
 
 OFFICIAL_YAML = Path(__file__).parent / "data" / "cosyvoice2_official.yaml"
@@ -196,7 +195,7 @@ def test_official_hyperpyyaml_loads_what_we_write(tiny_dir: Path, tmp_path: Path
     # Qwen2Encoder calls from_pretrained on CosyVoice-BlankEN: give it (random) blank weights
     from transformers import Qwen2ForCausalLM
 
-    Qwen2ForCausalLM(LLMConfig.tiny().qwen_config()).save_pretrained(model_dir / "CosyVoice-BlankEN")
+    Qwen2ForCausalLM(qwen2_config(LLMConfig.tiny())).save_pretrained(model_dir / "CosyVoice-BlankEN")
     official("cosyvoice.llm.llm")
     with open(model_dir / "cosyvoice2.yaml") as f:
         overrides = {"qwen_pretrain_path": str(model_dir / "CosyVoice-BlankEN")}
@@ -226,7 +225,7 @@ def test_weights_load_strictly_into_official_modules_and_make_finite_audio(tiny_
     assert all(v.dtype == torch.float32 for v in _load(tiny_dir / "llm.pt").values())
 
     # prompt: conditioning from our frontend; tokens: a random draw
-    from engine.cosyvoice2.frontend import CosyVoice2Frontend
+    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
 
     voice = CosyVoice2Frontend(tiny_dir, configs).prepare(_voiced(1.2, 24000), 24000, "A short prompt.")
     torch.manual_seed(0)

@@ -13,19 +13,17 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.flow import (
+from engine.cosyvoice2.model.flow import (
     CFM,
-    CFMConfig,
     CFMStreamCache,
     Estimator,
-    EstimatorConfig,
     Flow,
-    FlowConfig,
     FlowStreamCache,
     PrefixBank,
     attention_bias,
     chunk_attention_mask,
 )
+from engine.cosyvoice2.modeldir.configs import CFMConfig, EstimatorConfig, FlowConfig
 from tests.reference import official, randomize
 
 TOLERANCE = 1e-4

@@ -1,4 +1,4 @@
-"""engine.cosyvoice2.flow_encoder against the official CosyVoice2 flow (same random weights).
+"""engine.cosyvoice2.model.flow_encoder against the official CosyVoice2 flow (same random weights).
 
 The official ``UpsampleConformerEncoder`` hard-codes 512 channels for its look-ahead
 and upsampling convs. For narrow test models the official module gets those two
@@ -20,14 +20,14 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.flow_encoder import (
+from engine.cosyvoice2.model.flow_encoder import (
     EncoderStreamState,
-    FlowEncoderConfig,
     IncrementalEncoder,
     TokenEncoder,
     UpsampleConformerEncoder,
     encode_tokens,
 )
+from engine.cosyvoice2.modeldir.configs import FlowEncoderConfig
 from tests.reference import official
 from tests.reference import randomize as reference_randomize
 
@@ -383,12 +383,12 @@ def test_flow_encoder_full_size_keys() -> None:
 
 
 def test_flow_encoder_runtime_imports() -> None:
-    """The runtime module imports only the standard library and torch (none of the official stack)."""
-    source = Path(__file__).parents[1] / "engine" / "cosyvoice2" / "flow_encoder.py"
+    """The runtime module imports only the standard library, torch and this product (none of the official stack)."""
+    source = Path(__file__).parents[1] / "engine" / "cosyvoice2" / "model" / "flow_encoder.py"
     imported = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):
             imported |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add((node.module or "").split(".")[0])
-    assert imported <= {"__future__", "dataclasses", "math", "collections", "typing", "torch"}, imported
+    assert imported <= {"__future__", "dataclasses", "math", "collections", "typing", "torch", "engine"}, imported

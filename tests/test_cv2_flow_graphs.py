@@ -1,4 +1,4 @@
-"""Shape bucketing of the flow solve for CUDA graphs (engine/cosyvoice2/flow_graphs.py), on CPU.
+"""Shape bucketing of the flow solve for CUDA graphs (engine/cosyvoice2/serving/flow_graphs.py), on CPU.
 
 These tests prove that padding a solve to its bucket is exact (the padded eager solve
 equals the unpadded one), that the program a graph captures (one Euler step at a device
@@ -20,8 +20,9 @@ from bench import flow_graphs as bench_flow_graphs
 from bench import flow_profile as bench_flow_profile
 from bench import gpu_sharing as bench_gpu_sharing
 from bench import sdpa_choice as bench_sdpa_choice
-from engine.cosyvoice2.flow import CFM, N_TIMESTEPS, CFMConfig, PrefixBank
-from engine.cosyvoice2.flow_graphs import (
+from engine.cosyvoice2.model.flow import CFM, N_TIMESTEPS, PrefixBank
+from engine.cosyvoice2.modeldir.configs import CFMConfig
+from engine.cosyvoice2.serving.flow_graphs import (
     FlowBuckets,
     GraphKey,
     pad_inputs,
@@ -320,7 +321,7 @@ def test_bench_flow_graphs_smoke_cpu(tmp_path, capsys) -> None:
 def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
     """bench/flow_profile.py runs on CPU; the decoder's bias gives the boolean mask's mel exactly,
     and the script puts the decoder back as it was."""
-    from engine.cosyvoice2 import flow
+    from engine.cosyvoice2.model import flow
 
     shipped = flow.attention_bias
     out = tmp_path / "profile.json"

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cosyvoice2 import checkpoint as ckpt
-from engine.cosyvoice2 import features
-from engine.cosyvoice2.frontend import (
+from testkit import checkpoint as ckpt
+from engine.cosyvoice2.frontend import features
+from engine.cosyvoice2.frontend.prompt import (
     CosyVoice2Frontend,
     PreparedVoice,
     PromptAudioError,
@@ -31,7 +31,7 @@ from engine.cosyvoice2.frontend import (
     check_prompt_audio,
     read_wav,
 )
-from engine.cosyvoice2.voices import (
+from engine.cosyvoice2.frontend.voices import (
     UnknownVoiceError,
     VoiceModelMismatch,
     VoiceNameTaken,

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from engine.cosyvoice2.checkpoint import make_checkpoint
+from testkit.checkpoint import make_checkpoint
 from engine.cosyvoice2.engine import CosyVoice2Engine
 from engine.settings import CosyVoice2Settings
 from gateway.audio import decode
@@ -43,8 +43,8 @@ def prompt_wav() -> bytes:
 async def cv2_engine(tmp_path_factory):
     model_dir = make_checkpoint(tmp_path_factory.mktemp("cv2") / "model", "tiny", seed=0)
     settings = CosyVoice2Settings(model_dir=str(model_dir), device="cpu")
-    from engine.cosyvoice2.frontend import CosyVoice2Frontend
-    from engine.cosyvoice2.voices import VoiceStore
+    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+    from engine.cosyvoice2.frontend.voices import VoiceStore
 
     VoiceStore(CosyVoice2Engine(settings).voices_dir, CosyVoice2Frontend(model_dir)).add("narrator", prompt_wav(), PROMPT_TEXT)
     engine = CosyVoice2Engine(settings)

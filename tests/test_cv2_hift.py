@@ -1,4 +1,4 @@
-"""HiFT vocoder (engine/cosyvoice2/hift.py) against the official HiFTGenerator.
+"""HiFT vocoder (engine/cosyvoice2/model/hift.py) against the official HiFTGenerator.
 
 Both sides get the same random weights (loaded strictly, in both directions), the same
 mel and the same RNG seed; the official module draws its excitation noise from the
@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.hift import F0PredictorConfig, HiFT, HiFTConfig
+from engine.cosyvoice2.model.hift import HiFT
+from engine.cosyvoice2.modeldir.configs import F0PredictorConfig, HiFTConfig
 from tests.reference import official
 
 TOLERANCE = 1e-4
@@ -273,7 +274,7 @@ def test_hift_config_fields_are_the_official_arguments() -> None:
 
 
 def test_hift_runtime_imports_no_reference_stack() -> None:
-    source = Path(__file__).resolve().parents[1] / "engine" / "cosyvoice2" / "hift.py"
+    source = Path(__file__).resolve().parents[1] / "engine" / "cosyvoice2" / "model" / "hift.py"
     imported: set[str] = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):
@@ -286,7 +287,7 @@ def test_hift_runtime_imports_no_reference_stack() -> None:
 
 def test_overlap_add_istft_is_torch_istft() -> None:
     """The vocoder's capture-safe inverse STFT computes what torch.istft does."""
-    from engine.cosyvoice2.hift import overlap_add_istft
+    from engine.cosyvoice2.model.hift import overlap_add_istft
 
     generator = torch.Generator().manual_seed(5)
     window = torch.hann_window(16, periodic=True, dtype=torch.float64).to(torch.float32)

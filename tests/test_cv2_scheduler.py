@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.cosyvoice2.engine import _END, Token2WavWorker, short_first_chunk_fits
-from engine.cosyvoice2.token2wav import Lane, cheapest_groups
+from engine.cosyvoice2.serving.token2wav import Lane, cheapest_groups
 
 from .conftest import eventually, until
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cosyvoice2.checkpoint import make_checkpoint
-from engine.cosyvoice2.flow_graphs import FlowBuckets
-from engine.cosyvoice2.model import load_models
-from engine.cosyvoice2 import token2wav as token2wav_module
-from engine.cosyvoice2.token2wav import Token2Wav, VoicePrompt
+from testkit.checkpoint import make_checkpoint
+from engine.cosyvoice2.serving.flow_graphs import FlowBuckets
+from engine.cosyvoice2.model.loading import load_models
+from engine.cosyvoice2.serving import token2wav as token2wav_module
+from engine.cosyvoice2.serving.token2wav import Token2Wav, VoicePrompt
 from tests.reference import official, official_modules
 
 
@@ -401,7 +401,7 @@ def test_chunk_shapes_are_what_streaming_gives_the_vocoder(models, voice, tokens
 
 
 def test_hift_graph_keys():
-    from engine.cosyvoice2.hift_graphs import HiftKey, batch_buckets, graph_key
+    from engine.cosyvoice2.serving.hift_graphs import HiftKey, batch_buckets, graph_key
 
     assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64) and batch_buckets(12) == (1, 2, 4, 8, 12)
     shapes = {(58, 3840), (20, 0)}
@@ -416,7 +416,7 @@ def test_hift_graph_keys():
 def test_vocoder_rows_are_independent_under_padding(models):
     """Graph batches are padded with copies of row 0: a real row's audio must not depend on
     the rows beside it (same per-row random draws)."""
-    from engine.cosyvoice2.hift_graphs import pad_rows
+    from engine.cosyvoice2.serving.hift_graphs import pad_rows
 
     hift = models.hift
     mel = torch.randn(2, hift.config.in_channels, 30, generator=torch.Generator().manual_seed(3))

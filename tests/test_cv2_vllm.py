@@ -29,13 +29,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.cosyvoice2 import lm_vllm
-from engine.cosyvoice2.checkpoint import make_checkpoint
-from engine.cosyvoice2.llm import Chunk, CosyVoice2LM, LLMConfig, TorchLMBackend, offline_chunk
-from engine.cosyvoice2.sampling import SamplingConfig, greedy_sampling, ras_log_probs, ras_sampling
-from engine.cosyvoice2.vllm_convert import ARCHITECTURE, convert
-from engine.cosyvoice2.vllm_rounds import RoundRule, RoundTracker, round_request
-from engine.cosyvoice2.yamlconf import load_model_configs
+from engine.cosyvoice2.serving.lm import vllm_stage as lm_vllm
+from testkit.checkpoint import make_checkpoint
+from engine.cosyvoice2.model.llm import CosyVoice2LM
+from engine.cosyvoice2.modeldir.configs import LLMConfig
+from engine.cosyvoice2.serving.lm.planner import Chunk, offline_chunk
+from engine.cosyvoice2.serving.lm.torch_stage import TorchLMBackend
+from engine.cosyvoice2.modeldir.configs import SamplingConfig
+from engine.cosyvoice2.serving.lm.sampling import greedy_sampling, ras_log_probs, ras_sampling
+from engine.cosyvoice2.serving.lm.vllm_convert import ARCHITECTURE, convert
+from engine.cosyvoice2.serving.lm.vllm_rounds import RoundRule, RoundTracker, round_request
+from engine.cosyvoice2.modeldir.reading import load_model_configs
 from engine.settings import VLLMSettings
 from tests.reference import randomize_lm
 
@@ -423,7 +427,7 @@ async def test_the_vllm_backend_asks_for_a_gpu(tiny_dir) -> None:
 
 # ----------------------------------------------------------------------------- the logits processor
 
-VLLM_MODEL = "engine.cosyvoice2.vllm_model"
+VLLM_MODEL = "engine.cosyvoice2.serving.lm.vllm_model"
 EOS_ID, UNUSED_ID, FILL_ID = VOCAB.speech(EOS), VOCAB.speech(EOS + 1), VOCAB.speech(FILL)
 SPEECH = slice(VOCAB.speech_offset, VOCAB.size)  # the speech classes' columns, specials included
 
@@ -447,7 +451,7 @@ class BatchUpdate:
 
 @pytest.fixture
 def vllm_model(monkeypatch):
-    """engine.cosyvoice2.vllm_model imported over stand-ins for the vLLM names it uses.
+    """engine.cosyvoice2.serving.lm.vllm_model imported over stand-ins for the vLLM names it uses.
 
     The stand-ins live in sys.modules for this test only, and the module imported over
     them is dropped afterwards, so no other test sees a fake vLLM.

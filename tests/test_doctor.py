@@ -88,7 +88,7 @@ def test_table_output_names_each_check_and_its_fix(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from engine.cosyvoice2.checkpoint import make_checkpoint
+    from testkit.checkpoint import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("doctor") / "model", "tiny", seed=0)
 
@@ -109,8 +109,8 @@ def test_model_dir_without_tokenizer_files_fails(tiny_model, tmp_path):
 
 
 def test_complete_model_dir_with_a_voice_is_ok(tiny_model, tmp_path):
-    from engine.cosyvoice2.frontend import CosyVoice2Frontend
-    from engine.cosyvoice2.voices import VoiceStore
+    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+    from engine.cosyvoice2.frontend.voices import VoiceStore
 
     from .test_cv2_gateway import PROMPT_TEXT, prompt_wav
 
@@ -220,7 +220,7 @@ def test_vllm_built_for_another_torch_is_reported(monkeypatch):
 
 
 def test_vllm_plugin_entry_point_found(monkeypatch):
-    plugin = importlib.metadata.EntryPoint("cosyvoice2", "engine.cosyvoice2.vllm_plugin:register", doctor.PLUGIN_GROUP)
+    plugin = importlib.metadata.EntryPoint("cosyvoice2", "engine.cosyvoice2.serving.lm.vllm_plugin:register", doctor.PLUGIN_GROUP)
     monkeypatch.setattr(importlib.metadata, "entry_points",
                         lambda group: [plugin] if group == doctor.PLUGIN_GROUP else [])
     finding = doctor.check_vllm_plugin(config_with())

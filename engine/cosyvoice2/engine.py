@@ -40,9 +40,10 @@ from engine.base import (
     UtteranceOptions,
     Voice,
 )
-from engine.cosyvoice2.lm_stage import LMStage, LMStream, TorchLMStage
-from engine.cosyvoice2.model import DTYPES, CosyVoice2Models, load_models, missing_files
-from engine.cosyvoice2.token2wav import (
+from engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
+from engine.cosyvoice2.serving.lm.torch_stage import TorchLMStage
+from engine.cosyvoice2.model.loading import DTYPES, CosyVoice2Models, load_models, missing_files
+from engine.cosyvoice2.serving.token2wav import (
     MAX_CALL_ROW_FRAMES,
     PADDING_LIMIT,
     Lane,
@@ -51,7 +52,7 @@ from engine.cosyvoice2.token2wav import (
     VoicePrompt,
     call_kind,
 )
-from engine.cosyvoice2.voices import UnknownVoiceError, VoiceStore
+from engine.cosyvoice2.frontend.voices import UnknownVoiceError, VoiceStore
 from engine.scheduling import PlaybackClock
 from engine.settings import CosyVoice2Settings
 from engine.text import TextNormalizer
@@ -168,7 +169,7 @@ class CosyVoice2Engine(Engine):
 
     def _capture_flow_graphs(self, device: torch.device) -> None:
         """CUDA graphs of the flow for every bucket served, then the token2wav memory check."""
-        from engine.cosyvoice2.flow_graphs import FlowBuckets, FlowGraphs
+        from engine.cosyvoice2.serving.flow_graphs import FlowBuckets, FlowGraphs
 
         settings = self.settings
         buckets = FlowBuckets.up_to(settings.graph_max_batch, settings.graph_max_frames, settings.graph_frame_step)
@@ -202,7 +203,7 @@ class CosyVoice2Engine(Engine):
 
     def _capture_hift_graphs(self) -> None:
         """CUDA graphs of the vocoder for every voice's chunk shapes at every batch bucket."""
-        from engine.cosyvoice2.hift_graphs import HiftGraphs
+        from engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 
         graphs = HiftGraphs(self.models.hift, self.settings.max_batch)
         self.token2wav.hift_graphs = graphs
@@ -224,8 +225,8 @@ class CosyVoice2Engine(Engine):
         """The first-chunk lane: a stream of the highest priority and its own graphs of every
         voice's opening chunks (``Token2Wav.opens_turn``: flow run whole, and the vocoder) up to
         FIRST_LANE_MAX_BATCH."""
-        from engine.cosyvoice2.flow_graphs import FlowBuckets, FlowGraphs
-        from engine.cosyvoice2.hift_graphs import HiftGraphs
+        from engine.cosyvoice2.serving.flow_graphs import FlowBuckets, FlowGraphs
+        from engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 
         settings, token2wav = self.settings, self.token2wav
         priority = -1000  # lower is higher; torch maps a value past the range to the highest priority
@@ -419,9 +420,9 @@ def _change_speed(samples: np.ndarray, speed: float) -> np.ndarray:
 
 async def _start_vllm_stage(settings: CosyVoice2Settings) -> LMStage:
     """Convert the LM for vLLM (cached beside the model), start it and warm every batch shape."""
-    from engine.cosyvoice2.lm_vllm import VLLMLMStage
-    from engine.cosyvoice2.vllm_convert import convert
-    from engine.cosyvoice2.yamlconf import load_model_configs
+    from engine.cosyvoice2.serving.lm.vllm_stage import VLLMLMStage
+    from engine.cosyvoice2.serving.lm.vllm_convert import convert
+    from engine.cosyvoice2.modeldir.reading import load_model_configs
 
     missing = missing_files(settings.model_dir)
     if missing:

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.cosyvoice2.flow import CFM, N_TIMESTEPS, PrefixBank, PrefixView
+from engine.cosyvoice2.model.flow import CFM, N_TIMESTEPS, PrefixBank, PrefixView
 
 log = logging.getLogger(__name__)
 

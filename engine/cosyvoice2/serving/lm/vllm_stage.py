@@ -2,8 +2,8 @@
 
 vLLM batches all utterances' decoding steps continuously on the GPU. Per utterance:
 
-- the :class:`~engine.cosyvoice2.llm.BistreamPlanner` turns arriving text into rounds;
-- each round is one ``StreamingInput`` (:mod:`engine.cosyvoice2.vllm_rounds` has the
+- the :class:`~engine.cosyvoice2.model.llm.BistreamPlanner` turns arriving text into rounds;
+- each round is one ``StreamingInput`` (:mod:`engine.cosyvoice2.serving.lm.vllm_rounds` has the
   translation), given to vLLM only once the previous round has ended, because the planner
   needs the speech tokens of one round to plan the next;
 - speech tokens are handed to the engine as vLLM returns them;
@@ -29,15 +29,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.cosyvoice2.llm import BistreamPlanner, Chunk, LLMConfig, offline_chunk
-from engine.cosyvoice2.lm_stage import LMStage, LMStream
-from engine.cosyvoice2.sampling import SamplingConfig
-from engine.cosyvoice2.vllm_rounds import RoundRequest, RoundTracker, round_request
+from engine.cosyvoice2.modeldir.configs import LLMConfig
+from engine.cosyvoice2.serving.lm.planner import BistreamPlanner, Chunk, offline_chunk
+from engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
+from engine.cosyvoice2.modeldir.configs import SamplingConfig
+from engine.cosyvoice2.serving.lm.vllm_rounds import RoundRequest, RoundTracker, round_request
 from engine.settings import VLLMSettings
 
 log = logging.getLogger(__name__)
 
-LOGITS_PROCESSOR = "engine.cosyvoice2.vllm_model:CosyVoice2LogitsProcessor"
+LOGITS_PROCESSOR = "engine.cosyvoice2.serving.lm.vllm_model:CosyVoice2LogitsProcessor"
 
 
 @dataclass
@@ -118,7 +119,7 @@ def start_engine(settings: VLLMSettings, model_path: str, counters: LLMStageCoun
     """An AsyncLLM serving the converted LM at ``model_path``."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from engine.cosyvoice2.vllm_plugin import register
+    from engine.cosyvoice2.serving.lm.vllm_plugin import register
 
     register()  # this process; vLLM's own processes run the entry point
     # vLLM forks its engine process by default. A fork after this process has run torch's

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from .staging import staged_directory
-from .frontend import (
+from engine.cosyvoice2.modeldir.staging import staged_directory
+from engine.cosyvoice2.frontend.prompt import (
     CAMPPLUS_FILE,
     SPEECH_TOKENIZER_FILE,
     TOKENIZER_DIR,
@@ -205,7 +205,7 @@ class VoiceStore:
             replace: bool = False) -> str:
         """Register a voice from WAV bytes and their transcript; returns its id.
 
-        Raises a :class:`~engine.cosyvoice2.frontend.PromptAudioError` for unusable audio
+        Raises a :class:`~engine.cosyvoice2.frontend.prompt.PromptAudioError` for unusable audio
         or text, :class:`VoiceNameTaken` if another voice already has ``name`` (unless
         ``replace``). Adding the same audio and text again returns the existing id
         without recomputing (and renames it if ``name`` differs).

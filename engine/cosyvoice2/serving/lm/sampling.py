@@ -16,22 +16,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from engine.cosyvoice2.modeldir.configs import SamplingConfig
+
 # (log-probabilities over the speech classes, classes decoded so far) -> the next class
 Sampler = Callable[[torch.Tensor, Sequence[int]], int]
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """The ``ras_sampling`` arguments of the model yaml (``llm.sampling``)."""
-
-    top_p: float = 0.8
-    top_k: int = 25
-    win_size: int = 10
-    tau_r: float = 0.1
 
 
 def nucleus_sampling(

@@ -22,7 +22,7 @@ recently used voices): the same mel for less work, since the prompt's whole chun
 the same in every call.
 ``incremental`` keeps the flow's per-chunk state (``Flow.inference_chunk``) and computes
 only the new chunk: the same mel within float rounding, at a memory cost per session
-(see engine/cosyvoice2/flow.py). In both, the final chunk is what the official path
+(see engine/cosyvoice2/model/flow.py). In both, the final chunk is what the official path
 makes it: one flow pass with full attention over prompt + all tokens (the official loop
 calls its last chunk without the streaming flag), so the end of a turn costs one
 utterance-length pass.
@@ -45,12 +45,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.cosyvoice2.flow import Flow, FlowStreamCache, PrefixBank
-from engine.cosyvoice2.hift import HiFT
+from engine.cosyvoice2.model.flow import Flow, FlowStreamCache, PrefixBank
+from engine.cosyvoice2.model.hift import HiFT
 
 if TYPE_CHECKING:
-    from engine.cosyvoice2.flow_graphs import FlowGraphs
-    from engine.cosyvoice2.hift_graphs import HiftGraphs
+    from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
+    from engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 
 MEL_CACHE_FRAMES = 8
 # A flow call's cost, in row-frames (rows x context frames: what its compute grows with).
@@ -195,7 +195,7 @@ class Token2Wav:
         self._window = torch.from_numpy(np.hamming(2 * self.cache_samples))
         # The flow's chunk-causal attention works in blocks of this many tokens.
         self.chunk_tokens = flow.config.encoder.static_chunk_size
-        # Optional CUDA graphs of the vocoder (engine/cosyvoice2/hift_graphs.py), set by the engine.
+        # Optional CUDA graphs of the vocoder (engine/cosyvoice2/serving/hift_graphs.py), set by the engine.
         self.hift_graphs = None
         # Voice prefixes of the decoder in a bank of prefix_voices slots (see the module docstring);
         # recompute mode only: incremental streams keep their own flow state.

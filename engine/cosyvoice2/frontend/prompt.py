@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import features
+from engine.cosyvoice2.frontend import features
 
 __all__ = [
     "TOKENIZER_SPECIALS",
@@ -359,7 +359,7 @@ class CosyVoice2Frontend:
                  intra_op_threads: int = 1, providers: Sequence[str] | None = None) -> None:
         self.model_dir = Path(model_dir)
         if configs is None:
-            from .yamlconf import load_model_configs
+            from engine.cosyvoice2.modeldir.reading import load_model_configs
 
             configs = load_model_configs(self.model_dir)
         self.configs = configs

@@ -1,4 +1,4 @@
-"""Decoding rounds (:class:`~engine.cosyvoice2.llm.Chunk`) as vLLM streaming-input requests.
+"""Decoding rounds (:class:`~engine.cosyvoice2.model.llm.Chunk`) as vLLM streaming-input requests.
 
 No vLLM import here: this is the translation both sides of the vLLM backend share (the
 request builder in ``lm_vllm`` and the logits processor in ``vllm_model``), kept pure so
@@ -34,8 +34,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.cosyvoice2.llm import Chunk, UnifiedVocab
-from engine.cosyvoice2.sampling import SamplingConfig
+from engine.cosyvoice2.modeldir.configs import UnifiedVocab
+from engine.cosyvoice2.serving.lm.planner import Chunk
+from engine.cosyvoice2.modeldir.configs import SamplingConfig
 
 # The key of SamplingParams.extra_args that carries a RoundRule.
 EXTRA_ARGS_KEY = "cosyvoice2"

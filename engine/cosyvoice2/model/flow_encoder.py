@@ -70,71 +70,17 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.cosyvoice2.modeldir.configs import FlowEncoderConfig
+
 # Fixed in the official UpsampleConformerEncoder (not constructor arguments).
 PRE_LOOKAHEAD_LEN = 3
 UPSAMPLE_STRIDE = 2
 NUM_UP_BLOCKS = 4
-
-
-@dataclass
-class FlowEncoderConfig:
-    """Constructor arguments of the official ``UpsampleConformerEncoder``; defaults are CosyVoice2-0.5B's.
-
-    Dropout rates are kept so a yaml round-trips; inference ignores them.
-    """
-
-    OFFICIAL_TARGET: ClassVar[str] = "cosyvoice.transformer.upsample_encoder.UpsampleConformerEncoder"
-
-    output_size: int = 512
-    attention_heads: int = 8
-    linear_units: int = 2048
-    num_blocks: int = 6
-    dropout_rate: float = 0.1
-    positional_dropout_rate: float = 0.1
-    attention_dropout_rate: float = 0.1
-    normalize_before: bool = True
-    input_layer: str = "linear"
-    pos_enc_layer_type: str = "rel_pos_espnet"
-    selfattention_layer_type: str = "rel_selfattn"
-    input_size: int = 512
-    use_cnn_module: bool = False
-    macaron_style: bool = False
-    static_chunk_size: int = 25
-
-    @classmethod
-    def full(cls) -> FlowEncoderConfig:
-        """CosyVoice2-0.5B (cosyvoice2.yaml)."""
-        return cls()
-
-    @classmethod
-    def tiny(cls) -> FlowEncoderConfig:
-        """Test size: narrow and shallow, the real chunk size."""
-        return cls(output_size=64, attention_heads=4, linear_units=128, num_blocks=2, input_size=64)
-
-    def check_supported(self) -> None:
-        """Only the variant CosyVoice2 uses is implemented; refuse others loudly."""
-        wanted = {
-            "input_layer": "linear",
-            "pos_enc_layer_type": "rel_pos_espnet",
-            "selfattention_layer_type": "rel_selfattn",
-            "normalize_before": True,
-            "use_cnn_module": False,
-            "macaron_style": False,
-        }
-        for name, value in wanted.items():
-            if getattr(self, name) != value:
-                raise ValueError(f"flow encoder: {name}={getattr(self, name)!r} is not supported (only {value!r})")
-        if self.input_size != self.output_size:
-            # up_embed applies a Linear(input_size, ...) to output_size-wide frames.
-            raise ValueError("flow encoder: input_size must equal output_size")
-        if self.output_size % self.attention_heads:
-            raise ValueError("flow encoder: output_size must be a multiple of attention_heads")
 
 
 def relative_sinusoids(top: int, count: int, dim: int, device: torch.device, dtype: torch.dtype) -> Tensor:

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.cosyvoice2.flow_graphs import batch_buckets, pad_rows
-from engine.cosyvoice2.hift import HiFT
+from engine.cosyvoice2.serving.flow_graphs import batch_buckets, pad_rows
+from engine.cosyvoice2.model.hift import HiFT
 
 log = logging.getLogger(__name__)
 

@@ -330,9 +330,9 @@ def checkpoint_configs(size: str):
     """
     import dataclasses
 
-    from .flow import FlowConfig
-    from .hift import HiFTConfig
-    from .llm import LLMConfig
+    from engine.cosyvoice2.modeldir.configs import FlowConfig
+    from engine.cosyvoice2.modeldir.configs import HiFTConfig
+    from engine.cosyvoice2.modeldir.configs import LLMConfig
 
     if size == "full":
         return LLMConfig.full(), FlowConfig.full(), HiFTConfig.full()
@@ -368,15 +368,15 @@ def _build_module(kind: str, cfg, seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_seed_for(seed, kind))
         if kind == "llm":
-            from .llm import CosyVoice2LM
+            from engine.cosyvoice2.model.llm import CosyVoice2LM
 
             module = CosyVoice2LM(cfg)
         elif kind == "flow":
-            from .flow import Flow
+            from engine.cosyvoice2.model.flow import Flow
 
             module = Flow(cfg)
         elif kind == "hift":
-            from .hift import HiFT
+            from engine.cosyvoice2.model.hift import HiFT
 
             module = HiFT(cfg)
         else:  # pragma: no cover
@@ -392,8 +392,8 @@ def make_checkpoint(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 
     parameters, ~2.4 GB on disk) needs a few GB of memory at most. ``weights=False``
     skips the three ``.pt`` files (a frontend-only directory, for tests).
     """
-    from .frontend import TOKENIZER_DIR
-    from .yamlconf import write_yaml
+    from engine.cosyvoice2.frontend.prompt import TOKENIZER_DIR
+    from testkit.yaml_writer import write_yaml
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from engine.cosyvoice2.flow import Flow
-from engine.cosyvoice2.frontend import CosyVoice2Frontend
-from engine.cosyvoice2.hift import HiFT
-from engine.cosyvoice2.llm import CosyVoice2LM
-from engine.cosyvoice2.yamlconf import ModelConfigs, load_model_configs
+from engine.cosyvoice2.model.flow import Flow
+from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+from engine.cosyvoice2.model.hift import HiFT
+from engine.cosyvoice2.model.llm import CosyVoice2LM
+from engine.cosyvoice2.modeldir.reading import ModelConfigs, load_model_configs
 
 REQUIRED_FILES = (
     "cosyvoice2.yaml",

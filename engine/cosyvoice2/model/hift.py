@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -36,68 +35,10 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from engine.cosyvoice2.modeldir.configs import F0PredictorConfig, HiFTConfig
+
 # One generator for the whole batch (or None: the global RNG), or one per batch row.
 RandomSource = torch.Generator | Sequence[torch.Generator] | None
-
-
-@dataclass
-class F0PredictorConfig:
-    """Constructor arguments of the official ``ConvRNNF0Predictor``."""
-
-    OFFICIAL_TARGET: ClassVar[str] = "cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor"
-
-    num_class: int = 1
-    in_channels: int = 80
-    cond_channels: int = 512
-
-
-@dataclass
-class HiFTConfig:
-    """Constructor arguments of the official ``HiFTGenerator``; defaults are CosyVoice2-0.5B's."""
-
-    OFFICIAL_TARGET: ClassVar[str] = "cosyvoice.hifigan.generator.HiFTGenerator"
-
-    in_channels: int = 80
-    base_channels: int = 512
-    nb_harmonics: int = 8
-    sampling_rate: int = 24000
-    nsf_alpha: float = 0.1
-    nsf_sigma: float = 0.003
-    nsf_voiced_threshold: float = 10
-    upsample_rates: list[int] = field(default_factory=lambda: [8, 5, 3])
-    upsample_kernel_sizes: list[int] = field(default_factory=lambda: [16, 11, 7])
-    istft_params: dict[str, int] = field(default_factory=lambda: {"n_fft": 16, "hop_len": 4})
-    resblock_kernel_sizes: list[int] = field(default_factory=lambda: [3, 7, 11])
-    resblock_dilation_sizes: list[list[int]] = field(default_factory=lambda: [[1, 3, 5], [1, 3, 5], [1, 3, 5]])
-    source_resblock_kernel_sizes: list[int] = field(default_factory=lambda: [7, 7, 11])
-    source_resblock_dilation_sizes: list[list[int]] = field(
-        default_factory=lambda: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
-    )
-    lrelu_slope: float = 0.1
-    audio_limit: float = 0.99
-    f0_predictor: F0PredictorConfig = field(default_factory=F0PredictorConfig)
-
-    @classmethod
-    def full(cls) -> HiFTConfig:
-        """CosyVoice2-0.5B (cosyvoice2.yaml): 20.8 M parameters."""
-        return cls()
-
-    @classmethod
-    def tiny(cls) -> HiFTConfig:
-        """Test size: narrow channels, the real rates, so one frame is still 480 samples."""
-        return cls(base_channels=32, f0_predictor=F0PredictorConfig(cond_channels=32))
-
-    @property
-    def n_fft(self) -> int:
-        return self.istft_params["n_fft"]
-
-    @property
-    def hop_len(self) -> int:
-        return self.istft_params["hop_len"]
-
-    @property
-    def samples_per_frame(self) -> int:
-        return math.prod(self.upsample_rates) * self.hop_len
 
 
 def _fill_random(

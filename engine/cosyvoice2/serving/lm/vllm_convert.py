@@ -1,7 +1,7 @@
 """Converts the official ``llm.pt`` into a model directory vLLM loads (no vLLM import here).
 
 vLLM serves token ids only with streaming input, so the directory describes the CosyVoice2
-LM over its :class:`~engine.cosyvoice2.llm.UnifiedVocab`:
+LM over its :class:`~engine.cosyvoice2.model.llm.UnifiedVocab`:
 
 - ``model.embed_tokens``: one table, text rows, then ``llm_embedding`` (sos_eos, task_id),
   then ``speech_embedding``; so ``embed(unified id)`` is the row the official model uses;
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from engine.cosyvoice2.llm import LLMConfig, UnifiedVocab
-from engine.cosyvoice2.staging import staged_directory
+from engine.cosyvoice2.modeldir.configs import LLMConfig, UnifiedVocab
+from engine.cosyvoice2.modeldir.staging import staged_directory
 
 ARCHITECTURE = "CosyVoice2ForVLLM"
 CONVERTER_VERSION = 1

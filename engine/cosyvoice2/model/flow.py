@@ -71,95 +71,32 @@ from attending over the cached keys.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.cosyvoice2.flow_encoder import (
+from engine.cosyvoice2.model.flow_encoder import (
     EncoderStreamState,
-    FlowEncoderConfig,
     IncrementalEncoder,
     build_token_encoder_parts,
     encode_tokens,
     project_speaker,
 )
+from engine.cosyvoice2.modeldir.configs import CFMConfig, EstimatorConfig, FlowConfig
 
 if TYPE_CHECKING:
-    from engine.cosyvoice2.flow_graphs import FlowGraphs
+    from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 
 # The official flow always integrates with 10 Euler steps.
 N_TIMESTEPS = 10
 # Seed and frame count of the official decoder's fixed noise (50 Hz x 300 s).
 NOISE_SEED = 0
 NOISE_FRAMES = 50 * 300
-
-
-@dataclass
-class EstimatorConfig:
-    """Constructor arguments of the official ``CausalConditionalDecoder``; defaults are CosyVoice2-0.5B's."""
-
-    OFFICIAL_TARGET: ClassVar[str] = "cosyvoice.flow.decoder.CausalConditionalDecoder"
-
-    in_channels: int = 320  # x, mu, spk, cond: 4 x 80
-    out_channels: int = 80
-    channels: list[int] = field(default_factory=lambda: [256])
-    dropout: float = 0.0  # training only
-    attention_head_dim: int = 64
-    n_blocks: int = 4
-    num_mid_blocks: int = 12
-    num_heads: int = 8
-    act_fn: str = "gelu"
-    static_chunk_size: int = 50  # frames: 25 tokens x token_mel_ratio 2
-    # The official mask helper ignores this (all left chunks are always visible); so do we.
-    num_decoding_left_chunks: int = -1
-
-    @classmethod
-    def full(cls) -> EstimatorConfig:
-        return cls()
-
-    @classmethod
-    def tiny(cls) -> EstimatorConfig:
-        """Test size; the real mel width, chunk size and layer types."""
-        return cls(channels=[32], attention_head_dim=16, n_blocks=1, num_mid_blocks=2, num_heads=2)
-
-
-@dataclass
-class CFMParams:
-    """The official ``cfm_params`` mapping (an ``omegaconf.DictConfig`` built from ``content:``)."""
-
-    sigma_min: float = 1e-06
-    solver: str = "euler"
-    t_scheduler: str = "cosine"
-    training_cfg_rate: float = 0.2  # training only
-    inference_cfg_rate: float = 0.7
-    reg_loss_type: str = "l1"  # training only
-
-
-@dataclass
-class CFMConfig:
-    """Constructor arguments of the official ``CausalConditionalCFM``."""
-
-    OFFICIAL_TARGET: ClassVar[str] = "cosyvoice.flow.flow_matching.CausalConditionalCFM"
-
-    in_channels: int = 240  # unused at inference, kept for the yaml
-    n_spks: int = 1
-    spk_emb_dim: int = 80
-    cfm_params: CFMParams = field(default_factory=CFMParams)
-    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
-
-    @classmethod
-    def full(cls) -> CFMConfig:
-        return cls()
-
-    @classmethod
-    def tiny(cls) -> CFMConfig:
-        return cls(estimator=EstimatorConfig.tiny())
 
 
 # ----------------------------------------------------------------------------- masks
@@ -878,37 +815,6 @@ class CFM(nn.Module):
 
 
 # ----------------------------------------------------------------------------- the whole flow
-
-
-@dataclass
-class FlowConfig:
-    """Constructor arguments of the official ``CausalMaskedDiffWithXvec``; defaults are CosyVoice2-0.5B's."""
-
-    OFFICIAL_TARGET: ClassVar[str] = "cosyvoice.flow.flow.CausalMaskedDiffWithXvec"
-
-    input_size: int = 512  # token embedding width (= the encoder's input_size)
-    output_size: int = 80  # mel bins
-    spk_embed_dim: int = 192
-    output_type: str = "mel"
-    vocab_size: int = 6561
-    input_frame_rate: int = 25  # tokens per second
-    only_mask_loss: bool = True  # training only
-    token_mel_ratio: int = 2
-    pre_lookahead_len: int = 3
-    encoder: FlowEncoderConfig = field(default_factory=FlowEncoderConfig)
-    decoder: CFMConfig = field(default_factory=CFMConfig)
-
-    @classmethod
-    def full(cls) -> FlowConfig:
-        """CosyVoice2-0.5B (cosyvoice2.yaml): 112.5 M parameters."""
-        return cls()
-
-    @classmethod
-    def tiny(cls) -> FlowConfig:
-        """Test size. The encoder stays 512 wide: the official one hard-codes 512 channels
-        in its look-ahead and upsampling convs, and the tests compare against it."""
-        encoder = dataclasses.replace(FlowEncoderConfig.tiny(), input_size=512, output_size=512)
-        return cls(vocab_size=100, encoder=encoder, decoder=CFMConfig.tiny())
 
 
 class FlowStreamCache:
