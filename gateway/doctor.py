@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.cosyvoice2.modeldir.layout import MODEL_FILES, TOKENIZER_DIR, VOICE_MANIFEST, missing_files
 from gateway.config import Config
 from gateway.gpu_metrics import load_nvml
 
@@ -31,11 +32,6 @@ MIN_PYTHON = (3, 11)
 # token2wav_memory_gb is read as GiB, the unit vLLM and nvidia-smi report in (and the
 # larger reading, so the check errs on the safe side).
 GIB = 2**30
-# The model directory's files, as engine/cosyvoice2/model/loading.py's REQUIRED_FILES: repeated
-# here because that module needs torch, and doctor must run where torch is missing.
-MODEL_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx")
-TOKENIZER_DIR = "CosyVoice-BlankEN"
-VOICE_MANIFEST = "voice.json"  # <voices_dir>/<voice id>/voice.json (engine/cosyvoice2/frontend/voices.py)
 PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "cosyvoice2"
 # Where CUDA clients look for the MPS control daemon when CUDA_MPS_PIPE_DIRECTORY is not set.
 MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"
@@ -215,7 +211,7 @@ def check_model_dir(config: Config) -> Finding:
     fix = f"put the complete official CosyVoice2-0.5B directory at {root}, or point engine.cosyvoice2.model_dir at it"
     if not root.is_dir():
         return Finding("model_dir", "fail", f"{root} is not a directory", fix)
-    missing = [name for name in MODEL_FILES if not (root / name).is_file()] + _missing_tokenizer_files(root)
+    missing = missing_files(root)
     if missing:
         return Finding("model_dir", "fail", f"{root} is incomplete; missing: {', '.join(missing)}", fix)
     return Finding("model_dir", "ok", f"{root} has {', '.join(MODEL_FILES)} and {TOKENIZER_DIR}/")
@@ -391,20 +387,6 @@ def _runs_on(capability: tuple[int, int], arch_list: list[str]) -> bool:
         if major == capability[0] and minor <= capability[1]:
             return True
     return False
-
-
-def _missing_tokenizer_files(root: Path) -> list[str]:
-    tokenizer = root / TOKENIZER_DIR
-    if not tokenizer.is_dir():
-        return [f"{TOKENIZER_DIR}/"]
-    missing = [f"{TOKENIZER_DIR}/{name}" for name in ("config.json", "tokenizer_config.json")
-               if not (tokenizer / name).is_file()]
-    # Qwen's tokenizer ships as tokenizer.json, or as vocab.json + merges.txt.
-    if not (tokenizer / "tokenizer.json").is_file() and not all(
-        (tokenizer / name).is_file() for name in ("vocab.json", "merges.txt")
-    ):
-        missing.append(f"{TOKENIZER_DIR}/tokenizer.json (or vocab.json + merges.txt)")
-    return missing
 
 
 def _cuda_from_int(version: int) -> tuple[int, int]:

@@ -42,7 +42,8 @@ from engine.base import (
 )
 from engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
 from engine.cosyvoice2.serving.lm.torch_stage import TorchLMStage
-from engine.cosyvoice2.model.loading import DTYPES, CosyVoice2Models, load_models, missing_files
+from engine.cosyvoice2.model.loading import DTYPES, CosyVoice2Models, load_models
+from engine.cosyvoice2.modeldir.layout import missing_files
 from engine.cosyvoice2.serving.token2wav import (
     MAX_CALL_ROW_FRAMES,
     PADDING_LIMIT,
