@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.base import AudioChunk, UtteranceOptions, drive  # noqa: E402
-from engine.piper import PiperEngine  # noqa: E402
+from engine.piper.engine import PiperEngine  # noqa: E402
 from gateway.config import load_config  # noqa: E402
 from gateway.loadgen import load_corpus  # noqa: E402
 

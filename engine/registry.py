@@ -13,7 +13,7 @@ from engine.base import Engine, EngineError
 
 # name -> "module:factory". A factory takes the engine's config section.
 ENGINES: dict[str, str] = {
-    "piper": "engine.piper:PiperEngine",
+    "piper": "engine.piper.engine:PiperEngine",
     "cosyvoice2": "engine.cosyvoice2.engine:CosyVoice2Engine",
 }
 

@@ -212,12 +212,10 @@ def _voice(config: Config, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     with _needs_extra("cosyvoice2", "voice"):
-        from engine.cosyvoice2.engine import CosyVoice2Engine
         from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
         from engine.cosyvoice2.frontend.voices import VoiceStore
 
-    voices_dir = CosyVoice2Engine(settings).voices_dir
-    store = VoiceStore(voices_dir, lambda: CosyVoice2Frontend(settings.model_dir))
+    store = VoiceStore(settings.voices_path, lambda: CosyVoice2Frontend(settings.model_dir))
     if args.voice_command == "list":
         for info in store.list():
             print(f"{info.id}  {info.name}  {info.seconds:.1f} s  {info.prompt_text!r}")

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from engine.settings import CosyVoice2Settings, PiperSettings
+from engine.cosyvoice2.settings import CosyVoice2Settings
+from engine.piper.settings import PiperSettings
 from gateway.wire import ENCODINGS, SAMPLE_RATES
 
 ENV_PREFIX = "TTS_GATEWAY__"

@@ -221,7 +221,7 @@ def check_voices(config: Config) -> Finding:
     settings = config.engine.cosyvoice2
     if not (settings.voices_dir or settings.model_dir):
         return Finding("voices", "skip", "neither engine.cosyvoice2.voices_dir nor model_dir is set")
-    directory = Path(settings.voices_dir) if settings.voices_dir else Path(settings.model_dir) / "voices"
+    directory = settings.voices_path
     names, unreadable = [], []
     manifests = sorted(directory.glob(f"[!.]*/{VOICE_MANIFEST}")) if directory.is_dir() else []  # "." = staging
     for manifest in manifests:

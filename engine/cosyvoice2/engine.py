@@ -55,7 +55,7 @@ from engine.cosyvoice2.serving.token2wav import (
 )
 from engine.cosyvoice2.frontend.voices import UnknownVoiceError, VoiceStore
 from engine.scheduling import PlaybackClock
-from engine.settings import CosyVoice2Settings
+from engine.cosyvoice2.settings import CosyVoice2Settings
 from engine.text import TextNormalizer
 
 log = logging.getLogger(__name__)
