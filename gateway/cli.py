@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _configured(args: argparse.Namespace) -> int:
     """The commands that run on the gateway's config: serve, say, doctor, voice."""
-    from gateway.config import ConfigError  # the standard library and engine/settings.py only
+    from gateway.config import ConfigError  # the standard library and the engines' descriptors only
 
     with _needs_extra("server", args.command):  # every one of them runs engine code
         from engine.base import EngineError
