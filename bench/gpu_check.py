@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway import loadgen  # noqa: E402
-from gateway.metrics import CALL_KINDS  # noqa: E402
+from engine.cosyvoice2.metrics import CALL_KINDS  # noqa: E402
 from gateway.wire import STREAM_PATH  # noqa: E402
 
 PROMPT_TEXT = "This is the voice of the prompt, spoken clearly and slowly."

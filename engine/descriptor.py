@@ -9,7 +9,8 @@ machine without torch runs the Piper voice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -19,3 +20,7 @@ class EngineDescriptor:
     # loader names the key); its defaults are the engine's defaults.
     settings: type
     factory: str  # "module:Class", called with the settings: the engine.base.Engine
+    # The engine's own series (EngineStats.extra and .totals), by name without the tts_
+    # prefix (and without _total), with their help texts.
+    gauges: Mapping[str, str] = field(default_factory=dict)
+    totals: Mapping[str, str] = field(default_factory=dict)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.cosyvoice2 import metrics
 from engine.cosyvoice2.settings import CosyVoice2Settings
 from engine.descriptor import EngineDescriptor
 
@@ -9,4 +10,6 @@ COSYVOICE2 = EngineDescriptor(
     name="cosyvoice2",
     settings=CosyVoice2Settings,
     factory="engine.cosyvoice2.engine:CosyVoice2Engine",
+    gauges=metrics.GAUGES,
+    totals=metrics.TOTALS,
 )
