@@ -5,12 +5,51 @@ config), and says where its code is as ``"module:attribute"`` strings, which the
 imports only when it needs them (:func:`engine.registry.resolve`). So a descriptor module is
 cheap and torch-free: the gateway reads every engine's config on any machine, and a CPU
 machine without torch runs the Piper voice.
+
+The types an engine's doctor checks use live here too, so that no engine imports the gateway.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One ``tts-gateway doctor`` check: what it saw and, when something is wrong, the fix."""
+
+    name: str
+    status: str  # ok | warn | fail | skip
+    detail: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class Checkup:
+    """What an engine's doctor checks look at: its settings and the machine."""
+
+    settings: Any  # the engine's [engine.<name>] section
+    selected: bool  # the config runs this engine
+    torch: Any | None  # the torch module; None where it does not import
+    nvml: Any | None  # pynvml, initialised, with at least one GPU; None without
+    no_gpu: str  # why no CUDA GPU can be used here; "" when one can
+    environ: Mapping[str, str]
+
+    def problem(self, needed: bool = True) -> str:
+        """A problem's status: ``fail`` where it stops the configured engine from serving
+        (this engine is selected and, say, the backend that ``needed`` tells of too), else ``warn``."""
+        return "fail" if self.selected and needed else "warn"
+
+
+@dataclass(frozen=True)
+class TorchNeed:
+    """What an engine, as configured, needs of torch: the doctor's torch check reads it."""
+
+    install: str  # the fix when torch does not import
+    cuda_for: str = ""  # the setting that needs a CUDA build of torch; "" when a CPU build serves
+    cuda_install: str = ""  # the fix for a CPU-only build, when one does not serve
 
 
 @dataclass(frozen=True)
@@ -24,3 +63,7 @@ class EngineDescriptor:
     # prefix (and without _total), with their help texts.
     gauges: Mapping[str, str] = field(default_factory=dict)
     totals: Mapping[str, str] = field(default_factory=dict)
+    # "module:function" taking a Checkup, returning the engine's own list of Findings.
+    doctor: str = ""
+    # What the engine needs of torch, given its settings; None: it does not use torch.
+    torch_need: Callable[[Any], TorchNeed] | None = None

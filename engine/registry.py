@@ -3,7 +3,9 @@
 Every engine's descriptor (:mod:`engine.descriptor`) is listed here. Descriptors are cheap
 and torch-free, so this module imports them all; the code they point at is imported only
 when it is used, so a CPU machine without torch runs the Piper voice, and naming an engine
-that is not installed fails with a clear message.
+that is not installed fails with a clear message. The types engines and the gateway share
+(a doctor Finding, ...) are re-exported here: the gateway imports nothing else of engine/
+but engine.base and engine.text.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from engine.cosyvoice2.descriptor import COSYVOICE2
-from engine.descriptor import EngineDescriptor
+from engine.descriptor import Checkup, EngineDescriptor, Finding, TorchNeed
 from engine.piper.descriptor import PIPER
 
 if TYPE_CHECKING:
@@ -23,7 +25,9 @@ ENGINES: dict[str, EngineDescriptor] = {engine.name: engine for engine in (PIPER
 # What a config that names no engine runs: the CPU voice, which runs on any machine.
 DEFAULT_ENGINE = PIPER.name
 
-__all__ = ["DEFAULT_ENGINE", "ENGINES", "EngineDescriptor", "create_engine", "resolve"]
+__all__ = [
+    "DEFAULT_ENGINE", "ENGINES", "Checkup", "EngineDescriptor", "Finding", "TorchNeed", "create_engine", "resolve",
+]
 
 
 def resolve(target: str) -> Any:
