@@ -6,14 +6,18 @@ imports only when it needs them (:func:`engine.registry.resolve`). So a descript
 cheap and torch-free: the gateway reads every engine's config on any machine, and a CPU
 machine without torch runs the Piper voice.
 
-The types an engine's doctor checks use live here too, so that no engine imports the gateway.
+The types an engine's doctor checks and CLI verbs use live here too, so that no engine
+imports the gateway.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import argparse
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,31 @@ class TorchNeed:
     cuda_install: str = ""  # the fix for a CPU-only build, when one does not serve
 
 
+class CommandError(Exception):
+    """A CLI verb cannot do what was asked; the message tells the user why (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class CliVerb:
+    """A ``tts-gateway`` command an engine adds.
+
+    A verb with ``verbs`` is a group (``voice`` of ``voice add``); the others run ``run``, a
+    "module:function". With ``own_parser`` (top level only) that is ``run(argv) -> int`` on the
+    rest of the command line, without the gateway's config. Otherwise the CLI loads the
+    config, adds ``--config`` and what ``arguments`` adds to the verb's parser, and calls
+    ``run(settings, args) -> int`` with the engine's settings.
+    """
+
+    name: str
+    help: str
+    run: str = ""
+    # The pip extra whose packages `run` imports: the CLI names it when one is missing.
+    extra: str = "server"
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    own_parser: bool = False
+    verbs: tuple[CliVerb, ...] = ()
+
+
 @dataclass(frozen=True)
 class EngineDescriptor:
     name: str  # [engine] name = "<name>" picks it; its settings are [engine.<name>]
@@ -67,3 +96,4 @@ class EngineDescriptor:
     doctor: str = ""
     # What the engine needs of torch, given its settings; None: it does not use torch.
     torch_need: Callable[[Any], TorchNeed] | None = None
+    cli: tuple[CliVerb, ...] = ()  # its tts-gateway commands

@@ -4,8 +4,8 @@ Every engine's descriptor (:mod:`engine.descriptor`) is listed here. Descriptors
 and torch-free, so this module imports them all; the code they point at is imported only
 when it is used, so a CPU machine without torch runs the Piper voice, and naming an engine
 that is not installed fails with a clear message. The types engines and the gateway share
-(a doctor Finding, ...) are re-exported here: the gateway imports nothing else of engine/
-but engine.base and engine.text.
+(a doctor Finding, a CLI verb, ...) are re-exported here: the gateway imports nothing else
+of engine/ but engine.base and engine.text.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from engine.cosyvoice2.descriptor import COSYVOICE2
-from engine.descriptor import Checkup, EngineDescriptor, Finding, TorchNeed
+from engine.descriptor import Checkup, CliVerb, CommandError, EngineDescriptor, Finding, TorchNeed
 from engine.piper.descriptor import PIPER
 
 if TYPE_CHECKING:
@@ -26,7 +26,8 @@ ENGINES: dict[str, EngineDescriptor] = {engine.name: engine for engine in (PIPER
 DEFAULT_ENGINE = PIPER.name
 
 __all__ = [
-    "DEFAULT_ENGINE", "ENGINES", "Checkup", "EngineDescriptor", "Finding", "TorchNeed", "create_engine", "resolve",
+    "DEFAULT_ENGINE", "ENGINES", "Checkup", "CliVerb", "CommandError", "EngineDescriptor", "Finding", "TorchNeed",
+    "create_engine", "resolve",
 ]
 
 

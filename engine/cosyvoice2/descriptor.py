@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 from engine.cosyvoice2 import metrics
 from engine.cosyvoice2.settings import CosyVoice2Settings
-from engine.descriptor import EngineDescriptor, TorchNeed
+from engine.descriptor import CliVerb, EngineDescriptor, TorchNeed
 
 
 def torch_need(settings: CosyVoice2Settings) -> TorchNeed:
@@ -15,6 +18,22 @@ def torch_need(settings: CosyVoice2Settings) -> TorchNeed:
     return TorchNeed(install)
 
 
+def voice_add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", help="a name for the voice")
+    parser.add_argument("--wav", required=True, type=Path, help="prompt recording (WAV, 3-30 s of clean speech)")
+    parser.add_argument("--text", required=True, help="exactly what is said in the recording")
+
+
+CLI = (
+    CliVerb("make-checkpoint", "write a random-weight CosyVoice2 model directory (tests, benchmarks)",
+            run="testkit.checkpoint:main_make_checkpoint", extra="cosyvoice2", own_parser=True),
+    CliVerb("voice", "manage CosyVoice2 zero-shot voices", verbs=(
+        CliVerb("add", "register a voice from a prompt recording and its transcript",
+                run="engine.cosyvoice2.commands:voice_add", extra="cosyvoice2", arguments=voice_add_arguments),
+        CliVerb("list", "list registered voices", run="engine.cosyvoice2.commands:voice_list", extra="cosyvoice2"),
+    )),
+)
+
 COSYVOICE2 = EngineDescriptor(
     name="cosyvoice2",
     settings=CosyVoice2Settings,
@@ -23,4 +42,5 @@ COSYVOICE2 = EngineDescriptor(
     totals=metrics.TOTALS,
     doctor="engine.cosyvoice2.doctor:run_checks",
     torch_need=torch_need,
+    cli=CLI,
 )
