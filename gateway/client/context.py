@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gateway.client.frames import AudioChunk, Done, GatewayError, Word
 from gateway.wire import ClientMessage
 
-if TYPE_CHECKING:
-    from gateway.client.session import TTSClient
-
 # Queued to wake a consumer blocked on an empty queue so it re-checks the end state.
 _WAKE = object()
+
+
+class Session(Protocol):
+    """What a context needs of the client that opened it (:class:`TTSClient`), named here so
+    that this module does not import the one that imports it."""
+
+    ready: dict[str, Any]
+
+    async def _send(self, message: dict[str, Any]) -> None: ...
+
+    def _forget(self, ctx: Context) -> None: ...
 
 
 class Context:
@@ -27,7 +35,7 @@ class Context:
     context is still open: iterate again to continue.
     """
 
-    def __init__(self, client: TTSClient, context_id: str, options: dict[str, Any], max_queued_chunks: int) -> None:
+    def __init__(self, client: Session, context_id: str, options: dict[str, Any], max_queued_chunks: int) -> None:
         self._client = client
         self.context_id = context_id
         self._options = options  # voice/sample_rate/encoding/speed, sent with the first text only
