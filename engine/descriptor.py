@@ -42,8 +42,8 @@ class Checkup:
     environ: Mapping[str, str]
 
     def problem(self, needed: bool = True) -> str:
-        """A problem's status: ``fail`` where it stops the configured engine from serving
-        (this engine is selected and, say, the backend that ``needed`` tells of too), else ``warn``."""
+        """A problem's status: ``fail`` when this engine is selected and, as configured, ``needed``
+        what is wrong (a backend's package, say), so that it cannot serve; else ``warn``."""
         return "fail" if self.selected and needed else "warn"
 
 
@@ -83,6 +83,8 @@ class CliVerb:
 
 @dataclass(frozen=True)
 class EngineDescriptor:
+    """One engine, as the gateway's config, metrics, doctor and CLI know it."""
+
     name: str  # [engine] name = "<name>" picks it; its settings are [engine.<name>]
     # A frozen dataclass that checks its values in __post_init__ (ValueError: the config
     # loader names the key); its defaults are the engine's defaults.

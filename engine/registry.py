@@ -20,7 +20,7 @@ from engine.piper.descriptor import PIPER
 if TYPE_CHECKING:
     from engine.base import Engine
 
-# In the order the config lists their sections.
+# In this order: the config's sections, doctor's checks, the CLI's commands.
 ENGINES: dict[str, EngineDescriptor] = {engine.name: engine for engine in (PIPER, COSYVOICE2)}
 # What a config that names no engine runs: the CPU voice, which runs on any machine.
 DEFAULT_ENGINE = PIPER.name
