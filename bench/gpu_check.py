@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway import loadgen  # noqa: E402
-from gateway.metrics import CALL_KINDS  # noqa: E402
+from engine.cosyvoice2.metrics import CALL_KINDS  # noqa: E402
+from gateway.wire import STREAM_PATH  # noqa: E402
 
 PROMPT_TEXT = "This is the voice of the prompt, spoken clearly and slowly."
 
@@ -294,7 +295,7 @@ async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> N
     """First audio of the system itself (whole replies, each cut off after its first audio, so
     that a level holds many), then whole replies, then the ramp with replies streamed as deltas."""
     http = f"http://127.0.0.1:{args.port}"
-    url = f"ws://127.0.0.1:{args.port}/v1/stream"
+    url = f"ws://127.0.0.1:{args.port}{STREAM_PATH}"
     levels = []
     plan = [("full-barge-in", n) for n in args.first_audio_sessions] + [("full", n) for n in args.full_sessions]
     plan += [(args.workload, n) for n in args.sessions]

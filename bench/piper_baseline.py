@@ -1,4 +1,5 @@
-"""In-process baseline: the bench corpus spoken by direct PiperEngine calls (no gateway, no socket).
+"""In-process baseline: the load generator's corpus spoken by direct PiperEngine calls (no gateway,
+no socket).
 
 For each reply: open an utterance, push the whole text, end input, and time
 push -> first chunk (the engine's TTFA) and push -> last chunk over the audio
@@ -22,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.base import UtteranceOptions  # noqa: E402
-from engine.piper import PiperEngine  # noqa: E402
+from engine.base import AudioChunk, UtteranceOptions, drive  # noqa: E402
+from engine.piper.engine import PiperEngine  # noqa: E402
 from gateway.config import load_config  # noqa: E402
 from gateway.loadgen import load_corpus  # noqa: E402
 
@@ -36,19 +37,7 @@ async def measure(replies: list[str], rounds: int) -> dict:
     try:
         for _ in range(rounds):
             for text in replies:
-                utterance = engine.open_utterance(UtteranceOptions(voice=engine.default_voice))
-                started = time.perf_counter()
-                utterance.push_text(text)
-                utterance.end_input()
-                first, samples = None, 0
-                async for chunk in utterance:
-                    if first is None:
-                        first = time.perf_counter()
-                    samples += len(chunk.samples)
-                wall = time.perf_counter() - started
-                audio_s = samples / engine.sample_rate
-                rows.append({"chars": len(text), "ttfa_ms": round((first - started) * 1000, 1),
-                             "audio_s": round(audio_s, 2), "rtf": round(wall / audio_s, 3)})
+                rows.append(await speak_timed(engine, text))
     finally:
         await engine.close()
     ttfa = sorted(r["ttfa_ms"] for r in rows)
@@ -66,9 +55,26 @@ async def measure(replies: list[str], rounds: int) -> dict:
     }
 
 
+async def speak_timed(engine: PiperEngine, text: str) -> dict:
+    """One reply, the whole text at once: push -> first chunk (TTFA), push -> last chunk over
+    the audio length (RTF)."""
+    arrivals: list[tuple[float, int]] = []  # (perf_counter time, samples) per chunk
+
+    async def note(chunk: AudioChunk) -> None:
+        arrivals.append((time.perf_counter(), len(chunk.samples)))
+
+    utterance = engine.open_utterance(UtteranceOptions(voice=engine.default_voice))
+    started = time.perf_counter()
+    await drive(utterance, note, text=text)
+    wall = time.perf_counter() - started
+    audio_s = sum(samples for _, samples in arrivals) / engine.sample_rate
+    return {"chars": len(text), "ttfa_ms": round((arrivals[0][0] - started) * 1000, 1),
+            "audio_s": round(audio_s, 2), "rtf": round(wall / audio_s, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, help="replies file (default: bench/data/replies_en.txt)")
+    parser.add_argument("--corpus", type=Path, help="replies file (default: the load generator's English replies)")
     parser.add_argument("--rounds", type=int, default=1, help="passes over the corpus")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.flow_graphs import sync  # noqa: E402
 from bench.token2wav_chunk_cost import voiced_prompt  # noqa: E402
 from testkit.checkpoint import make_checkpoint  # noqa: E402
-from engine.cosyvoice2.model.loading import DTYPES, load_models, missing_files  # noqa: E402
+from engine.cosyvoice2.model.loading import DTYPES, load_models  # noqa: E402
+from engine.cosyvoice2.modeldir.layout import missing_files  # noqa: E402
 from engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt  # noqa: E402
 from engine.cosyvoice2.serving.runner import Token2WavRunner  # noqa: E402
 

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gateway.client import TTSClient  # noqa: E402
+from gateway.wire import STREAM_PATH  # noqa: E402
 
 SENTENCES = [
     "Hello there! The total is $3.50, due May 5th.",
@@ -79,7 +80,7 @@ async def main() -> None:
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, port=0, http_port=0))
         gateway = Gateway(config, create_engine(config.engine.name, config.engine.selected))
         await gateway.start()
-        url = f"ws://127.0.0.1:{gateway.port}/v1/stream"
+        url = f"ws://127.0.0.1:{gateway.port}{STREAM_PATH}"
     try:
         result = await measure(url, args.runs, args.warmup)
     finally:

@@ -38,7 +38,7 @@ from engine.cosyvoice2.serving.lm.sampling import greedy_sampling  # noqa: E402
 from engine.cosyvoice2.serving.lm.vllm_convert import convert  # noqa: E402
 from engine.cosyvoice2.serving.lm.vllm_rounds import RoundTracker, round_request  # noqa: E402
 from engine.cosyvoice2.modeldir.reading import load_model_configs  # noqa: E402
-from engine.settings import VLLMSettings  # noqa: E402
+from engine.cosyvoice2.settings import VLLMSettings  # noqa: E402
 
 
 def teacher_forced_margins(model: CosyVoice2LM, rounds: list[RoundTracker]) -> list[float]:

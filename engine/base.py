@@ -12,7 +12,7 @@ they queue work that the engine's own scheduler runs.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,10 +95,45 @@ class Utterance(abc.ABC):
 
     @abc.abstractmethod
     def cancel(self) -> None:
-        """Stop at once: drop queued work, end the iterator, free engine resources."""
+        """Stop at once: drop queued work, end the iterator, free engine resources.
+
+        Safe to call again, and after the utterance has finished: :func:`drive` calls it
+        on every way out.
+        """
 
     @abc.abstractmethod
     def __aiter__(self) -> AsyncIterator[AudioChunk]: ...
+
+
+async def drive(
+    utterance: Utterance,
+    on_chunk: Callable[[AudioChunk], Awaitable[None]],
+    *,
+    text: str | None = None,
+    start: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Run one utterance to its end, handing each audio chunk to ``on_chunk`` as it comes.
+
+    With ``text``, that is the utterance's whole input: it is pushed and the input ended
+    first. Without it, the caller feeds the input meanwhile (a streaming session).
+    ``start`` runs after the text is pushed and before the first chunk is awaited (an HTTP
+    response's headers, say), so the engine is already working while it runs.
+
+    Whichever way this returns or raises (the engine's :class:`EngineError`, a failing
+    ``on_chunk`` such as a write to a client that went away, or the task being
+    cancelled), the utterance is cancelled on the way out, so the engine drops its work
+    at once. What to do about the failure is the caller's business.
+    """
+    try:
+        if text is not None:
+            utterance.push_text(text)
+            utterance.end_input()
+        if start is not None:
+            await start()
+        async for chunk in utterance:
+            await on_chunk(chunk)
+    finally:
+        utterance.cancel()
 
 
 class Engine(abc.ABC):

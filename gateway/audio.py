@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import soxr
 
-BYTES_PER_SAMPLE = {"pcm_s16le": 2, "pcm_f32le": 4, "mulaw": 1}
+from gateway.wire import ENCODINGS
 
 
 class StreamEncoder:
     def __init__(self, in_rate: int, out_rate: int, encoding: str) -> None:
-        if encoding not in BYTES_PER_SAMPLE:
+        if encoding not in ENCODINGS:
             raise ValueError(f"unsupported encoding {encoding!r}")
         self.out_rate = out_rate
         self.encoding = encoding

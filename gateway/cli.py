@@ -1,23 +1,69 @@
-"""``tts-gateway``: run the gateway, or speak a line to a WAV file."""
+"""``tts-gateway``: run the gateway, or speak a line to a WAV file.
+
+Only the standard library is imported up front: ``tts-gateway bench`` is a client of the
+public protocol and runs on the light install (``pip install tts-gateway``). Every other
+command imports what it runs on when it runs, and says which extra to install when that
+is missing.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 import wave
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    from engine.registry import CliVerb, EngineDescriptor
+    from gateway.config import Config
 
-from engine.base import EngineError, UtteranceOptions
-from engine.registry import create_engine
-from gateway.audio import float_to_s16
-from gateway.config import Config, ConfigError, load_config
+
+class MissingExtra(Exception):
+    """A command's third-party dependencies are not installed."""
+
+
+@contextlib.contextmanager
+def _needs_extra(extra: str, command: str) -> Iterator[None]:
+    """Imports made inside this block need ``tts-gateway[extra]``: say so when one is missing."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] in ("gateway", "engine", "testkit"):
+            raise  # this package's own module is missing: a broken install, not a missing extra
+        raise MissingExtra(
+            f"`tts-gateway {command}` needs the {extra} extra (no module named {exc.name!r}); "
+            f"install it with: pip install 'tts-gateway[{extra}]'"
+        ) from exc
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser, and no config: it is a client of a running gateway
+        from gateway.loadgen import main as main_bench
+
+        return main_bench(argv[1:])
+    # The engines' descriptors (the standard library only) add their commands, e.g. CosyVoice2's
+    # `voice` and `make-checkpoint`.
+    from engine.registry import ENGINES, resolve
+
+    own_parsers = {verb.name: verb for engine in ENGINES.values() for verb in engine.cli if verb.own_parser}
+    try:
+        if argv[:1] and argv[0] in own_parsers:
+            verb = own_parsers[argv[0]]
+            with _needs_extra(verb.extra, verb.name):
+                return resolve(verb.run)(argv[1:])
+        return _configured(_parser(ENGINES).parse_args(argv))
+    except MissingExtra as exc:
+        print(f"tts-gateway: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser(engines: dict[str, EngineDescriptor]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tts-gateway", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -33,11 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     say.add_argument("--voice", help="voice id (default: the engine's default voice)")
     say.add_argument("--speed", type=float, default=1.0, help="speaking rate, 0.5-2.0")
 
-    make = commands.add_parser(
-        "make-checkpoint", help="write a random-weight CosyVoice2 model directory (tests, benchmarks)", add_help=False
-    )
-    make.add_argument("rest", nargs=argparse.REMAINDER)
-
     bench = commands.add_parser(
         "bench", help="load-test a running gateway with simulated agents (see docs/benchmarks.md)", add_help=False
     )
@@ -49,26 +90,37 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(doctor)
     doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
 
-    voice = commands.add_parser("voice", help="manage CosyVoice2 zero-shot voices")
-    voice_commands = voice.add_subparsers(dest="voice_command", required=True)
-    add = voice_commands.add_parser("add", help="register a voice from a prompt recording and its transcript")
-    _add_config_args(add)
-    add.add_argument("name", help="a name for the voice")
-    add.add_argument("--wav", required=True, type=Path, help="prompt recording (WAV, 3-30 s of clean speech)")
-    add.add_argument("--text", required=True, help="exactly what is said in the recording")
-    listing = voice_commands.add_parser("list", help="list registered voices")
-    _add_config_args(listing)
+    for engine in engines.values():
+        for verb in engine.cli:
+            _add_verb(commands, engine.name, verb)
+    return parser
 
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["make-checkpoint"]:  # its own parser: testkit/checkpoint.py
-        from testkit.checkpoint import main_make_checkpoint
 
-        return main_make_checkpoint(argv[1:])
-    if argv[:1] == ["bench"]:  # its own parser, and no config: it is a client of a running gateway
-        from gateway.loadgen import main as main_bench
+def _add_verb(commands: argparse._SubParsersAction, engine_name: str, verb: CliVerb) -> None:
+    """An engine's command, as its descriptor declares it; a leaf remembers itself in ``args.verb``."""
+    if verb.own_parser:  # main runs it before this parser sees the command line; here for --help
+        own = commands.add_parser(verb.name, help=verb.help, add_help=False)
+        own.add_argument("rest", nargs=argparse.REMAINDER)
+        return
+    parser = commands.add_parser(verb.name, help=verb.help)
+    if verb.verbs:
+        group = parser.add_subparsers(dest=f"{verb.name}_command", required=True)
+        for child in verb.verbs:
+            _add_verb(group, engine_name, child)
+        return
+    _add_config_args(parser)
+    if verb.arguments is not None:
+        verb.arguments(parser)
+    parser.set_defaults(verb=(engine_name, verb))
 
-        return main_bench(argv[1:])
-    args = parser.parse_args(argv)
+
+def _configured(args: argparse.Namespace) -> int:
+    """The commands that run on the gateway's config: serve, say, doctor and the engines' verbs."""
+    from gateway.config import ConfigError  # the standard library and the engines' descriptors only
+
+    with _needs_extra("server", args.command):  # every one of them runs engine code
+        from engine.base import EngineError
+
     try:
         config = _load(args)
     except ConfigError as exc:
@@ -79,15 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.command == "doctor":
-            from gateway.doctor import run_doctor
-
+            with _needs_extra("server", "doctor"):
+                from gateway.doctor import run_doctor
             return run_doctor(config, as_json=args.json)
         if args.command == "serve":
             _run(_serve(config))
         elif args.command == "say":
             _run(_say(config, args.text, args.output, args.voice, args.speed))
         else:
-            return _voice(config, args)
+            return _engine_verb(config, args)
     except EngineError as exc:
         print(f"tts-gateway: engine error: {exc}", file=sys.stderr)
         return 1
@@ -104,6 +156,8 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> Config:
+    from gateway.config import load_config
+
     path = args.config
     if path is None and Path("config.toml").is_file():
         path = Path("config.toml")
@@ -130,20 +184,32 @@ def _run(coro) -> None:
 
 
 async def _serve(config: Config) -> None:
-    from gateway.server import Gateway
+    with _needs_extra("server", "serve"):
+        from engine.registry import create_engine
+        from gateway.server import Gateway
 
     gateway = Gateway(config, create_engine(config.engine.name, config.engine.selected))
     await gateway.serve_forever()
 
 
 async def _say(config: Config, text: str, output: Path, voice: str | None, speed: float) -> None:
+    with _needs_extra("server", "say"):
+        import numpy as np
+
+        from engine.base import AudioChunk, UtteranceOptions, drive
+        from engine.registry import create_engine
+        from gateway.audio import float_to_s16
+
+    chunks = []
+
+    async def keep(chunk: AudioChunk) -> None:
+        chunks.append(chunk.samples)
+
     engine = create_engine(config.engine.name, config.engine.selected)
     await engine.start()
     try:
         utterance = engine.open_utterance(UtteranceOptions(voice=voice or engine.default_voice, speed=speed))
-        utterance.push_text(text)
-        utterance.end_input()
-        chunks = [chunk.samples async for chunk in utterance]
+        await drive(utterance, keep, text=text)
     finally:
         await engine.close()
     audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
@@ -155,29 +221,16 @@ async def _say(config: Config, text: str, output: Path, voice: str | None, speed
     print(f"wrote {output} ({len(audio) / engine.sample_rate:.2f} s at {engine.sample_rate} Hz)")
 
 
-def _voice(config: Config, args: argparse.Namespace) -> int:
-    settings = config.engine.cosyvoice2
-    if not settings.model_dir:
-        print("tts-gateway: set engine.cosyvoice2.model_dir (config.toml or TTS_GATEWAY__ENGINE__COSYVOICE2__MODEL_DIR)",
-              file=sys.stderr)
-        return 2
-    from engine.cosyvoice2.engine import CosyVoice2Engine
-    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
-    from engine.cosyvoice2.frontend.voices import VoiceStore
+def _engine_verb(config: Config, args: argparse.Namespace) -> int:
+    from engine.registry import CommandError, resolve
 
-    voices_dir = CosyVoice2Engine(settings).voices_dir
-    store = VoiceStore(voices_dir, lambda: CosyVoice2Frontend(settings.model_dir))
-    if args.voice_command == "list":
-        for info in store.list():
-            print(f"{info.id}  {info.name}  {info.seconds:.1f} s  {info.prompt_text!r}")
-        return 0
-    try:
-        voice_id = store.add(args.name, args.wav.read_bytes(), args.text)
-    except ValueError as exc:  # unusable audio or text, a name already taken: the message says which
-        print(f"tts-gateway: {exc}", file=sys.stderr)
-        return 2
-    print(voice_id)
-    return 0
+    engine_name, verb = args.verb
+    with _needs_extra(verb.extra, args.command):
+        try:
+            return resolve(verb.run)(getattr(config.engine, engine_name), args)
+        except CommandError as exc:
+            print(f"tts-gateway: {exc}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from engine.settings import CosyVoice2Settings, PiperSettings
+from engine.registry import DEFAULT_ENGINE, ENGINES
+from gateway.wire import ENCODINGS, SAMPLE_RATES
 
 ENV_PREFIX = "TTS_GATEWAY__"
-SAMPLE_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
-ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw")
 DEFAULT_WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 
 
@@ -100,19 +99,36 @@ class LimitSettings:
             raise ValueError("send_buffer_bytes must be >= 65536")
 
 
-@dataclass(frozen=True)
-class EngineSection:
-    name: str = "piper"
-    piper: PiperSettings = field(default_factory=PiperSettings)
-    cosyvoice2: CosyVoice2Settings = field(default_factory=CosyVoice2Settings)
+def _engine_section() -> type:
+    """``[engine]``: ``name`` picks the engine, and every registered engine has its section
+    ``[engine.<name>]``, typed by its descriptor. Built from the registry, so the gateway
+    repeats no engine's name or settings."""
+    names = tuple(ENGINES)
 
     def __post_init__(self) -> None:
-        if self.name not in ("piper", "cosyvoice2"):
-            raise ValueError("name must be 'piper' or 'cosyvoice2'")
+        if self.name not in names:
+            raise ValueError(f"name must be {_one_of(names)}")
 
-    @property
     def selected(self) -> Any:
+        """The settings of the engine ``name`` picks."""
         return getattr(self, self.name)
+
+    sections = [(engine.name, engine.settings, field(default_factory=engine.settings)) for engine in ENGINES.values()]
+    return dataclasses.make_dataclass(
+        "EngineSection",
+        [("name", str, field(default=DEFAULT_ENGINE)), *sections],
+        namespace={"__module__": __name__, "__post_init__": __post_init__, "selected": property(selected)},
+        frozen=True,
+    )
+
+
+def _one_of(values: tuple[str, ...]) -> str:
+    """``'a' or 'b'``, ``'a', 'b' or 'c'``."""
+    *rest, last = [repr(value) for value in values]
+    return f"{', '.join(rest)} or {last}" if rest else last
+
+
+EngineSection = _engine_section()
 
 
 @dataclass(frozen=True)

@@ -1,55 +1,32 @@
-"""``tts-gateway doctor``: check this machine and config for the traps of CosyVoice2 on vLLM.
+"""``tts-gateway doctor``: check this machine and config for what would stop the gateway.
 
 Each check returns a :class:`Finding` (ok, warn, fail or skip) with what it saw and,
-when something is wrong, the fix. Checks that need a GPU are ``skip`` on a machine
-without one, saying what is missing. A missing optional package (torch, vllm,
-nvidia-ml-py) is a finding, never a crash. Something only the ``vllm`` LLM backend
-needs is a ``fail`` when that backend is configured and a ``warn`` otherwise.
+when something is wrong, the fix. The checks here are the gateway's own (Python, torch,
+the GPUs, their driver, NVML); each engine adds its own through its descriptor (CosyVoice2:
+vLLM, the model directory, voices, GPU memory, CUDA MPS), run between the driver and NVML.
+Checks that need a GPU are ``skip`` on a machine without one, saying what is missing. A
+missing optional package (torch, nvidia-ml-py) is a finding, never a crash. A problem is a
+``fail`` when the configured engine (or backend) needs what is missing, else a ``warn``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.metadata
-import importlib.util
 import json
-import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from engine.registry import ENGINES, Checkup, Finding, resolve
 from gateway.config import Config
 from gateway.gpu_metrics import load_nvml
 
-log = logging.getLogger("tts_gateway.doctor")
-
 NO_GPU = "no CUDA GPU visible: the vllm backend cannot run here; the piper engine and llm_backend=torch work"
 MIN_PYTHON = (3, 11)
-# token2wav_memory_gb is read as GiB, the unit vLLM and nvidia-smi report in (and the
-# larger reading, so the check errs on the safe side).
-GIB = 2**30
-# The model directory's files, as engine/cosyvoice2/model/loading.py's REQUIRED_FILES: repeated
-# here because that module needs torch, and doctor must run where torch is missing.
-MODEL_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx")
-TOKENIZER_DIR = "CosyVoice-BlankEN"
-VOICE_MANIFEST = "voice.json"  # <voices_dir>/<voice id>/voice.json (engine/cosyvoice2/frontend/voices.py)
-PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "cosyvoice2"
-# Where CUDA clients look for the MPS control daemon when CUDA_MPS_PIPE_DIRECTORY is not set.
-MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"
-NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = 3  # nvmlComputeMode_t
 # The CUDA release that first compiles for an architecture, for the fix text.
 MIN_CUDA_FOR_ARCH = {(12, 0): "12.8", (10, 0): "12.8", (9, 0): "11.8", (8, 9): "11.8"}
-
-
-@dataclass(frozen=True)
-class Finding:
-    name: str
-    status: str  # ok | warn | fail | skip
-    detail: str
-    fix: str = ""
 
 
 @dataclass
@@ -88,16 +65,23 @@ def check_python(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> Find
 
 
 def check_torch(probe: Probe, config: Config) -> Finding:
+    """Torch is there, as the engines that use it need it (their descriptors say what they need)."""
     torch = probe.torch
+    needs = {engine.name: engine.torch_need(getattr(config.engine, engine.name))
+             for engine in ENGINES.values() if engine.torch_need is not None}
+    selected = needs.get(config.engine.name)
     if torch is None:
-        status = "fail" if _cosyvoice2_selected(config) else "warn"
-        return Finding("torch", status, f"torch does not import ({probe.torch_error}); the cosyvoice2 engine needs it",
-                       "pip install -e '.[cosyvoice2]' (on a CPU machine first: pip install torch==2.13.0)")
+        if not needs:
+            return Finding("torch", "skip", f"torch does not import ({probe.torch_error}); no engine needs it")
+        users = f"the {' and '.join(needs)} engine" + ("s need" if len(needs) > 1 else " needs")
+        return Finding("torch", "fail" if selected else "warn",
+                       f"torch does not import ({probe.torch_error}); {users} it",
+                       (selected or next(iter(needs.values()))).install)
     if torch.version.cuda is None:
-        if _vllm_selected(config):
+        if selected and selected.cuda_for:
             return Finding("torch", "fail",
-                           f"torch {torch.__version__} is a CPU-only build; llm_backend = vllm needs CUDA",
-                           "install a CUDA build of torch, the version vllm pins (pip install -e '.[vllm]')")
+                           f"torch {torch.__version__} is a CPU-only build; {selected.cuda_for} needs CUDA",
+                           selected.cuda_install)
         return Finding("torch", "ok", f"torch {torch.__version__}, CPU-only build")
     return Finding("torch", "ok", f"torch {torch.__version__}, built for CUDA {torch.version.cuda}")
 
@@ -150,150 +134,6 @@ def check_driver(probe: Probe) -> Finding:
                    f"or install a torch built for CUDA {_dotted(supported)} or older")
 
 
-def check_vllm(config: Config) -> Finding:
-    status = "fail" if _vllm_selected(config) else "warn"
-    if importlib.util.find_spec("vllm") is None:
-        return Finding("vllm", status, "vllm is not installed; llm_backend = vllm needs it",
-                       "on a machine with an NVIDIA GPU: pip install -e '.[vllm]' (vllm 0.26 pins torch 2.11)")
-    try:
-        vllm = importlib.import_module("vllm")
-    except Exception as exc:  # a broken install raises anything from ImportError to RuntimeError: report it
-        return Finding("vllm", status, f"vllm is installed but does not import: {type(exc).__name__}: {exc}",
-                       "reinstall it with the torch it pins: pip install --force-reinstall -e '.[vllm]'")
-    return Finding("vllm", "ok", f"vllm {vllm.__version__}")
-
-
-def check_vllm_torch(config: Config) -> Finding:
-    """vLLM's compiled kernels work only with the torch release it was built against."""
-    try:
-        requires = importlib.metadata.requires("vllm") or []
-        vllm_version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return Finding("vllm_torch", "skip", "vllm is not installed")
-    from packaging.requirements import Requirement  # vllm depends on packaging
-
-    pins = [r for r in map(Requirement, requires)
-            if r.name == "torch" and (r.marker is None or r.marker.evaluate({"extra": ""}))]
-    if not pins:
-        return Finding("vllm_torch", "ok", f"vllm {vllm_version} names no torch version")
-    wanted = ",".join(str(r.specifier) for r in pins)
-    status = "fail" if _vllm_selected(config) else "warn"
-    try:
-        torch_version = importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return Finding("vllm_torch", status, f"vllm {vllm_version} needs torch{wanted}; torch is not installed",
-                       f"pip install 'torch{wanted}'")
-    if all(r.specifier.contains(torch_version, prereleases=True) for r in pins):
-        return Finding("vllm_torch", "ok",
-                       f"vllm {vllm_version} wants torch{wanted}; torch {torch_version} is installed")
-    return Finding("vllm_torch", status,
-                   f"vllm {vllm_version} was built against torch{wanted} but torch {torch_version} is installed: "
-                   "its kernels fail to load (undefined symbol) or crash",
-                   f"pip install 'torch{wanted}' (the CUDA build), or the vllm release built for torch {torch_version}")
-
-
-def check_vllm_plugin(config: Config) -> Finding:
-    found = [ep for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP) if ep.name == PLUGIN_NAME]
-    if found:
-        return Finding("vllm_plugin", "ok", f"{PLUGIN_GROUP}: {PLUGIN_NAME} = {found[0].value}")
-    return Finding("vllm_plugin", "fail" if _vllm_selected(config) else "warn",
-                   f"the gateway's vLLM plugin ({PLUGIN_GROUP}: {PLUGIN_NAME}) is not installed: "
-                   "vLLM will not know the CosyVoice2 LM",
-                   "pip install -e . in the tts-gateway checkout (entry points are registered at install time)")
-
-
-def check_model_dir(config: Config) -> Finding:
-    settings = config.engine.cosyvoice2
-    if not settings.model_dir:
-        if _cosyvoice2_selected(config):
-            return Finding("model_dir", "fail", "engine.cosyvoice2.model_dir is not set",
-                           "set it to the CosyVoice2-0.5B directory (config.toml or "
-                           "TTS_GATEWAY__ENGINE__COSYVOICE2__MODEL_DIR)")
-        return Finding("model_dir", "skip",
-                       "engine.cosyvoice2.model_dir is not set (the cosyvoice2 engine is not selected)")
-    root = Path(settings.model_dir)
-    fix = f"put the complete official CosyVoice2-0.5B directory at {root}, or point engine.cosyvoice2.model_dir at it"
-    if not root.is_dir():
-        return Finding("model_dir", "fail", f"{root} is not a directory", fix)
-    missing = [name for name in MODEL_FILES if not (root / name).is_file()] + _missing_tokenizer_files(root)
-    if missing:
-        return Finding("model_dir", "fail", f"{root} is incomplete; missing: {', '.join(missing)}", fix)
-    return Finding("model_dir", "ok", f"{root} has {', '.join(MODEL_FILES)} and {TOKENIZER_DIR}/")
-
-
-def check_voices(config: Config) -> Finding:
-    settings = config.engine.cosyvoice2
-    if not (settings.voices_dir or settings.model_dir):
-        return Finding("voices", "skip", "neither engine.cosyvoice2.voices_dir nor model_dir is set")
-    directory = Path(settings.voices_dir) if settings.voices_dir else Path(settings.model_dir) / "voices"
-    names, unreadable = [], []
-    manifests = sorted(directory.glob(f"[!.]*/{VOICE_MANIFEST}")) if directory.is_dir() else []  # "." = staging
-    for manifest in manifests:
-        try:
-            names.append(str(json.loads(manifest.read_text(encoding="utf-8"))["name"]))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            unreadable.append(f"{manifest.parent.name} ({type(exc).__name__}: {exc})")
-    note = ""
-    if unreadable:  # the engine skips these voices too
-        log.warning("unreadable voice manifests in %s: %s", directory, "; ".join(unreadable))
-        note = f"; unreadable: {', '.join(unreadable)}"
-    if names:
-        return Finding("voices", "ok", f"{len(names)} voice(s) in {directory}: {', '.join(names)}{note}")
-    return Finding("voices", "fail" if _cosyvoice2_selected(config) else "warn",
-                   f"no voices registered in {directory}{note}",
-                   "tts-gateway voice add NAME --wav PROMPT.wav --text TRANSCRIPT")
-
-
-def check_vram(probe: Probe, config: Config) -> Finding:
-    """vLLM takes gpu_memory_utilization of the whole card at start; token2wav needs its share beside it."""
-    missing = _no_gpu(probe)
-    if missing:
-        return Finding("vram", "skip", missing)
-    settings = config.engine.cosyvoice2
-    index = _gpu_index(config)
-    count = probe.torch.cuda.device_count()
-    if index >= count:
-        return Finding("vram", "fail" if _cosyvoice2_selected(config) else "warn",
-                       f"engine.cosyvoice2.device is {settings.device} but {count} GPU(s) are visible",
-                       f"set engine.cosyvoice2.device to cuda:0..cuda:{count - 1} (or check CUDA_VISIBLE_DEVICES)")
-    free, total = probe.torch.cuda.mem_get_info(index)
-    vllm = settings.vllm
-    needed = vllm.gpu_memory_utilization * total + vllm.token2wav_memory_gb * GIB
-    shown = (f"GPU {index}: {free / GIB:.1f} GiB free of {total / GIB:.1f} GiB; "
-             f"the vllm backend needs {needed / GIB:.1f} GiB (gpu_memory_utilization "
-             f"{vllm.gpu_memory_utilization} x {total / GIB:.1f} GiB + token2wav_memory_gb {vllm.token2wav_memory_gb})")
-    if free >= needed:
-        return Finding("vram", "ok", shown)
-    return Finding("vram", "fail" if _vllm_selected(config) else "warn", shown,
-                   "lower [engine.cosyvoice2.vllm] gpu_memory_utilization, or token2wav_memory_gb together with "
-                   "max_batch, or stop the other processes on the GPU (nvidia-smi lists them)")
-
-
-def check_mps(probe: Probe, config: Config, environ=os.environ) -> Finding:
-    """The vllm backend is two GPU processes: vLLM's engine core (the LLM stage) and the
-    gateway (token2wav). Without CUDA MPS the GPU runs one process's kernels at a time, so
-    each stage waits for the other's; an MPS daemon lets them run side by side."""
-    missing = _no_gpu(probe)
-    if missing:
-        return Finding("mps", "skip", missing)
-    if not _vllm_selected(config):
-        return Finding("mps", "skip", "only the vllm backend runs two GPU processes")
-    pipe = Path(environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE)
-    if (pipe / "control").exists():
-        return Finding("mps", "ok", f"an MPS control daemon listens in {pipe}: the LLM stage and token2wav share the "
-                       "GPU side by side")
-    fix = ("start the MPS control daemon before the gateway, as the user that runs it: nvidia-cuda-mps-control -d "
-           "(with the same CUDA_MPS_PIPE_DIRECTORY for both if not the default); see docs/cosyvoice2.md, CUDA MPS")
-    index = _gpu_index(config)
-    if probe.nvml is not None:
-        handle = probe.nvml.nvmlDeviceGetHandleByIndex(index)
-        if probe.nvml.nvmlDeviceGetComputeMode(handle) == NVML_COMPUTEMODE_EXCLUSIVE_PROCESS:
-            return Finding("mps", "fail", f"GPU {index} is in EXCLUSIVE_PROCESS compute mode and no MPS daemon listens "
-                           f"in {pipe}: vLLM's engine core and the gateway cannot both use it", fix)
-    return Finding("mps", "warn", f"no MPS control daemon in {pipe}: the LLM stage and token2wav take turns on "
-                   "the GPU", fix)
-
-
 def check_nvml(probe: Probe) -> Finding:
     if probe.nvml is not None:
         return Finding("nvml", "ok", f"NVML sees {probe.nvml.nvmlDeviceGetCount()} GPU(s): GPU metrics are exported")
@@ -303,21 +143,19 @@ def check_nvml(probe: Probe) -> Finding:
                    "pip install 'tts-gateway[gpu]' (nvidia-ml-py)")
 
 
-def run_checks(config: Config, probe: Probe) -> list[Finding]:
-    return [
-        check_python(),
-        check_torch(probe, config),
-        check_gpus(probe),
-        check_driver(probe),
-        check_vllm(config),
-        check_vllm_torch(config),
-        check_vllm_plugin(config),
-        check_model_dir(config),
-        check_voices(config),
-        check_vram(probe, config),
-        check_mps(probe, config),
-        check_nvml(probe),
-    ]
+def run_checks(config: Config, probe: Probe, environ: Mapping[str, str] = os.environ) -> list[Finding]:
+    findings = [check_python(), check_torch(probe, config), check_gpus(probe), check_driver(probe)]
+    for engine in ENGINES.values():
+        if engine.doctor:
+            findings += resolve(engine.doctor)(engine_checkup(engine.name, config, probe, environ))
+    findings.append(check_nvml(probe))
+    return findings
+
+
+def engine_checkup(name: str, config: Config, probe: Probe, environ: Mapping[str, str] = os.environ) -> Checkup:
+    """What the checks of engine ``name`` see: its settings, whether it is selected, the machine."""
+    return Checkup(settings=getattr(config.engine, name), selected=config.engine.name == name,
+                   torch=probe.torch, nvml=probe.nvml, no_gpu=_no_gpu(probe), environ=environ)
 
 
 # ---------------------------------------------------------------- output
@@ -353,19 +191,6 @@ def run_doctor(config: Config, *, as_json: bool = False) -> int:
 # ---------------------------------------------------------------- helpers
 
 
-def _cosyvoice2_selected(config: Config) -> bool:
-    return config.engine.name == "cosyvoice2"
-
-
-def _vllm_selected(config: Config) -> bool:
-    return _cosyvoice2_selected(config) and config.engine.cosyvoice2.llm_backend == "vllm"
-
-
-def _gpu_index(config: Config) -> int:
-    """The engine's GPU: auto, cuda -> 0; cuda:N -> N."""
-    return int(config.engine.cosyvoice2.device.partition(":")[2] or 0)
-
-
 def _no_gpu(probe: Probe) -> str:
     """Why GPU checks cannot run here, or "" when a CUDA GPU is visible."""
     torch = probe.torch
@@ -391,20 +216,6 @@ def _runs_on(capability: tuple[int, int], arch_list: list[str]) -> bool:
         if major == capability[0] and minor <= capability[1]:
             return True
     return False
-
-
-def _missing_tokenizer_files(root: Path) -> list[str]:
-    tokenizer = root / TOKENIZER_DIR
-    if not tokenizer.is_dir():
-        return [f"{TOKENIZER_DIR}/"]
-    missing = [f"{TOKENIZER_DIR}/{name}" for name in ("config.json", "tokenizer_config.json")
-               if not (tokenizer / name).is_file()]
-    # Qwen's tokenizer ships as tokenizer.json, or as vocab.json + merges.txt.
-    if not (tokenizer / "tokenizer.json").is_file() and not all(
-        (tokenizer / name).is_file() for name in ("vocab.json", "merges.txt")
-    ):
-        missing.append(f"{TOKENIZER_DIR}/tokenizer.json (or vocab.json + merges.txt)")
-    return missing
 
 
 def _cuda_from_int(version: int) -> tuple[int, int]:

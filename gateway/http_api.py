@@ -21,12 +21,13 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from engine.base import Engine, EngineError, UtteranceOptions
+from engine.base import AudioChunk, Engine, EngineError, UtteranceOptions, drive
 from gateway.audio import StreamEncoder
 from gateway.auth import authorized
 from gateway.config import Config
 from gateway.metrics import Metrics
-from gateway.protocol import SPEED_RANGE, ContextFinished, ErrorCode
+from gateway.protocol import ContextFinished
+from gateway.wire import SPEED_RANGE, ErrorCode
 
 log = logging.getLogger("tts_gateway.http")
 
@@ -122,37 +123,21 @@ class HttpApi:
             return self._error(400, exc.code, str(exc))
         if not self.ready():
             return self._error(503, "not_ready", "the engine is not ready yet")
-        loop = asyncio.get_running_loop()
-        received_at = loop.time()
+        received_at = asyncio.get_running_loop().time()
         try:
             utterance = self.engine.open_utterance(UtteranceOptions(voice=voice, speed=speed))
         except EngineError as exc:
             return self._error(500, ErrorCode.INTERNAL, str(exc))
-        utterance.push_text(text)
-        utterance.end_input()
         self.metrics.context_started()
         response = web.StreamResponse(headers={"Content-Type": SPEECH_FORMATS[fmt], "Cache-Control": "no-store"})
         if isinstance(body.get("model"), str):
             response.headers["X-Model"] = body["model"]
         encoder = StreamEncoder(self.engine.sample_rate, SPEECH_RATE, "pcm_s16le")
-        outcome, first_audio_at, samples, compute_s = "cancelled", None, 0, 0.0
+        download = _SpeechDownload(request, response, fmt, encoder, self.metrics)
+        outcome = "cancelled"
         try:
-            await response.prepare(request)
-            if fmt == "wav":
-                await response.write(streaming_wav_header(SPEECH_RATE))
-            async for chunk in utterance:
-                compute_s += chunk.compute_s
-                data, n = encoder.encode(chunk.samples)
-                if n:
-                    first_audio_at = first_audio_at or loop.time()
-                    await response.write(data)
-                    samples += n
-                    self.metrics.audio(n / SPEECH_RATE)
-            data, n = encoder.finish()
-            await response.write(data)
-            samples += n
-            self.metrics.audio(n / SPEECH_RATE)
-            await response.write_eof()
+            await drive(utterance, download.write, text=text, start=download.start)
+            await download.finish()
             outcome = "done"
         except EngineError as exc:  # the status line is gone: the client sees a cut-short body
             log.warning("speech request failed: %s", exc)
@@ -161,11 +146,10 @@ class HttpApi:
         except ConnectionError:  # the client went away between two chunks
             pass
         finally:  # also on cancellation: the client went away
-            utterance.cancel()
             self.metrics.context_finished(ContextFinished(
                 context_id="http", outcome=outcome,
-                ttfa_s=None if first_audio_at is None else first_audio_at - received_at,
-                audio_s=samples / SPEECH_RATE, compute_s=compute_s,
+                ttfa_s=None if download.first_audio_at is None else download.first_audio_at - received_at,
+                audio_s=download.samples / SPEECH_RATE, compute_s=download.compute_s,
                 stall_s=0.0, stalls=0,  # no playback-stall estimate for downloads
             ))
         return response
@@ -195,6 +179,45 @@ class HttpApi:
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not low <= speed <= high:
             raise _BadRequest(ErrorCode.BAD_MESSAGE, f"speed must be a number from {low} to {high}")
         return text, voice, fmt, min(max(float(speed), SPEED_RANGE[0]), SPEED_RANGE[1])
+
+
+class _SpeechDownload:
+    """One speech response: the utterance's audio as 24 kHz 16-bit PCM, written as it comes,
+    and what the metrics record about it."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, fmt: str, encoder: StreamEncoder,
+                 metrics: Metrics) -> None:
+        self._request = request
+        self._response = response
+        self._fmt = fmt
+        self._encoder = encoder
+        self._metrics = metrics
+        self.first_audio_at: float | None = None
+        self.samples = 0
+        self.compute_s = 0.0
+
+    async def start(self) -> None:
+        """The status line and headers, and a WAV header whose sizes say "unknown"."""
+        await self._response.prepare(self._request)
+        if self._fmt == "wav":
+            await self._response.write(streaming_wav_header(SPEECH_RATE))
+
+    async def write(self, chunk: AudioChunk) -> None:
+        self.compute_s += chunk.compute_s
+        data, n = self._encoder.encode(chunk.samples)
+        if n:
+            self.first_audio_at = self.first_audio_at or asyncio.get_running_loop().time()
+            await self._send(data, n)
+
+    async def finish(self) -> None:
+        """The resampler's look-ahead, then the end of the body."""
+        await self._send(*self._encoder.finish())
+        await self._response.write_eof()
+
+    async def _send(self, data: bytes, n: int) -> None:
+        await self._response.write(data)
+        self.samples += n
+        self._metrics.audio(n / SPEECH_RATE)
 
 
 class _BadRequest(Exception):

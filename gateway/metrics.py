@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.base import EngineStats
+from engine.registry import ENGINES
 from gateway.gpu_metrics import GpuSampler
 from gateway.protocol import ContextFinished
 from gateway.stats import RollingStats
@@ -158,6 +159,11 @@ class _EngineCollector:
     def __init__(self, engine_name: str, stats: Callable[[], EngineStats]) -> None:
         self._engine = engine_name
         self._stats = stats
+        # The help texts of the engine's own series, from its descriptor. An engine built
+        # outside the registry (a test's stand-in) has none: its series get a generic one.
+        described = ENGINES.get(engine_name)
+        self._gauges = described.gauges if described else {}
+        self._totals = described.totals if described else {}
 
     def collect(self):
         stats = self._stats()
@@ -169,65 +175,20 @@ class _EngineCollector:
             family = GaugeMetricFamily(name, doc, labels=["engine"])
             family.add_metric([self._engine], value)
             yield family
-        # Engine-specific series (e.g. the LLM stage's): named by the engine, documented in docs/.
+        # Engine-specific series (e.g. the LLM stage's): named by the engine, documented by its descriptor.
         for key, value in sorted(stats.extra.items()):
-            family = GaugeMetricFamily(f"tts_{key}", ENGINE_GAUGES.get(key, "Engine-specific gauge."), labels=["engine"])
+            family = GaugeMetricFamily(f"tts_{key}", self._gauges.get(key, "Engine-specific gauge."), labels=["engine"])
             family.add_metric([self._engine], value)
             yield family
         for key, value in sorted(stats.totals.items()):
-            family = CounterMetricFamily(f"tts_{key}", ENGINE_TOTALS.get(key, "Engine-specific total."), labels=["engine"])
+            family = CounterMetricFamily(f"tts_{key}", self._totals.get(key, "Engine-specific total."), labels=["engine"])
             family.add_metric([self._engine], value)
             yield family
 
 
-# The kinds of token2wav call (engine/cosyvoice2/serving/token2wav.py, call_kind).
-CALL_KINDS = {"first": "first chunks", "later": "later non-final chunks",
-              "final": "final chunks (full attention over the turn)"}
-# Engine-specific series (EngineStats.extra / .totals), by name without the tts_ prefix.
-ENGINE_GAUGES = {
-    "llm_streams": "Utterances the LLM stage is decoding.",
-    "llm_running_requests": "LLM requests in the running batch (the decode batch size).",
-    "llm_waiting_requests": "LLM requests waiting to be scheduled.",
-    "llm_kv_cache_usage_ratio": "Share of the LLM's KV cache in use (0..1).",
-}
-ENGINE_TOTALS = {
-    "llm_generated_tokens": "Speech tokens the LLM stage sampled.",
-    "llm_prompt_tokens": "Prompt tokens the LLM stage took in (voice prompts and text).",
-    "llm_prefix_cache_queried_tokens": "Prompt tokens looked up in the LLM's prefix cache.",
-    "llm_prefix_cache_hit_tokens": "Prompt tokens found in the LLM's prefix cache (hit rate = hit / queried).",
-    "llm_steps": "LLM engine steps.",
-    "llm_inter_token_seconds": "Time between a request's consecutive speech tokens, summed (mean = / llm_inter_tokens).",
-    "llm_inter_tokens": "Speech tokens that followed another of their request (the count behind llm_inter_token_seconds).",
-    "token2wav_batches": "Batches the token2wav worker ran (chunks / batches = mean batch size).",
-    "token2wav_chunks": "Audio chunks the token2wav worker made.",
-    "token2wav_busy_seconds": "Time the token2wav worker spent running batches (a rate near 1 = saturated).",
-    "token2wav_first_lane_batches": "Batches the token2wav first-chunk lane ran (turns' opening chunks; GPU).",
-    "token2wav_first_lane_chunks": "Chunks the token2wav first-chunk lane made (first chunks; with "
-    "second_chunk_on_lane, the chunk after a short first chunk too).",
-    "token2wav_first_lane_busy_seconds": "Time the token2wav first-chunk lane spent running batches.",
-    "token2wav_early_chunks": "Chunks spoken early, with the tokens there were, for a listener about to run dry.",
-    "token2wav_first_chunks_lengthened": "Streams started with the official first chunk, not the short one, "
-    "because the chunk after it could not have followed in time (first_chunk_by_load).",
-    "token2wav_flow_calls": "Flow (decoder) calls of the token2wav stage, both threads.",
-    **{f"token2wav_calls_{kind}": f"token2wav calls (flow and vocoder) of {what}, both threads."
-       for kind, what in CALL_KINDS.items()},
-    **{f"token2wav_call_seconds_{kind}": f"Time of token2wav calls of {what} (mean = / token2wav_calls_{kind})."
-       for kind, what in CALL_KINDS.items()},
-    "token2wav_flow_eager_calls": "Flow calls with no CUDA graph for their shape (run eagerly).",
-    "token2wav_flow_row_frames_first": "Mel frames the flow computed for first chunks (rows x each row's width).",
-    "token2wav_flow_row_frames_later": "Mel frames the flow computed for later non-final chunks (rows x widths).",
-    "token2wav_flow_row_frames_final": "Mel frames the flow computed for final chunks (rows x widths).",
-    "token2wav_flow_padded_row_frames": "Mel frames the flow computed with padding (rows and frames padded to the "
-    "call's widest row or graph bucket); 1 - needed / padded is the share spent on padding.",
-    "first_audio_chunks": "Utterances' first chunks delivered (divide the first_audio_*_seconds totals by it).",
-    "first_audio_llm_first_token_seconds": "First chunks: first text given to the LLM stage to its first speech token.",
-    "first_audio_llm_chunk_seconds": "First chunks: first speech token to the chunk's tokens all there.",
-    "first_audio_token2wav_wait_seconds": "First chunks: tokens all there to their token2wav batch starting.",
-    "first_audio_token2wav_run_seconds": "First chunks: their token2wav batch running.",
-    "late_chunks_llm_bound": "Chunks out after their listener ran out of audio, whose tokens came too late.",
-    "late_chunks_token2wav_bound": "Chunks out after their listener ran out of audio, whose tokens were there in time.",
-}
-# Their exported names: what a dashboard may query beyond the always-present series.
+# Every registered engine's own series, as exported: what a dashboard may query beyond the
+# always-present series.
 ENGINE_METRIC_NAMES = frozenset(
-    [f"tts_{key}" for key in ENGINE_GAUGES] + [f"tts_{key}_total" for key in ENGINE_TOTALS]
+    [f"tts_{key}" for engine in ENGINES.values() for key in engine.gauges]
+    + [f"tts_{key}_total" for engine in ENGINES.values() for key in engine.totals]
 )

@@ -31,38 +31,23 @@ import numpy as np
 import orjson
 
 from gateway.audio import StreamEncoder
-
-PROTOCOL_VERSION = 1
-DEFAULT_CONTEXT = "default"
-MAX_CONTEXT_ID_CHARS = 128
-SPEED_RANGE = (0.5, 2.0)
-SAMPLE_RATES = frozenset((8000, 16000, 22050, 24000, 44100, 48000))
-ENCODINGS = frozenset(("pcm_s16le", "pcm_f32le", "mulaw"))
-
-# WebSocket close codes the protocol uses.
-CLOSE_NORMAL = 1000
-CLOSE_GOING_AWAY = 1001
-CLOSE_POLICY = 1008
-CLOSE_TRY_AGAIN_LATER = 1013
-
-_FIELDS = {
-    "text": {"type", "context_id", "text", "voice", "sample_rate", "encoding", "speed"},
-    "flush": {"type", "context_id"},
-    "end": {"type", "context_id"},
-    "cancel": {"type", "context_id"},
-}
-
-
-class ErrorCode(enum.StrEnum):
-    BAD_MESSAGE = "bad_message"
-    UNKNOWN_VOICE = "unknown_voice"
-    UNSUPPORTED_FORMAT = "unsupported_format"
-    TEXT_TOO_LONG = "text_too_long"
-    TOO_MANY_CONTEXTS = "too_many_contexts"
-    UNKNOWN_CONTEXT = "unknown_context"
-    OVERLOADED = "overloaded"
-    IDLE_TIMEOUT = "idle_timeout"
-    INTERNAL = "internal"
+from gateway.wire import (
+    CLIENT_FIELDS,
+    CONTEXT_OPTIONS,
+    CONTEXT_SURVIVING_CODES,
+    DEFAULT_CONTEXT,
+    ENCODINGS,
+    MAX_CONTEXT_ID_CHARS,
+    PROTOCOL_VERSION,
+    SAMPLE_RATES,
+    SESSION_ENDING_CODES,
+    SESSION_QUERY_PARAMETERS,
+    SPEED_RANGE,
+    ClientMessage,
+    CloseCode,
+    ErrorCode,
+    GatewayMessage,
+)
 
 
 # ---------------------------------------------------------------- actions
@@ -221,7 +206,7 @@ class Session:
     def open(self, query: dict[str, str]) -> list[Action]:
         """The connection is up. ``query`` holds the URL's session defaults."""
         try:
-            unknown = set(query) - {"voice", "sample_rate", "encoding", "api_key"}
+            unknown = set(query) - SESSION_QUERY_PARAMETERS
             if unknown:
                 raise ProtocolError(
                     ErrorCode.BAD_MESSAGE, f"unknown query parameter(s): {', '.join(sorted(unknown))}"
@@ -233,11 +218,11 @@ class Session:
             if "encoding" in query:
                 self.encoding = self._check_encoding(query["encoding"])
         except ProtocolError as exc:
-            return [_error(exc.code, exc.message, None), *self._close(CLOSE_POLICY, exc.message)]
+            return self._refuse(exc.code, exc.message, CloseCode.POLICY, exc.message)
         return [
             SendJson(
                 {
-                    "type": "ready",
+                    "type": GatewayMessage.READY,
                     "protocol": PROTOCOL_VERSION,
                     "session_id": self.session_id,
                     "voice": self.voice,
@@ -250,25 +235,19 @@ class Session:
 
     def refuse_overloaded(self) -> list[Action]:
         """The gateway is at its session cap: say so, and close with 1013."""
-        return [
-            _error(ErrorCode.OVERLOADED, "the gateway is at its session limit; retry later", None),
-            *self._close(CLOSE_TRY_AGAIN_LATER, "overloaded"),
-        ]
+        return self._refuse(
+            ErrorCode.OVERLOADED, "the gateway is at its session limit; retry later",
+            CloseCode.TRY_AGAIN_LATER, "overloaded",
+        )
 
     def idle_timeout(self) -> list[Action]:
-        return [
-            _error(ErrorCode.IDLE_TIMEOUT, "no message within the idle timeout", None),
-            *self._cancel_all(),
-            *self._close(CLOSE_NORMAL, "idle timeout"),
-        ]
+        return self._session_error(ErrorCode.IDLE_TIMEOUT, "no message within the idle timeout", "idle timeout")
 
     def client_not_reading(self) -> list[Action]:
         """The client fell behind by more than its send buffer: cut it off."""
-        return [
-            *self._cancel_all(),
-            _error(ErrorCode.OVERLOADED, "client is not reading its audio; send buffer full", None),
-            *self._close(CLOSE_POLICY, "client not reading"),
-        ]
+        return self._session_error(
+            ErrorCode.OVERLOADED, "client is not reading its audio; send buffer full", "client not reading"
+        )
 
     def start_drain(self) -> list[Action]:
         """Shutdown begins: running contexts may finish, new ones are refused."""
@@ -277,7 +256,7 @@ class Session:
 
     def shutdown(self) -> list[Action]:
         """The drain deadline passed: stop what still runs and close."""
-        return [*self._cancel_all(), *self._close(CLOSE_GOING_AWAY, "server shutting down")]
+        return [*self._cancel_all(), *self._close(CloseCode.GOING_AWAY, "server shutting down")]
 
     def connection_lost(self) -> list[Action]:
         self.closed = True
@@ -302,7 +281,7 @@ class Session:
             if not isinstance(message, dict):
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, "message must be a JSON object")
             kind = message.get("type")
-            if kind not in _FIELDS:
+            if not isinstance(kind, str) or kind not in CLIENT_FIELDS:  # a list or object is unhashable
                 raise ProtocolError(
                     ErrorCode.BAD_MESSAGE, f"unknown message type {kind!r}; expected text, flush, end or cancel"
                 )
@@ -312,26 +291,26 @@ class Session:
                     ErrorCode.BAD_MESSAGE, f"context_id must be a string of 1-{MAX_CONTEXT_ID_CHARS} characters"
                 )
         except ProtocolError as exc:
-            return [_error(exc.code, exc.message, None)]
+            return self._session_error(exc.code, exc.message, str(exc.code))
         try:
-            extra = set(message) - _FIELDS[kind]
+            extra = set(message) - CLIENT_FIELDS[kind]
             if extra:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"unknown field(s) for {kind}: {', '.join(sorted(extra))}")
-            if kind == "text":
+            if kind == ClientMessage.TEXT:
                 return self._on_text(context_id, message, now)
             context = self.contexts.get(context_id)
             if context is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_CONTEXT, f"no open context {context_id!r}")
-            if kind == "cancel":
+            if kind == ClientMessage.CANCEL:
                 return self._finish_cancelled(context)
             if context.state is not ContextState.STREAMING:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"context {context_id!r} has already ended its input")
-            if kind == "flush":
+            if kind == ClientMessage.FLUSH:
                 return [FlushInput(context.key)]
             context.state = ContextState.ENDING
             return [EndInput(context.key)]
         except ProtocolError as exc:
-            return [_error(exc.code, exc.message, context_id)]
+            return self._context_error(context_id, exc.code, exc.message)
 
     def _on_text(self, context_id: str, message: dict[str, Any], now: float) -> list[Action]:
         text = message.get("text")
@@ -388,7 +367,7 @@ class Session:
 
     @staticmethod
     def _check_same_options(context: Context, message: dict[str, Any]) -> None:
-        for name in ("voice", "sample_rate", "encoding", "speed"):
+        for name in CONTEXT_OPTIONS:
             if name in message and message[name] != getattr(context, name):
                 raise ProtocolError(
                     ErrorCode.BAD_MESSAGE,
@@ -442,7 +421,9 @@ class Session:
             for w in words
         ]
         if timings:
-            actions.append(SendJson({"type": "alignment", "context_id": context.context_id, "words": timings}))
+            actions.append(
+                SendJson({"type": GatewayMessage.ALIGNMENT, "context_id": context.context_id, "words": timings})
+            )
         return actions
 
     def utterance_finished(self, key: int, now: float) -> list[Action]:
@@ -455,7 +436,7 @@ class Session:
         actions.append(
             SendJson(
                 {
-                    "type": "done",
+                    "type": GatewayMessage.DONE,
                     "context_id": context.context_id,
                     "audio_ms": round(context.audio_s * 1000.0, 1),
                     "ttfa_ms": None if context.ttfa_s is None else round(context.ttfa_s * 1000.0, 1),
@@ -469,11 +450,7 @@ class Session:
         context = self._by_key.get(key)
         if context is None:
             return []
-        return [
-            _error(ErrorCode.INTERNAL, f"speech generation failed: {message}", context.context_id),
-            CancelUtterance(context.key),
-            self._remove(context, "error"),
-        ]
+        return self._context_error(context.context_id, ErrorCode.INTERNAL, f"speech generation failed: {message}")
 
     # ------------------------------------------------------------ helpers
 
@@ -489,7 +466,7 @@ class Session:
                 context.stall_s += now - due
                 context.stalls += 1
         header = {
-            "type": "audio",
+            "type": GatewayMessage.AUDIO,
             "context_id": context.context_id,
             "seq": context.seq,
             "offset_ms": round(offset_s * 1000.0, 1),
@@ -503,7 +480,7 @@ class Session:
     def _finish_cancelled(self, context: Context) -> list[Action]:
         return [
             CancelUtterance(context.key),
-            SendJson({"type": "cancelled", "context_id": context.context_id}),
+            SendJson({"type": GatewayMessage.CANCELLED, "context_id": context.context_id}),
             self._remove(context, "cancelled"),
         ]
 
@@ -531,9 +508,29 @@ class Session:
         self.closed = True
         return [CloseSession(code, reason)]
 
+    # The wire's error rules (gateway/wire.py) decide what an error does; the client
+    # reads the same rules to know what became of its session and contexts.
+
+    def _refuse(self, code: ErrorCode, message: str, close_code: int, reason: str) -> list[Action]:
+        """Before ``ready``: every error refuses the session."""
+        return [_error(code, message, None), *self._close(close_code, reason)]
+
+    def _session_error(self, code: ErrorCode, message: str, reason: str) -> list[Action]:
+        """An error about no one context; a session-ending code stops everything and closes."""
+        if code not in SESSION_ENDING_CODES:
+            return [_error(code, message, None)]
+        return [*self._cancel_all(), _error(code, message, None), *self._close(SESSION_ENDING_CODES[code], reason)]
+
+    def _context_error(self, context_id: str, code: ErrorCode, message: str) -> list[Action]:
+        """An error about one context; it ends that context unless its code leaves contexts open."""
+        context = self.contexts.get(context_id)
+        if context is None or code in CONTEXT_SURVIVING_CODES:
+            return [_error(code, message, context_id)]
+        return [_error(code, message, context_id), CancelUtterance(context.key), self._remove(context, "error")]
+
 
 def _error(code: ErrorCode, message: str, context_id: str | None) -> SendJson:
-    return SendJson({"type": "error", "code": str(code), "message": message, "context_id": context_id})
+    return SendJson({"type": GatewayMessage.ERROR, "code": str(code), "message": message, "context_id": context_id})
 
 
 def _parse_int(value: str) -> int | str:

@@ -23,7 +23,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from engine.base import Engine, EngineError, Utterance, UtteranceOptions
+from engine.base import AudioChunk, Engine, EngineError, Utterance, UtteranceOptions, drive
 from gateway.auth import authorized
 from gateway.config import Config
 from gateway.http_api import HttpApi
@@ -43,10 +43,10 @@ from gateway.protocol import (
     SessionSettings,
     StartUtterance,
 )
+from gateway.wire import STREAM_PATH, GatewayMessage
 
 log = logging.getLogger("tts_gateway")
 
-STREAM_PATH = "/v1/stream"
 # A cut-off client gets this long to take its error frame and close before the
 # connection is aborted.
 CUT_OFF_GRACE_S = 2.0
@@ -346,7 +346,7 @@ class SessionRunner:
             return
         data = orjson.dumps(frame)
         kind = frame["type"]
-        if kind == "audio":
+        if kind == GatewayMessage.AUDIO:
             # The header reserves room for its binary frame too: a pair is never split.
             # An empty outbox always takes a pair, however large one chunk is.
             if self.outbox.queued_bytes and not self.outbox.has_room(len(data) + frame["bytes"]):
@@ -354,7 +354,7 @@ class SessionRunner:
                 return
             self._last_activity = self._loop.time()
             self.gateway.metrics.audio(frame["duration_ms"] / 1000.0)
-        elif kind == "error":
+        elif kind == GatewayMessage.ERROR:
             self.gateway.metrics.error(frame["code"])
         self.outbox.put(data, text=True)
 
@@ -391,12 +391,14 @@ class SessionRunner:
             task.cancel()
 
     async def _pump(self, key: int, utterance: Utterance) -> None:
-        """Move one utterance's audio into the session as it is produced."""
+        """Move one utterance's audio into the session as it is produced (its text comes in
+        through PushText/EndInput meanwhile)."""
+
+        async def deliver(chunk: AudioChunk) -> None:
+            self.apply(self.session.audio_ready(key, chunk.samples, chunk.words, chunk.compute_s, self._loop.time()))
+
         try:
-            async for chunk in utterance:
-                self.apply(
-                    self.session.audio_ready(key, chunk.samples, chunk.words, chunk.compute_s, self._loop.time())
-                )
+            await drive(utterance, deliver)
             self.apply(self.session.utterance_finished(key, self._loop.time()))
         except EngineError as exc:
             log.warning("session %s: engine failed: %s", self.session.session_id, exc)

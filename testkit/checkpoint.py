@@ -392,7 +392,7 @@ def make_checkpoint(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 
     parameters, ~2.4 GB on disk) needs a few GB of memory at most. ``weights=False``
     skips the three ``.pt`` files (a frontend-only directory, for tests).
     """
-    from engine.cosyvoice2.frontend.prompt import TOKENIZER_DIR
+    from engine.cosyvoice2.modeldir.layout import TOKENIZER_DIR
     from testkit.yaml_writer import write_yaml
 
     if size not in SIZES:

@@ -13,8 +13,8 @@ from contextlib import asynccontextmanager
 import pytest
 import pytest_asyncio
 
-from engine.piper import PiperEngine
-from engine.settings import PiperSettings
+from engine.piper.engine import PiperEngine
+from engine.piper.settings import PiperSettings
 from gateway.config import Config, load_config
 from gateway.server import Gateway
 

@@ -86,3 +86,37 @@ def test_serve_speaks_to_the_example_agent_and_drains_on_sigterm(tmp_path):
             server.wait()
     log = server.stdout.read()
     assert "draining" in log
+
+
+def test_voice_commands_say_to_set_the_model_dir(tmp_path):
+    result = subprocess.run([*CLI, "voice", "list"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "tts-gateway: set engine.cosyvoice2.model_dir" in result.stderr
+
+
+def test_make_checkpoint_then_voice_add_and_list(tmp_path):
+    """CosyVoice2's commands, which its engine descriptor adds to the CLI."""
+    from .test_cv2_gateway import PROMPT_TEXT, prompt_wav
+
+    model = tmp_path / "model"
+    made = subprocess.run([*CLI, "make-checkpoint", "--size", "tiny", str(model)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip() == str(model)
+    wav = tmp_path / "prompt.wav"
+    wav.write_bytes(prompt_wav())
+    env = {**os.environ, "TTS_GATEWAY__ENGINE__COSYVOICE2__MODEL_DIR": str(model)}
+
+    def voice(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*CLI, "voice", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    added = voice("add", "narrator", "--wav", str(wav), "--text", PROMPT_TEXT)
+    assert added.returncode == 0, added.stderr
+    voice_id = added.stdout.strip()
+    assert (model / "voices" / voice_id / "voice.json").is_file()  # beside the model: voices_dir is unset
+    listed = voice("list")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.startswith(f"{voice_id}  narrator  ")
+    taken = voice("add", "narrator", "--wav", str(wav), "--text", "Other words than those spoken.")
+    assert taken.returncode == 2 and "already exists" in taken.stderr

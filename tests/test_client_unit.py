@@ -1,4 +1,4 @@
-"""The agent client (gateway/client.py) against a throwaway fake gateway.
+"""The agent client (gateway/client/) against a throwaway fake gateway.
 
 The fake speaks just enough of protocol v1 to exercise the client: scripted
 handlers send exact frame sequences; ``echo_gateway`` answers every `text` with
@@ -20,7 +20,8 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import InvalidStatus
 
-from gateway.client import AudioChunk, GatewayError, TTSClient, Word, write_wav
+from gateway.client import AudioChunk, Context, GatewayError, TTSClient, Word, write_wav
+from gateway.wire import CONTEXT_SURVIVING_CODES, SESSION_ENDING_CODES, ErrorCode
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -341,6 +342,58 @@ async def test_audio_header_with_wrong_byte_count_raises_protocol_error():
             with pytest.raises(GatewayError) as raised:
                 await collect(ctx)
     assert raised.value.code == "protocol_error"
+
+
+@contextlib.asynccontextmanager
+async def context_c_answered_with(*frames: dict) -> AsyncIterator[tuple[TTSClient, Context]]:
+    """A session whose context "c" sent "Hello" and got ``frames`` back (an audio frame's
+    ``data`` goes as its binary frame); yields the client and the context."""
+
+    async def answers(ws):
+        await send_json(ws, **READY)
+        await receive_json(ws)  # the context's first text
+        for frame in frames:
+            if frame["type"] == "audio":
+                await send_audio(ws, frame["context_id"], frame["seq"], frame["data"])
+            else:
+                await send_json(ws, **frame)
+        await ws.wait_closed()
+
+    async with fake_gateway(answers) as url:
+        async with TTSClient.connect(url) as tts:
+            ctx = tts.context("c")
+            await ctx.send_text("Hello")
+            yield tts, ctx
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("code", list(ErrorCode))
+async def test_a_context_error_ends_the_context_exactly_when_the_wire_says(code):
+    """The client reads the rule the gateway's protocol follows (gateway/wire.py, tests/test_wire.py)."""
+    async with context_c_answered_with(dict(type="error", code=code, message="no", context_id="c")) as (_, ctx):
+        with pytest.raises(GatewayError) as raised:
+            await collect(ctx)
+        assert raised.value.code == code
+        assert ctx.finished == (code not in CONTEXT_SURVIVING_CODES)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("code", list(ErrorCode))
+async def test_a_session_error_ends_the_session_exactly_when_the_wire_says(code):
+    async with context_c_answered_with(
+        dict(type="error", code=code, message="no", context_id=None),
+        dict(type="audio", context_id="c", seq=0, data=b"after"),
+        dict(type="done", context_id="c", audio_ms=10.0, ttfa_ms=1.0),
+    ) as (tts, ctx):
+        if code in SESSION_ENDING_CODES:
+            with pytest.raises(GatewayError) as raised:
+                await collect(ctx)
+            assert (raised.value.code, raised.value.context_id) == (code, None)
+            with pytest.raises(GatewayError):
+                tts.context("d")
+        else:
+            assert [chunk.data for chunk in await collect(ctx)] == [b"after"]
+            assert tts.last_session_error.code == code
 
 
 @pytest.mark.asyncio

@@ -18,7 +18,7 @@ import torch
 
 from testkit.checkpoint import make_checkpoint
 from engine.cosyvoice2.engine import CosyVoice2Engine
-from engine.settings import CosyVoice2Settings
+from engine.cosyvoice2.settings import CosyVoice2Settings
 from gateway.audio import decode
 from gateway.client import TTSClient
 

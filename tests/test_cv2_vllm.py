@@ -40,7 +40,7 @@ from engine.cosyvoice2.serving.lm.sampling import greedy_sampling, ras_log_probs
 from engine.cosyvoice2.serving.lm.vllm_convert import ARCHITECTURE, convert
 from engine.cosyvoice2.serving.lm.vllm_rounds import RoundRule, RoundTracker, round_request
 from engine.cosyvoice2.modeldir.reading import load_model_configs
-from engine.settings import VLLMSettings
+from engine.cosyvoice2.settings import VLLMSettings
 from tests.reference import randomize_lm
 
 CONFIG = LLMConfig.tiny()
@@ -418,7 +418,7 @@ async def test_teacher_forced_replay_scores_what_the_backend_chose(plain_inputs)
 async def test_the_vllm_backend_asks_for_a_gpu(tiny_dir) -> None:
     from engine.base import EngineError
     from engine.cosyvoice2.engine import CosyVoice2Engine
-    from engine.settings import CosyVoice2Settings
+    from engine.cosyvoice2.settings import CosyVoice2Settings
 
     engine = CosyVoice2Engine(CosyVoice2Settings(model_dir=str(tiny_dir), device="cpu", llm_backend="vllm"))
     with pytest.raises(EngineError, match="needs a CUDA GPU"):

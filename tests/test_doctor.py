@@ -1,4 +1,7 @@
-"""`tts-gateway doctor`: on this CPU machine through the CLI, and its GPU branches with a fake torch and NVML."""
+"""`tts-gateway doctor`: on this CPU machine through the CLI, and its GPU branches with a fake torch and NVML.
+
+The gateway's own checks are in gateway/doctor.py, CosyVoice2's in engine/cosyvoice2/doctor.py
+(run through its descriptor); both are tested here, as the one report a user reads."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine.cosyvoice2 import doctor as cv2_doctor
+from engine.descriptor import Checkup
 from gateway import doctor
 from gateway.config import load_config
 from gateway.doctor import Probe
@@ -38,6 +43,11 @@ def by_name(report: dict) -> dict[str, dict]:
 
 def config_with(**env: str):
     return load_config(None, env={f"TTS_GATEWAY__{key.upper()}": value for key, value in env.items()})
+
+
+def checkup(config, machine: Probe | None = None, environ: dict | None = None) -> Checkup:
+    """What CosyVoice2's checks see under ``config``, on ``machine`` (by default a faked GPU one)."""
+    return doctor.engine_checkup("cosyvoice2", config, machine or probe(), environ or {})
 
 
 # ---------------------------------------------------------------- this CPU machine, through the CLI
@@ -96,7 +106,7 @@ def tiny_model(tmp_path_factory):
 def test_model_dir_missing_llm_pt_fails_naming_it(tiny_model, tmp_path):
     broken = shutil.copytree(tiny_model, tmp_path / "model")
     (broken / "llm.pt").unlink()
-    finding = doctor.check_model_dir(config_with(engine__cosyvoice2__model_dir=str(broken)))
+    finding = cv2_doctor.check_model_dir(checkup(config_with(engine__cosyvoice2__model_dir=str(broken))))
     assert finding.status == "fail" and "missing: llm.pt" in finding.detail and str(broken) in finding.fix
 
 
@@ -104,7 +114,7 @@ def test_model_dir_without_tokenizer_files_fails(tiny_model, tmp_path):
     broken = shutil.copytree(tiny_model, tmp_path / "model")
     for name in ("tokenizer.json", "merges.txt"):
         (broken / "CosyVoice-BlankEN" / name).unlink()
-    finding = doctor.check_model_dir(config_with(engine__cosyvoice2__model_dir=str(broken)))
+    finding = cv2_doctor.check_model_dir(checkup(config_with(engine__cosyvoice2__model_dir=str(broken))))
     assert finding.status == "fail" and "CosyVoice-BlankEN/tokenizer.json" in finding.detail
 
 
@@ -183,16 +193,19 @@ def test_free_vram_below_the_budget_fails_with_the_vllm_backend():
                        engine__cosyvoice2__vllm__token2wav_memory_gb="16")
     # needed: 0.5 * 32 GiB + 16 GiB = 32 GiB; 20 GiB free (another process holds the rest)
     small_card = fake_torch(free=20 * GIB, total=32 * GIB)
-    finding = doctor.check_vram(probe(small_card), vllm)
+    finding = cv2_doctor.check_vram(checkup(vllm, probe(small_card)))
     assert finding.status == "fail" and "needs 32.0 GiB" in finding.detail
     assert "gpu_memory_utilization" in finding.fix
-    assert doctor.check_vram(probe(small_card), config_with()).status == "warn"  # piper selected
-    assert doctor.check_vram(probe(fake_torch(free=40 * GIB, total=141 * GIB)), config_with()).status == "warn"
-    assert doctor.check_vram(probe(fake_torch(free=140 * GIB, total=141 * GIB)), vllm).status == "ok"
+    assert cv2_doctor.check_vram(checkup(config_with(), probe(small_card))).status == "warn"  # piper selected
+    large_card = fake_torch(free=40 * GIB, total=141 * GIB)
+    assert cv2_doctor.check_vram(checkup(config_with(), probe(large_card))).status == "warn"
+    idle_card = fake_torch(free=140 * GIB, total=141 * GIB)
+    assert cv2_doctor.check_vram(checkup(vllm, probe(idle_card))).status == "ok"
 
 
 def test_device_index_beyond_the_visible_gpus_fails():
-    finding = doctor.check_vram(probe(), config_with(engine__name="cosyvoice2", engine__cosyvoice2__device="cuda:3"))
+    config = config_with(engine__name="cosyvoice2", engine__cosyvoice2__device="cuda:3")
+    finding = cv2_doctor.check_vram(checkup(config, probe()))
     assert finding.status == "fail" and "cuda:3" in finding.detail
 
 
@@ -211,28 +224,30 @@ def test_vllm_built_for_another_torch_is_reported(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name])
     monkeypatch.setattr(importlib.metadata, "requires",
                         lambda name: ["torch==2.11.0", "numpy", 'torch==2.11.0; extra == "audio"'])
-    finding = doctor.check_vllm_torch(config_with(engine__name="cosyvoice2", engine__cosyvoice2__llm_backend="vllm"))
+    with_vllm = config_with(engine__name="cosyvoice2", engine__cosyvoice2__llm_backend="vllm")
+    finding = cv2_doctor.check_vllm_torch(checkup(with_vllm))
     assert finding.status == "fail"
     assert "torch==2.11.0" in finding.detail and "2.13.0+cu128" in finding.detail
     assert "pip install 'torch==2.11.0'" in finding.fix
     versions["torch"] = "2.11.0+cu128"
-    assert doctor.check_vllm_torch(config_with()).status == "ok"
+    assert cv2_doctor.check_vllm_torch(checkup(config_with())).status == "ok"
 
 
 def test_vllm_plugin_entry_point_found(monkeypatch):
-    plugin = importlib.metadata.EntryPoint("cosyvoice2", "engine.cosyvoice2.serving.lm.vllm_plugin:register", doctor.PLUGIN_GROUP)
+    plugin = importlib.metadata.EntryPoint("cosyvoice2", "engine.cosyvoice2.serving.lm.vllm_plugin:register",
+                                           cv2_doctor.PLUGIN_GROUP)
     monkeypatch.setattr(importlib.metadata, "entry_points",
-                        lambda group: [plugin] if group == doctor.PLUGIN_GROUP else [])
-    finding = doctor.check_vllm_plugin(config_with())
+                        lambda group: [plugin] if group == cv2_doctor.PLUGIN_GROUP else [])
+    finding = cv2_doctor.check_vllm_plugin(checkup(config_with()))
     assert finding.status == "ok" and "vllm_plugin:register" in finding.detail
 
 
 def test_vllm_plugin_entry_point_missing(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
-    finding = doctor.check_vllm_plugin(config_with())
+    finding = cv2_doctor.check_vllm_plugin(checkup(config_with()))
     assert finding.status == "warn" and "pip install -e ." in finding.fix
     with_vllm = config_with(engine__name="cosyvoice2", engine__cosyvoice2__llm_backend="vllm")
-    assert doctor.check_vllm_plugin(with_vllm).status == "fail"
+    assert cv2_doctor.check_vllm_plugin(checkup(with_vllm)).status == "fail"
 
 
 def test_without_torch_every_check_still_answers():
@@ -256,11 +271,12 @@ def test_mps_daemon_found_missing_or_required(tmp_path):
     mode without it (a failure)."""
     vllm = config_with(engine__name="cosyvoice2", engine__cosyvoice2__llm_backend="vllm")
     environ = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
-    missing = doctor.check_mps(probe(nvml=fake_nvml()), vllm, environ)
+    missing = cv2_doctor.check_mps(checkup(vllm, probe(nvml=fake_nvml()), environ))
     assert missing.status == "warn" and str(tmp_path) in missing.detail and "nvidia-cuda-mps-control -d" in missing.fix
-    exclusive = doctor.check_mps(probe(nvml=fake_nvml(compute_mode=3)), vllm, environ)
+    exclusive = cv2_doctor.check_mps(checkup(vllm, probe(nvml=fake_nvml(compute_mode=3)), environ))
     assert exclusive.status == "fail" and "EXCLUSIVE_PROCESS" in exclusive.detail
     (tmp_path / "control").touch()  # the control daemon's socket
-    assert doctor.check_mps(probe(nvml=fake_nvml(compute_mode=3)), vllm, environ).status == "ok"
-    assert doctor.check_mps(probe(), config_with(), environ).status == "skip"  # piper: one GPU process at most
-    assert doctor.MPS_DEFAULT_PIPE in doctor.check_mps(probe(), vllm, {}).detail
+    assert cv2_doctor.check_mps(checkup(vllm, probe(nvml=fake_nvml(compute_mode=3)), environ)).status == "ok"
+    piper = config_with()
+    assert cv2_doctor.check_mps(checkup(piper, probe(), environ)).status == "skip"  # piper: one GPU process at most
+    assert cv2_doctor.MPS_DEFAULT_PIPE in cv2_doctor.check_mps(checkup(vllm, probe(), {})).detail

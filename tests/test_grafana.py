@@ -57,10 +57,10 @@ async def test_every_dashboard_metric_is_exposed(gateway):
         used |= names
     gpu_used = {name for name in used if name.startswith("tts_gpu_")}
     assert gpu_used - GPU_METRICS == set(), "GPU metric names gateway/gpu_metrics.py does not define"
-    # The CosyVoice2 stages' series: exported by that engine only (gateway/metrics.py names them).
+    # The CosyVoice2 stages' series: exported by that engine only (its descriptor names them).
     engine_used = {name for name in used if name.startswith(("tts_llm_", "tts_token2wav_", "tts_first_audio_",
                                                                "tts_late_chunks_"))}
-    assert engine_used - ENGINE_METRIC_NAMES == set(), "engine metric names gateway/metrics.py does not define"
+    assert engine_used - ENGINE_METRIC_NAMES == set(), "engine metric names no engine descriptor defines"
     assert used - gpu_used - engine_used - exposed == set(), "unknown metric names in the dashboard"
     assert gpu_used, "the dashboard has no GPU panels"
     assert engine_used, "the dashboard has no CosyVoice2 stage panels"

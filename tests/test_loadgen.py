@@ -22,7 +22,7 @@ def test_a_stall_is_placed_by_the_audio_before_it():
     """The playback clock counts a chunk that arrives after the audio ran out as a stall, and
     records how much of the reply had been received before it (which chunk was late)."""
     record = loadgen.Record(1, 0, "full", 10)
-    playback = loadgen._Playback()
+    playback = loadgen.Playback()
     for now, duration_ms in ((0.0, 240), (0.1, 1000), (1.5, 2000), (5.0, 500)):
         playback.add(now, duration_ms, record)
         record.audio_ms += duration_ms
@@ -39,7 +39,7 @@ def test_each_later_chunk_records_the_audio_still_buffered_when_it_arrived():
     records = []
     for arrivals in (((0.0, 240), (0.1, 1000), (1.5, 2000), (5.0, 500), (5.2, 500)), ((0.0, 240), (0.2, 400))):
         record = loadgen.Record(1, 0, "full", 10)
-        playback = loadgen._Playback()
+        playback = loadgen.Playback()
         for now, duration_ms in arrivals:
             playback.add(now, duration_ms, record)
         records.append(record)

@@ -8,8 +8,8 @@ import pytest
 import pytest_asyncio
 
 from engine.base import UnknownVoice, UtteranceOptions
-from engine.piper import PiperEngine
-from engine.settings import PiperSettings
+from engine.piper.engine import PiperEngine
+from engine.piper.settings import PiperSettings
 
 from .conftest import eventually, until
 

@@ -194,6 +194,8 @@ def test_multiple_contexts_have_independent_timelines():
         ("not json", "bad_message"),
         ("[1, 2]", "bad_message"),
         (msg(type="shout", text="x"), "bad_message"),
+        (msg(type=["text"], text="x"), "bad_message"),
+        (msg(type="text", text="x", encoding=["mulaw"]), "unsupported_format"),
         (msg(type="text", text=5), "bad_message"),
         (msg(type="text", text="x", context_id=""), "bad_message"),
         (msg(type="text", text="x", context_id="c" * 129), "bad_message"),

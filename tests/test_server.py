@@ -15,9 +15,10 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from engine.base import AudioChunk, Engine, EngineError, Utterance, UtteranceOptions, Voice
-from gateway.audio import BYTES_PER_SAMPLE, decode
+from gateway.audio import decode
 from gateway.client import TTSClient
 from gateway.server import Gateway
+from gateway.wire import BYTES_PER_SAMPLE
 
 from .conftest import eventually, make_config, running_gateway, until, ws_url
 

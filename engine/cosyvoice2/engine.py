@@ -30,6 +30,7 @@ from engine.base import (
     Utterance,
     UtteranceOptions,
     Voice,
+    drive,
 )
 from engine.cosyvoice2.frontend.voices import UnknownVoiceError, VoiceStore
 from engine.cosyvoice2.model.loading import DTYPES, CosyVoice2Models, load_models
@@ -39,7 +40,7 @@ from engine.cosyvoice2.serving.lm.torch_stage import TorchLMStage
 from engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt
 from engine.cosyvoice2.serving.runner import Token2WavRunner
 from engine.cosyvoice2.serving.scheduler import END, Scheduler
-from engine.settings import CosyVoice2Settings
+from engine.cosyvoice2.settings import CosyVoice2Settings
 from engine.text import TextNormalizer
 
 log = logging.getLogger(__name__)
@@ -135,11 +136,11 @@ class CosyVoice2Engine(Engine):
 
     async def _warm_up(self) -> None:
         """Speak one short line end to end so the first real request pays no start-up cost."""
-        utterance = self.open_utterance(UtteranceOptions(self.default_voice))
-        utterance.push_text("Hello.")
-        utterance.end_input()
-        async for _chunk in utterance:
+
+        async def discard(_chunk: AudioChunk) -> None:
             pass
+
+        await drive(self.open_utterance(UtteranceOptions(self.default_voice)), discard, text="Hello.")
 
     async def close(self) -> None:
         for utterance in list(self._utterances):
@@ -151,9 +152,7 @@ class CosyVoice2Engine(Engine):
 
     @property
     def voices_dir(self) -> Path:
-        if self.settings.voices_dir:
-            return Path(self.settings.voices_dir)
-        return Path(self.settings.model_dir) / "voices"
+        return self.settings.voices_path
 
     # ------------------------------------------------------------ voices
 

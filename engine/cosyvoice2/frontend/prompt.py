@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from engine.cosyvoice2.frontend import features
+from engine.cosyvoice2.modeldir.layout import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE, TOKENIZER_DIR
 
 __all__ = [
     "TOKENIZER_SPECIALS",
@@ -61,9 +62,6 @@ TOKENIZER_SPECIALS: dict[str, Any] = {
     ],
 }
 
-TOKENIZER_DIR = "CosyVoice-BlankEN"
-SPEECH_TOKENIZER_FILE = "speech_tokenizer_v2.onnx"
-CAMPPLUS_FILE = "campplus.onnx"
 TOKENIZER_RATE = 16000  # speech tokenizer and speaker encoder input rate
 MAX_TOKENIZER_SECONDS = 30.0  # the released speech tokenizer refuses longer input
 

@@ -33,15 +33,9 @@ from typing import Any
 
 import torch
 
+from engine.cosyvoice2.modeldir.layout import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE, TOKENIZER_DIR, VOICE_MANIFEST
 from engine.cosyvoice2.modeldir.staging import staged_directory
-from engine.cosyvoice2.frontend.prompt import (
-    CAMPPLUS_FILE,
-    SPEECH_TOKENIZER_FILE,
-    TOKENIZER_DIR,
-    CosyVoice2Frontend,
-    PreparedVoice,
-    PromptTextError,
-)
+from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend, PreparedVoice, PromptTextError
 
 __all__ = [
     "VoiceStoreError",
@@ -53,7 +47,6 @@ __all__ = [
     "model_fingerprint",
 ]
 
-MANIFEST = "voice.json"
 TENSORS = "tensors.pt"
 PROMPT = "prompt.wav"
 FORMAT_VERSION = 1
@@ -224,7 +217,7 @@ class VoiceStore:
             if existing is not None and existing.get("model") == self.model_id:
                 if existing.get("name") != name or existing.get("language") != language:
                     existing.update(name=name, language=language)
-                    self._write_json(self.directory / voice_id / MANIFEST, existing)
+                    self._write_json(self.directory / voice_id / VOICE_MANIFEST, existing)
                 return voice_id
         prepared = self.frontend.prepare_wav(bytes(wav_bytes), prompt_text)
         manifest = {
@@ -339,7 +332,7 @@ class VoiceStore:
         return None
 
     def _read_manifest(self, voice_id: str) -> dict[str, Any] | None:
-        path = self.directory / voice_id / MANIFEST
+        path = self.directory / voice_id / VOICE_MANIFEST
         try:
             manifest = json.loads(path.read_text(encoding="utf-8"))
         except (FileNotFoundError, NotADirectoryError):
@@ -369,7 +362,7 @@ class VoiceStore:
         with staged_directory(self.directory / voice_id) as staging:
             torch.save({k: v.contiguous().clone() for k, v in prepared.tensors().items()}, staging / TENSORS)
             (staging / PROMPT).write_bytes(wav)
-            self._write_json(staging / MANIFEST, manifest)
+            self._write_json(staging / VOICE_MANIFEST, manifest)
 
 
 def _looks_like_id(text: str) -> bool:

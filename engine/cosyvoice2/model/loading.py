@@ -1,8 +1,7 @@
 """Load an official CosyVoice2 model directory into our modules.
 
-The directory is what users bring (or what ``tts-gateway make-checkpoint`` writes):
-``cosyvoice2.yaml``, ``llm.pt``, ``flow.pt``, ``hift.pt``, ``campplus.onnx``,
-``speech_tokenizer_v2.onnx`` and ``CosyVoice-BlankEN/``. Every state dict loads strictly.
+The directory is what users bring (or what ``tts-gateway make-checkpoint`` writes), laid
+out as :mod:`engine.cosyvoice2.modeldir.layout` says. Every state dict loads strictly.
 """
 
 from __future__ import annotations
@@ -16,30 +15,12 @@ from engine.cosyvoice2.model.flow import Flow
 from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
 from engine.cosyvoice2.model.hift import HiFT
 from engine.cosyvoice2.model.llm import CosyVoice2LM
+from engine.cosyvoice2.modeldir.layout import ModelDirError, missing_files
 from engine.cosyvoice2.modeldir.reading import ModelConfigs, load_model_configs
-
-REQUIRED_FILES = (
-    "cosyvoice2.yaml",
-    "llm.pt",
-    "flow.pt",
-    "hift.pt",
-    "campplus.onnx",
-    "speech_tokenizer_v2.onnx",
-    "CosyVoice-BlankEN/config.json",
-)
 
 
 # Precisions a user can ask for by name (config, benchmarks).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelDirError(ValueError):
-    """The model directory is missing or incomplete; the message says what to fix."""
-
-
-def missing_files(model_dir: str | Path) -> list[str]:
-    root = Path(model_dir)
-    return [name for name in REQUIRED_FILES if not (root / name).is_file()]
 
 
 @dataclass

@@ -21,7 +21,7 @@ from engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 from engine.cosyvoice2.serving.lm.stage import LMStage
 from engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
 from engine.cosyvoice2.serving.scheduler import FIRST_LANE_MAX_BATCH
-from engine.settings import CosyVoice2Settings
+from engine.cosyvoice2.settings import CosyVoice2Settings
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def device_of(name: str) -> torch.device:
 
 async def start_vllm_stage(settings: CosyVoice2Settings) -> LMStage:
     """Convert the LM for vLLM (cached beside the model), start it and warm every batch shape."""
-    from engine.cosyvoice2.model.loading import missing_files
+    from engine.cosyvoice2.modeldir.layout import missing_files
     from engine.cosyvoice2.modeldir.reading import load_model_configs
     from engine.cosyvoice2.serving.lm.vllm_convert import convert
     from engine.cosyvoice2.serving.lm.vllm_stage import VLLMLMStage

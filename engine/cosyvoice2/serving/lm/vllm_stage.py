@@ -34,7 +34,7 @@ from engine.cosyvoice2.serving.lm.planner import BistreamPlanner, Chunk, offline
 from engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
 from engine.cosyvoice2.modeldir.configs import SamplingConfig
 from engine.cosyvoice2.serving.lm.vllm_rounds import RoundRequest, RoundTracker, round_request
-from engine.settings import VLLMSettings
+from engine.cosyvoice2.settings import VLLMSettings
 
 log = logging.getLogger(__name__)
 

