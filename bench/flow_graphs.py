@@ -18,7 +18,7 @@ work per solve does not depend on the weights), and for every batch size:
 Rows have different lengths (row r is ``--frames`` - (7 r mod 50) frames), so frame and
 batch padding are both exercised. On a machine without CUDA the graph part is skipped
 (said in the output and the JSON); the eager and padded-eager parts still run, which is
-the smoke test (tests/test_cv2_flow_graphs.py).
+the smoke test (tests/bench/test_benches.py).
 
     python bench/flow_graphs.py --size full --device cuda --dtype bfloat16 --batches 1,8,32,64,128 --json out.json
     python bench/flow_graphs.py --size tiny --device cpu --batches 1,3 --frames 60 --repeats 1

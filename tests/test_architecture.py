@@ -15,8 +15,8 @@ from functools import cache
 from pathlib import Path
 
 from engine.registry import ENGINES
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("gateway", "engine", "testkit")
 # What a module the gateway reads on any machine must not pull in, through any of our modules.
 HEAVY = frozenset({"torch", "numpy", "transformers"})

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 CLIENT_MODULES = ("gateway.wire", "gateway.client", "gateway.loadgen")
 # What the server and cosyvoice2 extras bring (and matplotlib, bench's extra, which the load
 # generator imports for --plots only), and the engines' own code.

@@ -27,7 +27,7 @@ stack and 50 frames after the x2 upsampling, both counted from token 0 of
 final flag (``finalize=False``) the last 3 tokens are held back as look-ahead for
 the look-ahead conv instead of being encoded.
 
-Chunk causality (measured in tests/test_cv2_flow_encoder.py on the official flow
+Chunk causality (measured in tests/engine/cosyvoice2/model/test_flow_encoder.py on the official flow
 with random weights). With ``streaming=True`` and ``finalize=False``, appending tokens
 leaves the output of every *complete* chunk unchanged: max abs difference <= 2e-6
 (float rounding of longer matmuls; outputs are of order 4), because every part is

@@ -23,7 +23,7 @@ streaming flag). A call is padded up to its bucket, exactly:
   takes the "sees every key" attention rule, harmless, but a copy of real data keeps
   every row an ordinary one. Rows are independent; the copies are cut off.
 
-``solve_padded`` is that padded solve run eagerly: the CPU tests (tests/test_cv2_flow_graphs.py)
+``solve_padded`` is that padded solve run eagerly: the CPU tests (tests/engine/cosyvoice2/serving/test_flow_graphs.py)
 prove it equals the unpadded solve, and that ``step_program`` run eagerly equals the
 padded solve bit for bit. The graphs run that very computation, captured; that a replay
 equals the eager solve is checked only on a GPU, by bench/flow_graphs.py (graph vs eager

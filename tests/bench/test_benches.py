@@ -1,0 +1,81 @@
+"""The benchmarks' CPU paths run (smoke tests): each script measures, reports JSON and puts
+back what it changed. Their numbers come from the GPU (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import flow_graphs as bench_flow_graphs
+from bench import flow_profile as bench_flow_profile
+from bench import gpu_sharing as bench_gpu_sharing
+from bench import sdpa_choice as bench_sdpa_choice
+
+
+def test_bench_flow_graphs_smoke_cpu(tmp_path, capsys) -> None:
+    """bench/flow_graphs.py runs on CPU (tiny model, bf16 vs float32), skipping graphs with a note."""
+    out = tmp_path / "flow_graphs.json"
+    report = bench_flow_graphs.main(
+        ["--size", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--batches", "1,3,4", "--frames", "60",
+         "--repeats", "1", "--json", str(out)]
+    )
+    assert bench_flow_graphs.NO_CUDA_NOTE in capsys.readouterr().out
+    assert json.loads(out.read_text()) == report
+    assert report["note"] == bench_flow_graphs.NO_CUDA_NOTE
+    assert [row["batch"] for row in report["results"]] == [1, 3, 4]
+    for row in report["results"]:
+        assert "graph_ms" not in row
+        assert row["eager_ms"] > 0
+        assert row["bucket"] == [1 if row["batch"] == 1 else 4, 100]  # batch buckets 1, 2, 4
+        assert row["fp32_max_abs"] > 0.1
+        assert 0 < row["eager_vs_fp32_rel"] < 0.1  # bf16 rounding, not a broken solve
+        # padding changes matmul shapes, hence bf16 rounding: small, but not necessarily 0
+        assert row["padded_eager_vs_eager_max_abs"] < 0.1 * row["fp32_max_abs"]
+
+
+def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
+    """bench/flow_profile.py runs on CPU; the decoder's bias gives the boolean mask's mel exactly,
+    and the script puts the decoder back as it was."""
+    from engine.cosyvoice2.model import estimator
+
+    shipped = estimator.attention_bias
+    out = tmp_path / "profile.json"
+    report = bench_flow_profile.main(
+        ["--size", "tiny", "--device", "cpu", "--shapes", "2x60", "--variants", "bool,bias", "--repeats", "1",
+         "--json", str(out)]
+    )
+    assert json.loads(out.read_text()) == report
+    (shape,) = report["shapes"]
+    assert (shape["rows"], shape["frames"]) == (2, 60)
+    assert shape["variants"]["bool"]["graph_ms"] > 0
+    assert shape["variants"]["bias"]["max_abs_vs_bool"] == 0.0
+    assert estimator.attention_bias is shipped
+
+
+def test_bench_gpu_sharing_smoke_cpu(tmp_path) -> None:
+    """bench/gpu_sharing.py runs each mode on CPU (eager solves): one worker, two worker
+    processes started together, two threads; each worker reports its own rate."""
+    report = bench_gpu_sharing.main(["--device", "cpu", "--size", "tiny", "--shapes", "1x60", "--seconds", "0.5",
+                                     "--json", str(tmp_path / "sharing.json")])
+    modes = report["shapes"][0]["modes"]
+    assert list(modes) == ["alone", "two_processes", "two_streams"]
+    assert [len(modes[mode]["workers"]) for mode in modes] == [1, 2, 2]
+    for mode in modes.values():
+        assert all(w["solves_per_s"] > 0 and w["median_ms"] > 0 for w in mode["workers"])
+        assert mode["solves_per_s"] == pytest.approx(sum(w["solves_per_s"] for w in mode["workers"]), abs=0.02)
+    assert json.loads((tmp_path / "sharing.json").read_text()) == report
+
+
+def test_bench_sdpa_choice_smoke_cpu(tmp_path) -> None:
+    """bench/sdpa_choice.py on CPU: SDPA's choice and a timing for every case, the key frames of
+    a prefix case counting the prefix; the cuDNN probe is GPU-only."""
+    report = bench_sdpa_choice.main(["--device", "cpu", "--repeats", "1", "--json", str(tmp_path / "sdpa.json")])
+    assert len(report["cases"]) == 2 * len(bench_sdpa_choice.CASES)
+    expected = [(*case, aligned) for case in bench_sdpa_choice.CASES for aligned in (False, True)]
+    for case, (layout, rows, frames, prefix, aligned) in zip(report["cases"], expected):
+        assert (case["layout"], case["rows"], case["key_frames"]) == (layout, rows, prefix + frames)
+        assert case["aligned_bias"] is aligned
+        assert hasattr(bench_sdpa_choice.SDPBackend, case["choice"]) and case["choice_ms"] > 0
+        assert "cudnn_ms" not in case
+    assert json.loads((tmp_path / "sdpa.json").read_text()) == report

@@ -1,0 +1,207 @@
+"""The CPU-checkable parts of bench/gpu_check.py: reading the gateway's metrics and the
+per-level stage report (the GPU run itself is in bench/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.paths import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_check  # noqa: E402
+
+METRICS = """\
+# HELP tts_llm_steps_total LLM engine steps.
+tts_llm_steps_total{engine="cosyvoice2"} 100.0
+tts_llm_generated_tokens_total{engine="cosyvoice2"} 400.0
+tts_llm_inter_token_seconds_total{engine="cosyvoice2"} 2.0
+tts_llm_inter_tokens_total{engine="cosyvoice2"} 400.0
+tts_token2wav_batches_total{engine="cosyvoice2"} 10.0
+tts_token2wav_chunks_total{engine="cosyvoice2"} 40.0
+tts_token2wav_busy_seconds_total{engine="cosyvoice2"} 5.0
+tts_token2wav_flow_row_frames_first_total{engine="cosyvoice2"} 1000.0
+tts_token2wav_flow_row_frames_later_total{engine="cosyvoice2"} 5000.0
+tts_token2wav_flow_padded_row_frames_total{engine="cosyvoice2"} 8000.0
+tts_token2wav_calls_first_total{engine="cosyvoice2"} 4.0
+tts_token2wav_call_seconds_first_total{engine="cosyvoice2"} 0.4
+tts_token2wav_calls_later_total{engine="cosyvoice2"} 6.0
+tts_token2wav_call_seconds_later_total{engine="cosyvoice2"} 4.0
+tts_first_audio_chunks_total{engine="cosyvoice2"} 4.0
+tts_first_audio_llm_first_token_seconds_total{engine="cosyvoice2"} 0.08
+tts_first_audio_token2wav_run_seconds_total{engine="cosyvoice2"} 0.4
+tts_late_chunks_token2wav_bound_total{engine="cosyvoice2"} 3.0
+tts_event_loop_lag_seconds_bucket{le="0.005"} 90.0
+tts_event_loop_lag_seconds_bucket{le="0.02"} 99.0
+tts_event_loop_lag_seconds_bucket{le="0.1"} 100.0
+tts_event_loop_lag_seconds_count 100.0
+tts_event_loop_lag_seconds_sum 0.3
+tts_sessions_total 7.0
+"""
+
+
+def test_metrics_are_read_with_histogram_buckets():
+    values = gpu_check.parse_metrics(METRICS)
+    assert values["tts_llm_steps_total"] == 100.0
+    assert values["tts_event_loop_lag_seconds_bucket@0.02"] == 99.0
+    assert values["tts_event_loop_lag_seconds_count"] == 100.0
+    assert "tts_sessions_total" not in values  # not a stage series
+
+
+def test_stage_report_is_the_change_over_the_level():
+    after = gpu_check.parse_metrics(METRICS)
+    before = {name: value / 2 for name, value in after.items()}  # half of it happened before the level
+    report = gpu_check.stage_report(before, after, elapsed=10.0)
+    assert report["llm_steps"] == 50 and report["llm_tokens_per_step"] == 4.0
+    assert report["llm_inter_token_ms"] == 5.0
+    assert report["token2wav_busy_ratio"] == 0.25 and report["token2wav_mean_batch"] == 4.0
+    assert report["first_audio_ms"]["llm_first_token"] == 20.0
+    assert report["first_audio_ms"]["token2wav_run"] == 100.0
+    assert report["first_audio_ms"]["llm_chunk"] == 0.0  # not exported in this sample: no time booked
+    assert report["late_chunks_token2wav_bound"] == 1.5
+    assert report["event_loop_lag_mean_ms"] == 3.0
+    assert report["token2wav_flow_padded_row_frames"] == 4000.0
+    assert report["token2wav_flow_padding_share"] == 0.25  # 3000 of 4000 row-frames needed
+    assert report["event_loop_lag_share_over_s"] == {"0.005": 0.1, "0.02": 0.01, "0.1": 0.0}
+    assert report["call_ms_by_kind"] == {"first": 100.0, "later": 666.7, "final": None}
+    assert report["row_frames_per_call_s_by_kind"] == {"first": 2500.0, "later": 1250.0, "final": None}
+
+
+def test_stack_sampler_reports_where_each_thread_is(tmp_path):
+    """bench/stack_sampler.py: the profile gpu_check takes per level names the busy function."""
+    import json
+    import threading
+    import time
+
+    import stack_sampler
+
+    def spin_here(stop: threading.Event) -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    out = tmp_path / "profile.json"
+    sampler = stack_sampler.Sampler(out)
+    threading.Thread(target=sampler.run, daemon=True).start()
+    stop = threading.Event()
+    worker = threading.Thread(target=spin_here, args=(stop,), name="busy-worker")
+    worker.start()
+    time.sleep(0.5)
+    stop.set()
+    worker.join()
+    sampler.dump()
+    report = json.loads(out.read_text())
+    thread = report["threads"]["busy-worker"]
+    assert thread["samples"] >= 10
+    assert any(where.startswith("spin_here (tests/bench/test_gpu_check.py") for where, _ in thread["inclusive"])
+    time.sleep(0.05)
+    sampler.dump()  # counts start afresh after each dump (and the worker has ended)
+    assert "busy-worker" not in json.loads(out.read_text())["threads"]
+
+
+def test_a_level_starts_once_the_gateway_is_idle(monkeypatch):
+    busy = [{"tts_engine_running": 1.0}, {"tts_engine_utterances": 3.0}, {"tts_engine_queue_depth": 0.0}]
+    scrapes = []
+    monkeypatch.setattr(gpu_check, "scrape", lambda url: scrapes.append(url) or busy[min(len(scrapes), 3) - 1])
+    monkeypatch.setattr(gpu_check.time, "sleep", lambda seconds: None)
+    gpu_check.wait_idle("http://gateway/metrics")
+    assert len(scrapes) == 3  # busy, busy, idle
+    scrapes.clear()
+    busy[2] = {"tts_engine_running": 1.0}
+    assert gpu_check.wait_idle("http://gateway/metrics", timeout=0.2) >= 0.2  # never idle: gives up
+
+
+def test_the_kernel_profile_repeats_the_largest_whole_reply_level():
+    assert gpu_check.kernel_profile_level([("full-barge-in", 1), ("full", 64), ("full", 16), ("llm", 256)]) == ("full", 64)
+    assert gpu_check.kernel_profile_level([("full-barge-in", 1), ("llm", 16), ("llm", 128)]) == ("llm", 128)
+
+
+def test_stall_free_capacity_by_workload_and_start_spread():
+    def level(workload, sessions, spread, stall_free):
+        return {"workload": workload, "sessions": sessions, "start_spread_s": spread, "stall_free": stall_free}
+
+    levels = [level("full", 1, 0.5, True), level("full", 1, 5.0, True), level("full", 16, 0.5, False),
+              level("full", 16, 5.0, True), level("llm", 16, 0.5, False), level("llm", 16, 5.0, False)]
+    assert gpu_check.stall_free_capacity(levels, by_spread=True) == {
+        "full@0.5s": 1, "full@5s": 16, "llm@0.5s": None, "llm@5s": None}
+    assert gpu_check.stall_free_capacity(levels, by_spread=False) == {"full": 16, "llm": None}
+    assert gpu_check.float_list("0.5,5") == [0.5, 5.0]
+
+
+FAKE_MPS_CONTROL = """#!/usr/bin/env bash
+# Stands in for nvidia-cuda-mps-control: records how it was called; answers the queries
+# bench/gpu_check.py makes as a daemon with one server (pid 10) and its two clients would.
+request=$(if [ "$#" -eq 0 ]; then cat; fi)
+echo "${*:-$request} pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "$MPS_CALLS"
+case "$request" in
+  get_server_list) echo 10 ;;
+  "get_client_list 10") printf '21\\n22\\n' ;;
+esac
+"""
+
+
+def test_with_mps_runs_the_command_between_the_daemon_start_and_quit(tmp_path):
+    """bench/with_mps.sh starts the MPS control daemon with private folders, runs the command
+    as its client (gpu_check reads the server's clients), quits the daemon even when the
+    command fails, and exits with the command's status."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    control = bin_dir / "nvidia-cuda-mps-control"
+    control.write_text(FAKE_MPS_CONTROL)
+    control.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    pipe = tmp_path / "pipe"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MPS_CALLS": str(calls), "OUT": str(tmp_path),
+           "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "log")}
+    bench = ROOT / "bench"
+    probe = tmp_path / "probe.py"  # a command that reads the server's clients, then fails
+    probe.write_text(f"import sys\nsys.path.insert(0, {str(bench)!r})\nimport gpu_check\n"
+                     "print(gpu_check.mps_clients())\nsys.exit(3)\n")
+    result = subprocess.run(["bash", str(bench / "with_mps.sh"), sys.executable, str(probe)], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert result.stdout.strip() == "{'10': ['21', '22']}"
+    assert calls.read_text().splitlines() == [
+        f"-d pipe={pipe}", f"get_server_list pipe={pipe}", f"get_client_list 10 pipe={pipe}", f"quit pipe={pipe}",
+    ]
+    assert pipe.is_dir() and "no MPS control log" in result.stderr  # the fake daemon writes no logs
+    env.pop("CUDA_MPS_PIPE_DIRECTORY")
+    without = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=60)
+    assert without.stdout.strip() == "None"
+
+
+def test_kernel_summary_orders_kernels_by_gpu_time():
+    """stack_sampler.kernel_summary: kernels by GPU time, most first; rows without any are ops."""
+    from types import SimpleNamespace
+
+    import stack_sampler
+
+    averages = [SimpleNamespace(key="aten::mm", count=5, self_device_time_total=0.0),
+                SimpleNamespace(key="gemm_kernel", count=5, self_device_time_total=3000.0),
+                SimpleNamespace(key="flash_attn_kernel", count=2, self_device_time_total=7000.0)]
+    assert stack_sampler.kernel_summary(averages, 2.0) == {
+        "seconds": 2.0, "kernel_seconds": 0.01, "kernels": [["flash_attn_kernel", 2, 7.0], ["gemm_kernel", 5, 3.0]],
+    }
+
+
+def test_kernel_profiler_is_toggled_by_its_signal(tmp_path):
+    """The first toggle starts the profiler on its own thread, the next writes the summary
+    (on a CPU: that thread's own ops, none here)."""
+    import json
+    import threading
+    import time
+
+    import stack_sampler
+
+    out = tmp_path / "profile.kernels.json"
+    profiler = stack_sampler.KernelProfiler(out, cuda=False)
+    threading.Thread(target=profiler.run, daemon=True).start()
+    profiler.toggle()
+    time.sleep(0.2)
+    profiler.toggle()
+    for _ in range(100):
+        if out.exists():
+            break
+        time.sleep(0.1)
+    report = json.loads(out.read_text())
+    assert report["seconds"] >= 0.2 and report["kernels"] == [] and report["kernel_seconds"] == 0

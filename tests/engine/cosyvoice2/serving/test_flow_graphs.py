@@ -1,0 +1,266 @@
+"""Shape bucketing of the flow solve for CUDA graphs (engine/cosyvoice2/serving/flow_graphs.py), on CPU.
+
+These tests prove that padding a solve to its bucket is exact (the padded eager solve
+equals the unpadded one), that the program a graph captures (one Euler step at a device
+step counter, replayed once per step) computes the eager solve bit for bit, and that the
+captured region has no host reads. They do not run CUDA graphs: that a graph replay equals
+the eager solve is checked on a GPU by bench/flow_graphs.py, whose CPU path (no graphs) is
+smoke-tested in tests/bench/test_benches.py, and by the gateway at start-up.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
+from engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, solve_after_prefix
+from engine.cosyvoice2.modeldir.configs import CFMConfig
+from engine.cosyvoice2.serving.buckets import FlowBuckets, GraphKey, pad_inputs, pad_rows
+from engine.cosyvoice2.serving.flow_graphs import solve_after_padded, solve_padded, step_program
+from tests.reference import randomize
+
+LENGTHS = [110, 57, 81]  # 3 rows -> batch bucket 4; 110 frames -> frame bucket 150
+PROMPTS = [36, 20, 0]
+
+
+@pytest.fixture(scope="module")
+def cfm() -> CFM:
+    return randomize(CFM(CFMConfig.tiny()), seed=1, spread=0.1)
+
+
+def batch_inputs(lengths: list[int], prompts: list[int], seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mu, mask, spks, cond of rows with different lengths, zero-padded to the longest (as Flow builds them)."""
+    generator = torch.Generator().manual_seed(seed)
+    longest = max(lengths)
+    mask = (torch.arange(longest) < torch.tensor(lengths)[:, None])[:, None, :].float()
+    mu = torch.randn(len(lengths), 80, longest, generator=generator) * mask
+    cond = torch.zeros(len(lengths), 80, longest)
+    for row, prompt in enumerate(prompts):
+        cond[row, :, :prompt] = torch.randn(80, prompt, generator=generator)
+    spks = torch.randn(len(lengths), 80, generator=generator)
+    return mu, mask, spks, cond
+
+
+def max_err(a: Tensor, b: Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def test_flow_buckets() -> None:
+    buckets = FlowBuckets.up_to(max_batch=24, max_frames=420, frame_step=50)
+    assert buckets.batches == (1, 2, 4, 8, 16, 24)
+    assert FlowBuckets.up_to(max_batch=16, max_frames=50).batches == (1, 2, 4, 8, 16)
+    assert buckets.max_frame_bucket == 450
+    assert buckets.frame_buckets() == [50, 100, 150, 200, 250, 300, 350, 400, 450]
+    assert buckets.key(3, 110, True) == GraphKey(4, 150, True)
+    assert buckets.key(1, 50, False) == GraphKey(1, 50, False)
+    assert buckets.key(17, 1, True) == GraphKey(24, 50, True)
+    assert buckets.covers(buckets.key(24, 450, True))
+    assert not buckets.covers(buckets.key(25, 100, True))  # more rows than the largest bucket
+    assert not buckets.covers(buckets.key(8, 451, True))  # longer than the largest frame bucket
+    with pytest.raises(ValueError):
+        FlowBuckets((1, 4, 2), 50, 100)
+
+
+def test_wide_frame_buckets_are_coarser() -> None:
+    """Every frame_step up to 12 steps; beyond, the step doubles as the width does, so a
+    wide call pads by at most ~1/6 of its frames."""
+    buckets = FlowBuckets.up_to(max_batch=64, max_frames=3000, frame_step=100)
+    assert buckets.frame_buckets() == [*range(100, 1300, 100), 1400, 1600, 1800, 2000, 2200, 2400, 2800, 3200]
+    assert buckets.max_frame_bucket == 3200
+    assert buckets.key(1, 1201, True).frames == 1400 and buckets.key(1, 2401, True).frames == 2800
+    assert buckets.covers(buckets.key(1, 3200, True)) and not buckets.covers(buckets.key(1, 3201, True))
+    for frames in range(1, 3201):
+        bucket = buckets.frame_bucket(frames)
+        assert frames <= bucket and (bucket - frames) <= max(100, bucket / 6), frames
+
+
+def test_graph_keys_within_a_row_frame_budget() -> None:
+    buckets = FlowBuckets.up_to(max_batch=64, max_frames=3000, frame_step=100)
+    keys = buckets.keys(buckets.batches, buckets.frame_buckets(), [True], max_row_frames=13000)
+    assert all(key.batch == 1 or key.batch * key.frames <= 13000 for key in keys)
+    assert {key.batch for key in keys if key.frames == 100} == {1, 2, 4, 8, 16, 32, 64}
+    assert {key.batch for key in keys if key.frames == 3200} == {1, 2, 4}
+    assert len(keys) == 88
+    assert len(buckets.keys(buckets.batches, buckets.frame_buckets(), [True])) == 7 * 20
+    with pytest.raises(ValueError):
+        buckets.keys([128], [100], [True])  # more rows than the largest batch bucket
+
+
+def test_pad_inputs_repeats_a_real_row_and_masks_padding_frames() -> None:
+    mu, mask, spks, cond = batch_inputs(LENGTHS, PROMPTS, seed=2)
+    padded = pad_inputs(mu, mask, spks, cond, batch=5, frames=150)
+    assert [tuple(t.shape) for t in padded] == [(5, 80, 150), (5, 1, 150), (5, 80), (5, 80, 150)]
+    for original, extended in zip((mu, mask, spks, cond), padded):
+        if original.dim() == 3:
+            assert torch.equal(extended[:3, :, :110], original)
+            assert not extended[:3, :, 110:].any()  # padding frames: zeros, mask 0
+            assert torch.equal(extended[3:, :, :110], original[:1].expand(2, -1, -1))
+        else:
+            assert torch.equal(extended[:3], original)
+            assert torch.equal(extended[3:], original[:1].expand(2, -1))
+    with pytest.raises(ValueError):
+        pad_inputs(mu, mask, spks, cond, batch=2, frames=150)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_padded_solve_equals_unpadded(cfm, streaming) -> None:
+    """The solve padded to its bucket (4 rows x 150 frames) equals the unpadded batched solve
+    and each row solved alone (float32, max abs diff <= 1e-5; mel values up to ~5)."""
+    mu, mask, spks, cond = batch_inputs(LENGTHS, PROMPTS, seed=3)
+    buckets = FlowBuckets.up_to(max_batch=8, max_frames=300)
+    with torch.inference_mode():
+        padded = solve_padded(cfm, buckets, mu, mask, spks, cond, streaming)
+        unpadded = cfm(mu, mask, spks, cond, streaming)
+        assert unpadded.abs().max() > 1.0  # not a degenerate comparison
+        assert max_err(padded, unpadded) <= 1e-5
+        for row, length in enumerate(LENGTHS):
+            alone = cfm(mu[row : row + 1, :, :length], mask[row : row + 1, :, :length], spks[row : row + 1],
+                        cond[row : row + 1, :, :length], streaming)
+            assert max_err(padded[row : row + 1, :, :length], alone) <= 1e-5, row
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_real_frames_do_not_see_padding_frames(cfm, streaming) -> None:
+    """Padding frames (mask 0) may hold anything: the real frames' mel does not change.
+
+    Stronger than zero padding: causal convolutions, key-masked attention and per-frame
+    layers keep every real frame independent of the frames after a row's end.
+    """
+    mu, mask, spks, cond = batch_inputs([57], [20], seed=4)
+    generator = torch.Generator().manual_seed(5)
+    frames = 150
+    junk_mu, junk_cond = (10 * torch.randn(1, 80, frames, generator=generator) for _ in range(2))
+    junk_mu[:, :, :57], junk_cond[:, :, :57] = mu, cond
+    padded_mask = torch.nn.functional.pad(mask, (0, frames - 57))
+    with torch.inference_mode():
+        clean = cfm(mu, mask, spks, cond, streaming)
+        with_junk = cfm(junk_mu, padded_mask, spks, junk_cond, streaming)
+    assert max_err(with_junk[:, :, :57], clean) <= 1e-5
+
+
+def test_cfm_solve_runs_without_host_sync() -> None:
+    """The region a graph captures (CFM.forward with the default noise: time grid, 10 Euler
+    steps, CFG, masks) runs on the meta device, so it reads no tensor data on the host
+    (no .item(), .tolist(), nonzero or data-dependent shapes)."""
+    cfm = CFM(CFMConfig.tiny()).to("meta").eval()
+    mu, cond = torch.zeros(4, 80, 150, device="meta"), torch.zeros(4, 80, 150, device="meta")
+    for streaming in (True, False):
+        mel = cfm(mu, torch.ones(4, 1, 150, device="meta"), torch.zeros(4, 80, device="meta"), cond, streaming,
+                  noise=cfm.noise)
+        assert mel.shape == (4, 80, 150) and mel.dtype == torch.float32
+
+
+def solve_by_steps(cfm: CFM, key: GraphKey, inputs: tuple[Tensor, ...], bank: PrefixBank | None = None) -> Tensor:
+    """A solve as the graphs of ``key`` run it, eagerly: ``start``, then the Euler step
+    ``N_TIMESTEPS`` times, all on static tensors; returns x (the mel, in the model's dtype)."""
+    mu = inputs[0]
+    x = mu.new_zeros(key.batch, 80, key.frames)
+    step = torch.zeros(1, dtype=torch.long, device=mu.device)
+    start, euler_step = step_program(cfm, key, inputs, x, step, cfm.step_times(N_TIMESTEPS, mu.device, mu.dtype), bank)
+    start()
+    for _ in range(N_TIMESTEPS):
+        euler_step()
+    return x
+
+
+def prefix_bank(cfm: CFM, like: Tensor) -> PrefixBank:
+    """A bank of 3 slots, 150 frames: the first voice of ``like``'s rows (100 frames) in slot 2 and
+    the second (50 frames) in slot 0; slot 1 empty."""
+    mu, _, spks, cond = batch_inputs([200, 200], [200, 200], seed=6)
+    mu, spks, cond = mu.to(like), spks.to(like), cond.to(like)
+    bank = PrefixBank(cfm, 3, 150, mu)
+    bank.put(2, decoder_prefix(cfm, mu[:1], spks[:1], cond[:1], 100))
+    bank.put(0, decoder_prefix(cfm, mu[1:], spks[1:], cond[1:], 50))
+    return bank
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("streaming", [True, False, "after_prefix"])
+def test_step_program_is_the_eager_solve(cfm, streaming, dtype) -> None:
+    """The Euler step a graph captures, run once per step from ``start`` with the step read
+    from a device counter, gives the padded eager solve bit for bit (streaming, full
+    attention, and after voice prefixes; float32 and bfloat16)."""
+    model = CFM(CFMConfig.tiny())
+    model.load_state_dict(cfm.state_dict())
+    model = model.to(dtype)
+    mu, mask, spks, cond = (t.to(dtype) for t in batch_inputs(LENGTHS, PROMPTS, seed=8))
+    buckets = FlowBuckets.up_to(max_batch=8, max_frames=300)
+    after_prefix = streaming == "after_prefix"
+    key = buckets.key(len(LENGTHS), mu.shape[2], streaming is not False, after_prefix)
+    with torch.inference_mode():
+        if after_prefix:
+            bank = prefix_bank(model, mu)
+            slots = torch.tensor([2, 0, 2])
+            eager = solve_after_padded(model, buckets, bank, slots, mu, mask, spks, cond)
+            inputs = pad_inputs(mu, mask, spks, cond, key.batch, key.frames) + (pad_rows(slots, key.batch),)
+        else:
+            bank = None
+            eager = solve_padded(model, buckets, mu, mask, spks, cond, streaming)
+            inputs = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
+        stepped = solve_by_steps(model, key, inputs, bank)
+    assert eager.abs().max() > 1.0
+    assert torch.equal(stepped[: len(LENGTHS), :, : mu.shape[2]].float(), eager)
+
+
+def test_step_program_runs_without_host_sync() -> None:
+    """The Euler step a graph captures (the step counter read on the device, the bank's state
+    at that step) runs on the meta device: it reads no tensor data on the host."""
+    cfm = CFM(CFMConfig.tiny()).to("meta").eval()
+    mu = torch.zeros(4, 80, 150, device="meta")
+    bank = PrefixBank(cfm, 2, 100, mu)
+    slots = torch.zeros(4, dtype=torch.long, device="meta")
+    inputs = (mu, torch.ones(4, 1, 150, device="meta"), torch.zeros(4, 80, device="meta"), mu)
+    for key, extra, program_bank in (
+        (GraphKey(4, 150, True), (), None),
+        (GraphKey(4, 150, False), (), None),
+        (GraphKey(4, 150, True, after_prefix=True), (slots,), bank),
+    ):
+        x = solve_by_steps(cfm, key, inputs + extra, program_bank)
+        assert x.shape == (4, 80, 150)
+
+
+def test_padded_solve_after_voice_prefixes_equals_unpadded(cfm) -> None:
+    """A solve that starts after voice prefixes, padded to its bucket (rows as copies of row 0,
+    slot included), equals the unpadded one and each row alone; rows of two voices whose
+    prefixes (100 and 50 frames) sit in a wider bank (150 frames, one slot empty)."""
+    mu, _, spks, cond = batch_inputs([200, 200], [200, 200], seed=6)  # the voices of prefix_bank
+    with torch.inference_mode():
+        bank = prefix_bank(cfm, mu)
+    rows = [(2, 57), (0, 81), (2, 30)]  # (slot, frames after its prefix)
+    voice_of_slot, start_of_slot = {2: 0, 0: 1}, {2: 100, 0: 50}
+    new_mu, mask, _, new_cond = batch_inputs([n for _, n in rows], [0, 0, 0], seed=7)
+    for row, (slot, n) in enumerate(rows):  # the voices' own conditioning after the prefix
+        start = start_of_slot[slot]
+        new_mu[row, :, :n] = mu[voice_of_slot[slot], :, start : start + n]
+        new_cond[row, :, :n] = cond[voice_of_slot[slot], :, start : start + n]
+    row_spks = spks[[voice_of_slot[slot] for slot, _ in rows]]
+    slots = torch.tensor([slot for slot, _ in rows])
+    buckets = FlowBuckets.up_to(max_batch=8, max_frames=300)
+    with torch.inference_mode():
+        padded = solve_after_padded(cfm, buckets, bank, slots, new_mu, mask, row_spks, new_cond)
+        unpadded = solve_after_prefix(cfm, bank, slots, new_mu, mask, row_spks, new_cond)
+        assert unpadded.abs().max() > 1.0
+        assert max_err(padded, unpadded) <= 1e-5
+        for row, (slot, n) in enumerate(rows):
+            alone = solve_after_prefix(cfm, bank, slots[row : row + 1], new_mu[row : row + 1, :, :n],
+                                       mask[row : row + 1, :, :n], row_spks[row : row + 1], new_cond[row : row + 1, :, :n])
+            assert max_err(padded[row : row + 1, :, :n], alone) <= 1e-5, row
+            # ... and the same frames of the whole streaming solve of the voice
+            v, start = voice_of_slot[slot], start_of_slot[slot]
+            whole = cfm(mu[v : v + 1, :, : start + n], torch.ones(1, 1, start + n), spks[v : v + 1],
+                        cond[v : v + 1, :, : start + n], True)
+            assert max_err(padded[row : row + 1, :, :n], whole[:, :, start:]) <= 1e-4, row
+
+
+def test_solve_after_voice_prefixes_runs_without_host_sync() -> None:
+    """The region a graph after voice prefixes captures runs on the meta device (see above)."""
+    cfm = CFM(CFMConfig.tiny()).to("meta").eval()
+    mu = torch.zeros(3, 80, 150, device="meta")
+    bank = PrefixBank(cfm, 2, 100, mu)
+    slots = torch.zeros(3, dtype=torch.long, device="meta")
+    mel = solve_after_prefix(cfm, bank, slots, mu, torch.ones(3, 1, 150, device="meta"),
+                             torch.zeros(3, 80, device="meta"), mu)
+    assert mel.shape == (3, 80, 150) and mel.dtype == torch.float32

@@ -1,0 +1,50 @@
+"""Voice prefixes (serving/prefix_bank.py) against the official flow: a streaming call that
+starts its decoder after its voice's stored prefix gives the official whole re-run's mel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from engine.cosyvoice2.serving.prefix_bank import PrefixBank, flow_after_prefix, voice_prefix
+from tests.engine.cosyvoice2.flow_pairs import TOLERANCE, max_err, utterance
+
+
+def test_equivalence_flow_after_voice_prefix(flow_pair) -> None:
+    """Streaming calls that start their decoder after the voice's stored prefix give the
+    official whole re-run's mel: rows of three voices in one batch (prefixes of 2, 1 and
+    no whole chunks), at token counts on and off chunk boundaries."""
+    reference, ours = flow_pair
+    voices = [utterance(60, 50, seed=70), utterance(30, 45, seed=71), utterance(13, 30, seed=72)]
+    with torch.inference_mode():
+        prefixes = [voice_prefix(ours, v.prompt_token, v.prompt_feat, v.embedding) for v in voices]
+    assert [p.frames for p in prefixes] == [100, 50, 0]
+    # Slots in another order than the voices, one slot left empty, and room for a longer prefix.
+    bank = PrefixBank(ours.decoder, 4, 150, prefixes[0].keys[0])
+    for slot, prefix in zip((2, 0, 3), prefixes):
+        bank.put(slot, prefix)
+    rows = [(0, 50), (1, 20), (0, 9), (2, 30), (1, 45)]  # (voice, tokens so far)
+
+    def stack(tensors: list[Tensor]) -> Tensor:
+        width = max(t.shape[1] for t in tensors)
+        return torch.cat([nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1])) for t in tensors])
+
+    speech = [voices[v] for v, _ in rows]
+    slots = torch.tensor([(2, 0, 3)[v] for v, _ in rows])
+    batch = (
+        stack([s.token[:, :n] for s, (_, n) in zip(speech, rows)]), torch.tensor([n for _, n in rows]),
+        stack([s.prompt_token for s in speech]), torch.tensor([s.prompt_token.shape[1] for s in speech]),
+        stack([s.prompt_feat for s in speech]), torch.tensor([s.prompt_feat.shape[1] for s in speech]),
+        torch.cat([s.embedding for s in speech]),
+    )
+    with torch.inference_mode():
+        mel, mel_len = flow_after_prefix(ours, bank, slots, *batch, streaming=True, finalize=False)
+    for i, (s, (_, n)) in enumerate(zip(speech, rows)):
+        with torch.inference_mode():
+            expected, _ = reference.inference(*s.args(n), True, False)
+        assert int(mel_len[i]) == expected.shape[2]
+        assert expected.abs().max() > 1.0
+        assert max_err(mel[i : i + 1, :, : expected.shape[2]], expected) <= TOLERANCE, i
+    with pytest.raises(ValueError, match="streaming"):
+        flow_after_prefix(ours, bank, slots, *batch, streaming=False, finalize=True)

@@ -1,0 +1,122 @@
+"""The command line as a user runs it: `tts-gateway serve`, `say`, the example agent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import wave
+from pathlib import Path
+from tests.paths import ROOT
+
+
+CLI = [sys.executable, "-m", "gateway"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wav_seconds(path: Path) -> float:
+    with wave.open(str(path)) as wav:
+        assert wav.getnchannels() == 1 and wav.getsampwidth() == 2
+        return wav.getnframes() / wav.getframerate()
+
+
+def test_say_writes_a_wav(tmp_path):
+    out = tmp_path / "hello.wav"
+    result = subprocess.run(
+        [*CLI, "say", "Hello there! The total is $3.50.", "-o", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "wrote" in result.stdout
+    assert 1.5 < wav_seconds(out) < 6.0
+
+
+def test_bad_config_stops_with_a_clear_message(tmp_path):
+    (tmp_path / "config.toml").write_text("[server]\nprot = 1\n")
+    result = subprocess.run([*CLI, "serve"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "config error: unknown key(s) server.prot" in result.stderr
+
+
+def test_serve_speaks_to_the_example_agent_and_drains_on_sigterm(tmp_path):
+    port = free_port()
+    env = {**os.environ, "TTS_GATEWAY__SERVER__DRAIN_TIMEOUT_S": "5", "TTS_GATEWAY__SERVER__HTTP_PORT": "0"}
+    server = subprocess.Popen(
+        [*CLI, "serve", "--port", str(port)], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "gateway never became ready"
+            time.sleep(0.2)
+        out = tmp_path / "reply.wav"
+        agent = subprocess.run(
+            [
+                sys.executable, str(ROOT / "examples" / "simulated_llm_to_wav.py"),
+                "--url", f"ws://127.0.0.1:{port}/v1/stream",
+                "--text", "Hello there! The total is $3.50, due May 5th.",
+                "--tokens-per-second", "200", "-o", str(out),
+            ],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert agent.returncode == 0, agent.stderr
+        assert 2.5 < wav_seconds(out) < 7.0
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    log = server.stdout.read()
+    assert "draining" in log
+
+
+def test_voice_commands_say_to_set_the_model_dir(tmp_path):
+    result = subprocess.run([*CLI, "voice", "list"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "tts-gateway: set engine.cosyvoice2.model_dir" in result.stderr
+
+
+def test_make_checkpoint_then_voice_add_and_list(tmp_path):
+    """CosyVoice2's commands, which its engine descriptor adds to the CLI."""
+    from tests.engine.cosyvoice2.test_engine import PROMPT_TEXT, prompt_wav
+
+    model = tmp_path / "model"
+    made = subprocess.run([*CLI, "make-checkpoint", "--size", "tiny", str(model)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip() == str(model)
+    wav = tmp_path / "prompt.wav"
+    wav.write_bytes(prompt_wav())
+    env = {**os.environ, "TTS_GATEWAY__ENGINE__COSYVOICE2__MODEL_DIR": str(model)}
+
+    def voice(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*CLI, "voice", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    added = voice("add", "narrator", "--wav", str(wav), "--text", PROMPT_TEXT)
+    assert added.returncode == 0, added.stderr
+    voice_id = added.stdout.strip()
+    assert (model / "voices" / voice_id / "voice.json").is_file()  # beside the model: voices_dir is unset
+    listed = voice("list")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.startswith(f"{voice_id}  narrator  ")
+    taken = voice("add", "narrator", "--wav", str(wav), "--text", "Other words than those spoken.")
+    assert taken.returncode == 2 and "already exists" in taken.stderr
