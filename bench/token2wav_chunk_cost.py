@@ -5,7 +5,7 @@ tokens, first hop padded to a 25-token boundary) from a fixed token list, in eac
 
 - ``recompute``: the official way, every chunk re-runs the flow over prompt + all tokens
   so far (chunk k costs O(k));
-- ``incremental``: ``Flow.inference_chunk`` keeps per-session flow state and computes only
+- ``incremental``: ``serving.incremental.inference_chunk`` keeps per-session flow state and computes only
   the new chunk (flat cost, paid for with the cache memory reported here).
 
 The flow and the HiFT part of every chunk are timed separately; each stream is repeated

@@ -6,7 +6,7 @@ exports them with the ``tts_`` prefix and documents them from here (the engine's
 
 from __future__ import annotations
 
-# The kinds of token2wav call (engine/cosyvoice2/serving/token2wav.py, call_kind).
+# The kinds of token2wav call (engine/cosyvoice2/serving/chunking.py, call_kind).
 CALL_KINDS = {"first": "first chunks", "later": "later non-final chunks",
               "final": "final chunks (full attention over the turn)"}
 # Exported as tts_<name> (EngineStats.extra) and tts_<name>_total (EngineStats.totals).

@@ -103,7 +103,7 @@ class CosyVoice2Settings:
     early_chunks: bool = True
     # GPU: a second token2wav worker thread runs new turns' first chunks on a CUDA stream of
     # the highest priority, with CUDA graphs of its own, so that first audio does not wait
-    # for the flow call in flight (engine/cosyvoice2/engine.py, Token2WavWorker).
+    # for the flow call in flight (engine/cosyvoice2/serving/scheduler.py).
     first_chunk_lane: bool = True
     # ... and with a short first chunk, the chunk after it too (its listener holds a fraction
     # of a second). Fewer and shorter stalls after the first chunk, but under load first
@@ -115,7 +115,7 @@ class CosyVoice2Settings:
     # batch-1 chunk drops from ~280 ms eager to ~50 ms). Batches up to graph_max_batch
     # (padded to 1, 2, 4, ...), contexts up to graph_max_frames (prompt + speech so far,
     # 50 frames per second, padded to a multiple of graph_frame_step, coarser beyond 12
-    # of them), batch x frames within a call's work limit (Token2Wav.plan keeps calls
+    # of them), batch x frames within a call's work limit (the call planner keeps calls
     # there); other calls run eagerly. 0 turns graphs off.
     graph_max_batch: int = 16
     graph_max_frames: int = 3200

@@ -16,7 +16,7 @@ from gateway.wire import (
     ErrorCode,
     GatewayMessage,
 )
-from tests.test_protocol import Word, frames, make_session, msg, only_error, tone
+from tests.gateway.test_protocol import Word, frames, make_session, msg, only_error, tone
 
 
 def test_every_frame_the_gateway_sends_has_exactly_the_wire_fields():

@@ -109,7 +109,7 @@ def step_program(
     ``inputs``: mu, mask, spks, cond (and the bank slots after voice prefixes) at the key's
     shape; ``x`` ``[batch, 80, frames]`` in the model's dtype; ``step``: a one-element long
     tensor; ``times``: ``CFM.step_times``. Starting noise and steps are those of ``CFM.forward``
-    and ``CFM.solve_after_eager``, so ``N_TIMESTEPS`` steps after ``start`` leave their mel in x.
+    and ``prefix_bank.solve_after_prefix``, so ``N_TIMESTEPS`` steps after ``start`` leave their mel in x.
     """
     mu, mask, spks, cond = inputs[:4]
     slots = inputs[4] if key.after_prefix else None

@@ -1,7 +1,7 @@
 """Decoding rounds (:class:`~engine.cosyvoice2.model.llm.Chunk`) as vLLM streaming-input requests.
 
 No vLLM import here: this is the translation both sides of the vLLM backend share (the
-request builder in ``lm_vllm`` and the logits processor in ``vllm_model``), kept pure so
+request builder in ``vllm_stage`` and the logits processor in ``vllm_model``), kept pure so
 that CPU tests can check it against the plain-torch backend.
 
 One utterance is one vLLM streaming request; each round is one ``StreamingInput``:
