@@ -112,8 +112,10 @@ class Scheduler:
             self.wake.notify_all()
 
     def end_input(self, request: Request) -> None:
+        """No more text; a request that ended meanwhile (a failure) stays as it is."""
         with self.lock:
-            request.advance(RequestStatus.INPUT_ENDED)
+            if request.status is RequestStatus.OPEN:
+                request.advance(RequestStatus.INPUT_ENDED)
 
     def tokens_done(self, request: Request) -> None:
         """The LM stage has produced the request's last speech token."""

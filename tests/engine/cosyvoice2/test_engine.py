@@ -17,7 +17,9 @@ import pytest_asyncio
 import torch
 
 from testkit.checkpoint import make_checkpoint
+from engine.base import AudioChunk, UtteranceOptions, drive
 from engine.cosyvoice2.engine import CosyVoice2Engine
+from engine.cosyvoice2.serving.request import RequestStatus
 from engine.cosyvoice2.settings import CosyVoice2Settings
 from gateway.audio import decode
 from gateway.client import TTSClient
@@ -93,6 +95,28 @@ async def test_cancel_frees_the_engine_work(cv2_gateway, cv2_engine):
     await eventually(lambda: cv2_engine.stats().utterances == 0, timeout=10)
     await eventually(lambda: cv2_engine.stats().extra["llm_streams"] == 0, timeout=10)
     assert not cv2_engine.scheduler.requests
+
+
+async def test_an_utterance_ends_as_its_request_says(cv2_engine):
+    """Spoken to the end, a request is FINISHED (and a cancel afterwards changes nothing);
+    cancelled midway, CANCELLED; either way the scheduler forgets it."""
+
+    async def discard(_chunk: AudioChunk) -> None:
+        pass
+
+    spoken = cv2_engine.open_utterance(UtteranceOptions(cv2_engine.default_voice))
+    await drive(spoken, discard, text="Hello there.")  # drive cancels on its way out
+    assert spoken.request.status is RequestStatus.FINISHED
+
+    stopped = cv2_engine.open_utterance(UtteranceOptions(cv2_engine.default_voice))
+    stopped.push_text("Hello there, this turn is stopped before it ends.")
+    assert stopped.request.status is RequestStatus.OPEN
+    stopped.end_input()
+    assert stopped.request.status is RequestStatus.INPUT_ENDED
+    stopped.cancel()
+    assert stopped.request.status is RequestStatus.CANCELLED
+    assert [chunk async for chunk in stopped] == []
+    assert not cv2_engine.scheduler.requests & {spoken.request, stopped.request}
 
 
 async def test_unknown_voice_is_refused(cv2_gateway):
