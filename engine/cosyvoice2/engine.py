@@ -273,15 +273,15 @@ class CosyVoice2Utterance(Utterance):
         self._scheduler.push_tokens(self.request, tokens)
 
     def cancel(self) -> None:
-        """Stop at once; after the end (or a failure) only frees what is left."""
-        if self.request.status is RequestStatus.CANCELLED:
-            return
-        ended = self.request.status.ended
+        """Stop at once: free the engine's work and end the iterator, dropping the audio not
+        taken yet (also after the last chunk was made: a listener that barged in hears no more)."""
         self._lm.cancel()
         self._scheduler.cancel(self.request)
         self._engine._utterances.discard(self)
-        if not ended:
-            self.request.output.put_nowait(END)
+        output = self.request.output
+        while not output.empty():
+            output.get_nowait()
+        output.put_nowait(END)
 
     def _lm_done(self, error: BaseException | None) -> None:
         if error is None:
@@ -299,9 +299,8 @@ class CosyVoice2Utterance(Utterance):
                 if item is END:
                     return
                 if isinstance(item, BaseException):
+                    self._lm.cancel()  # a failed utterance's speech tokens are of no use
                     raise item if isinstance(item, EngineError) else EngineError(str(item))
-                if self.request.status is RequestStatus.CANCELLED:
-                    return
                 self._scheduler.taken(self.request)
                 samples, compute_s = item
                 if self._speed != 1.0:

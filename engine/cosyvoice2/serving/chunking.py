@@ -96,10 +96,10 @@ class ChunkSchedule:
         this, the listener would wait for the second chunk's 25 tokens.
         """
         status, tokens, state = request.status, request.tokens, request.stream
-        if status.ended or (status is RequestStatus.TOKENS_DONE and state.offset == len(tokens)):
-            # Every token is spoken (a regular chunk leaves the look-ahead tokens, so only the
-            # final chunk reaches the end), or none was generated: nothing to say.
-            return None
+        if status.ended or (
+            status is RequestStatus.TOKENS_DONE and state.offset == len(tokens) and state.hift_speech is None
+        ):
+            return None  # every token is spoken and nothing is held back (or none was generated)
         end = self._regular_end(request)
         available = len(tokens) - state.offset
         if len(tokens) >= end + self.lookahead:

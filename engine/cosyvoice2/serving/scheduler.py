@@ -118,10 +118,13 @@ class Scheduler:
                 request.advance(RequestStatus.INPUT_ENDED)
 
     def tokens_done(self, request: Request) -> None:
-        """The LM stage has produced the request's last speech token."""
+        """The LM stage has produced the request's last speech token (before the input ended, if
+        it ended the reply itself: then no more text is taken either)."""
         with self.lock:
             if request.status.ended:
                 return
+            if request.status is RequestStatus.OPEN:
+                request.advance(RequestStatus.INPUT_ENDED)
             request.advance(RequestStatus.TOKENS_DONE)
             self._mark_ready(request, time.monotonic())
             self.wake.notify_all()

@@ -119,6 +119,19 @@ async def test_an_utterance_ends_as_its_request_says(cv2_engine):
     assert not cv2_engine.scheduler.requests & {spoken.request, stopped.request}
 
 
+async def test_cancel_ends_the_iterator_even_after_the_last_chunk_was_made(cv2_engine):
+    """A listener that barges in hears no more: audio made but not taken yet is dropped."""
+    utterance = cv2_engine.open_utterance(UtteranceOptions(cv2_engine.default_voice))
+    # A turn short enough to be made whole while nobody takes its chunks (at most 4 wait).
+    utterance.push_text("Hi.")
+    utterance.end_input()
+    await eventually(lambda: utterance.request.status is RequestStatus.FINISHED, timeout=60)
+    assert not utterance.request.output.empty()  # chunks nobody took
+    utterance.cancel()
+    assert [chunk async for chunk in utterance] == []
+    assert utterance.request.status is RequestStatus.FINISHED
+
+
 async def test_unknown_voice_is_refused(cv2_gateway):
     async with TTSClient.connect(ws_url(cv2_gateway)) as tts:
         reply = tts.context(voice="nobody")

@@ -20,7 +20,8 @@ from engine.cosyvoice2.model.loading import load_models
 from engine.cosyvoice2.serving import call_plan as call_plan_module
 from engine.cosyvoice2.serving import runner as runner_module
 from engine.cosyvoice2.serving.buckets import FlowBuckets
-from engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt
+from engine.cosyvoice2.serving.chunking import ChunkSchedule
+from engine.cosyvoice2.serving.request import Request, RequestStatus, StreamState, VoicePrompt
 from engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
 from testkit.checkpoint import make_checkpoint
 from tests.reference import official, official_modules
@@ -602,3 +603,21 @@ def test_early_chunks_speak_every_token_once_and_keep_the_regular_boundaries(mod
     samples = np.concatenate(audio)
     assert len(samples) == len(tokens) * 2 * 480
     assert np.isfinite(samples).all()
+
+
+def test_without_look_ahead_the_held_back_tail_is_still_flushed():
+    """A flow without look-ahead tokens lets a regular chunk speak every token; the final chunk
+    then has no token left but still flushes the vocoder's held-back tail, and only after it is
+    the utterance spoken."""
+    schedule = ChunkSchedule(hop_len=25, max_hop_len=25, scale=1, first_hop_len=25, lookahead=0, chunk_tokens=25,
+                             mel_ratio=2, samples_per_frame=480, sample_rate=24000)
+    request = Request(VoicePrompt(torch.zeros(1, 50), None, None), StreamState(hop=25), None,
+                      status=RequestStatus.TOKENS_DONE, tokens=[1] * 25)
+    job = schedule.next_job(request)
+    assert (job.advance, job.finalize) == (25, False)  # every token, as a regular chunk
+    schedule.spoken(job)
+    request.stream.hift_speech = torch.zeros(1, 8 * 480)  # what the runner holds back of it
+    final = schedule.next_job(request)
+    assert (final.advance, final.finalize) == (0, True)
+    request.stream.hift_speech = None  # the final chunk flushed it
+    assert schedule.next_job(request) is None

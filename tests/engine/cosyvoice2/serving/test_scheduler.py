@@ -498,3 +498,21 @@ def test_cheapest_groups_at_the_extremes():
     # A call costs more than any padding: one call.
     assert cheapest_groups(widths, lambda rows, width: 10_000 + rows * width) == [[0, 2, 3, 1]]
     assert cheapest_groups([], lambda rows, width: rows * width) == []
+
+
+async def test_an_lm_stage_that_ends_the_reply_before_the_text_ends_it():
+    """The LM stage may end a reply itself (a length limit, say) while text could still come:
+    the request then takes no more text, and its last chunk is spoken."""
+    fake = FakeToken2Wav()
+    scheduler = Scheduler(fake, max_batch=1, loop=asyncio.get_running_loop())
+    try:
+        queue: asyncio.Queue = asyncio.Queue()
+        request = Request(prompt=None, stream=FakeState("a", 1), output=queue)
+        scheduler.add(request)
+        scheduler.tokens_done(request)
+        assert request.status is RequestStatus.TOKENS_DONE
+        await until(queue.get())
+        assert await until(queue.get()) is END
+        assert request.status is RequestStatus.FINISHED
+    finally:
+        await asyncio.to_thread(scheduler.stop)
