@@ -261,9 +261,6 @@ class VoicePrefixCache:
         # Voice -> its slot, most recently used last (the prompt too: its id stays its own while held).
         self._slots: OrderedDict[int, tuple[VoicePrompt, int]] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._slots)
-
     def prepare(self, prompts: list[VoicePrompt], widest_prompt_tokens: int) -> PrefixBank:
         """At start-up: a bank as wide as the prefix of a prompt of ``widest_prompt_tokens``
         (the longest of the registered voices), holding the first voices' prefixes; its

@@ -32,8 +32,8 @@ from engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, ChunkJob, Chunk
 from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 from engine.cosyvoice2.serving.incremental import FlowStreamCache, inference_chunk
-from engine.cosyvoice2.serving.prefix_bank import VoicePrefixCache, flow_after_prefix, solve_after_prefix
-from engine.cosyvoice2.serving.request import StreamState
+from engine.cosyvoice2.serving.prefix_bank import PrefixBank, VoicePrefixCache, flow_after_prefix, solve_after_prefix
+from engine.cosyvoice2.serving.request import StreamState, VoicePrompt
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,7 @@ class Token2WavRunner:
         width = self.planner.decoder_width(max(map(self.schedule.job_frames, jobs)), False)
         return graphs is None or not graphs.has(len(jobs), width, True)
 
-    def prepare_voices(self, prompts, widest_prompt_tokens: int):
+    def prepare_voices(self, prompts: list[VoicePrompt], widest_prompt_tokens: int) -> PrefixBank | None:
         """At start-up: the voice-prefix bank for these voices (``VoicePrefixCache.prepare``),
         or None without a prefix cache. Capture the flow's graphs after this: they read it."""
         if self.prefixes is None:
@@ -265,7 +265,9 @@ class Token2WavRunner:
                 return mel
         return self.flow.decoder(inputs.mu, inputs.mask, inputs.spk, inputs.cond, streaming)
 
-    def _solve_after_prefix(self, slots, mu, mask, spks, cond) -> torch.Tensor:
+    def _solve_after_prefix(
+        self, slots: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
+    ) -> torch.Tensor:
         """The decoder after the rows' voice prefixes: the engine thread's graph replay when one
         exists for the shape, else the eager solve."""
         if self.flow_graphs is not None and mu.is_cuda:
