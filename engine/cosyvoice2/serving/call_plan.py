@@ -59,12 +59,16 @@ def cheapest_groups(widths: list[int], cost: Callable[[int, int], float]) -> lis
 @dataclass(frozen=True)
 class CallPlanner:
     """Plans a batch's flow calls. ``on_gpu``: calls have a launch floor and may replay CUDA
-    graphs (on a CPU neither)."""
+    graphs (on a CPU neither); ``final_streaming``: last chunks are chunk-causal too."""
 
     schedule: ChunkSchedule
     on_gpu: bool
+    final_streaming: bool = False
 
-    def plan(self, jobs: list[ChunkJob], graphs: FlowGraphs | None, prefix: int | None) -> list[list[int]]:
+    def plan(
+        self, jobs: list[ChunkJob], graphs: FlowGraphs | None, prefix: int | None,
+        stored: Callable[[ChunkJob], int] | None = None,
+    ) -> list[list[int]]:
         """Indices of ``jobs`` in flow calls, in the order to run them.
 
         Non-final recompute chunks and final chunks (full attention) go in separate calls,
@@ -74,17 +78,22 @@ class CallPlanner:
         in all (see ``cheapest_groups``), none of several rows above ``MAX_CALL_ROW_FRAMES``.
         Calls of first chunks run first, then the rest, narrowest first; incremental chunks,
         which run one by one, go together. ``graphs``: the flow graphs the calls would replay;
-        ``prefix``: the frames a call after the voice prefixes starts at least (None: none).
+        ``prefix``: the frames a call after the voice prefixes starts at least (None: none);
+        ``stored``: a job's decoder frames stored beyond its voice prefix (turn_pool.py), which
+        its call does not compute either.
         """
         kinds: dict[tuple[bool, bool], list[int]] = {}
         incremental = []
         for i, job in enumerate(jobs):
-            if not job.finalize and job.request.stream.flow_cache is not None:
+            if self.streaming(job.finalize) and job.request.stream.flow_cache is not None:
                 incremental.append(i)
             else:
                 kinds.setdefault((job.finalize, job.first), []).append(i)
         groups = [incremental] if incremental else []
-        job_frames = self.schedule.job_frames
+
+        def job_frames(job: ChunkJob) -> int:
+            return self.schedule.job_frames(job) - (stored(job) if stored is not None else 0)
+
         for (finalize, _), rows in kinds.items():
             widths = [job_frames(jobs[i]) for i in rows]
             cost = functools.partial(self.call_cost, finalize=finalize, prefix=prefix, graphs=graphs)
@@ -103,8 +112,9 @@ class CallPlanner:
         and frames: on a GPU that padding is work too (batch buckets 1, 2, 4, 8, ... pad five
         rows to eight), so a call that replays one costs its bucket's row-frames."""
         width = self.decoder_width(frames, finalize)
-        whole = self.replayed_row_frames(graphs, rows, width, not finalize)
-        after_prefix = not finalize and prefix is not None and whole is None  # as the runner decides
+        streaming = self.streaming(finalize)
+        whole = self.replayed_row_frames(graphs, rows, width, streaming)
+        after_prefix = streaming and prefix is not None and whole is None  # as the runner decides
         cost = CALL_ROW_FRAMES + rows * (frames - prefix if after_prefix else frames)
         if rows > 1 and cost > MAX_CALL_ROW_FRAMES:
             return math.inf
@@ -126,6 +136,10 @@ class CallPlanner:
         if graphs is None or not self.on_gpu or not graphs.has(rows, width, streaming, after_prefix):
             return None
         return graphs.buckets.key(rows, width, streaming, after_prefix).row_frames
+
+    def streaming(self, finalize: bool) -> bool:
+        """Whether a chunk's flow call is chunk-causal: all but a last chunk of full attention."""
+        return not finalize or self.final_streaming
 
     def decoder_width(self, frames: int, finalize: bool) -> int:
         """The decoder's width for a call of this context: the look-ahead tokens are context only."""

@@ -62,6 +62,11 @@ from torch import Tensor
 from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
 from engine.cosyvoice2.serving.buckets import FlowBuckets, GraphKey, bucket_order, pad_inputs, pad_rows
 from engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView, noise_after, solve_after_prefix
+from engine.cosyvoice2.serving.turn_pool import PagedView, TurnRows, TurnStatePool, paged_noise, solve_paged
+
+# The widest page table a graph after stored chunks is captured for (pages of 50 frames:
+# a turn of ~2 minutes); a call past it runs eagerly.
+MAX_GRAPH_PAGES = 128
 
 log = logging.getLogger(__name__)
 
@@ -100,29 +105,35 @@ def solve_after_padded(
 
 def step_program(
     cfm: CFM, key: GraphKey, inputs: tuple[Tensor, ...], x: Tensor, step: Tensor, times: Tensor,
-    bank: PrefixBank | None,
+    bank: PrefixBank | None, pool: TurnStatePool | None = None,
 ) -> tuple[Callable[[], None], Callable[[], None]]:
     """What a solve by graphs of ``key`` runs, over static tensors: ``start`` (eager, before the
     replays: x becomes the solve's starting noise, the step counter 0) and ``euler_step`` (the
     graph: one Euler step at the counter, x updated in place, the counter advanced).
 
-    ``inputs``: mu, mask, spks, cond (and the bank slots after voice prefixes) at the key's
-    shape; ``x`` ``[batch, 80, frames]`` in the model's dtype; ``step``: a one-element long
+    ``inputs``: mu, mask, spks, cond (and the bank slots after voice prefixes; after stored
+    chunks, the ``TurnRows`` over ``pool``) at the key's shape; ``x`` ``[batch, 80, frames]`` in the model's dtype; ``step``: a one-element long
     tensor; ``times``: ``CFM.step_times``. Starting noise and steps are those of ``CFM.forward``
     and ``prefix_bank.solve_after_prefix``, so ``N_TIMESTEPS`` steps after ``start`` leave their mel in x.
     """
     mu, mask, spks, cond = inputs[:4]
     slots = inputs[4] if key.after_prefix else None
+    turn_rows = TurnRows(*inputs[4:]) if key.pages is not None else None
 
     def start() -> None:
-        if slots is not None:
+        if turn_rows is not None:
+            x.copy_(paged_noise(cfm, bank, pool, turn_rows, key.frames))
+        elif slots is not None:
             x.copy_(noise_after(cfm, bank, slots, key.frames))
         else:
             x.copy_(cfm.noise[:, :, : key.frames].expand(key.batch, -1, -1))
         step.zero_()
 
     def euler_step() -> None:
-        view = None if slots is None else PrefixView(bank, slots).at_step(step)
+        if turn_rows is not None:
+            view = PagedView(bank, pool, turn_rows).at_step(step)
+        else:
+            view = None if slots is None else PrefixView(bank, slots).at_step(step)
         rows = cfm.cfg_rows(mask, mu, spks, cond)
         x.copy_(cfm.euler_step(x, step, times, rows, key.streaming, view))
         step.add_(1)
@@ -168,7 +179,7 @@ class FlowGraphs:
 
     def __init__(
         self, cfm: CFM, buckets: FlowBuckets, *, capture_missing: bool = False, bank: PrefixBank | None = None,
-        priority: int = 0,
+        pool: TurnStatePool | None = None, priority: int = 0,
     ) -> None:
         weight = next(cfm.parameters())
         if weight.device.type != "cuda":
@@ -176,6 +187,7 @@ class FlowGraphs:
         self.cfm = cfm
         self.buckets = buckets
         self.bank = bank  # what graphs after voice prefixes read (fixed: they bake in its addresses)
+        self.pool = pool  # ... and graphs after stored chunks read and write
         self.capture_missing = capture_missing
         self.device = weight.device
         self.dtype = weight.dtype
@@ -201,6 +213,14 @@ class FlowGraphs:
             buckets.max_batch * cfm.config.spk_emb_dim, device=self.device, dtype=self.dtype
         )
         self._static_slots = torch.zeros(buckets.max_batch, device=self.device, dtype=torch.long)
+        if pool is not None:  # TurnRows after slots: page table, cached, turn slot, write pages, commit
+            index = {"device": self.device, "dtype": torch.long}
+            write_width = -(-buckets.max_frame_bucket // pool.page_frames)
+            self._static_turn_rows = (
+                torch.zeros(buckets.max_batch, MAX_GRAPH_PAGES, **index), torch.zeros(buckets.max_batch, **index),
+                torch.zeros(buckets.max_batch, **index), torch.zeros(buckets.max_batch, write_width, **index),
+                torch.zeros(buckets.max_batch, **index),
+            )
         self._step = torch.zeros(1, device=self.device, dtype=torch.long)  # the Euler step a replay runs
         self._times = cfm.step_times(N_TIMESTEPS, self.device, self.dtype)
         self.reserved_bytes = self._measure_reserved()
@@ -210,15 +230,19 @@ class FlowGraphs:
     @torch.inference_mode()
     def capture(
         self, batches: Iterable[int], frames: Iterable[int], streaming_flags: Iterable[bool], after_prefix: bool = False,
-        max_row_frames: int | None = None,
+        max_row_frames: int | None = None, pages: Iterable[int | None] = (None,),
     ) -> None:
         """Captures a graph for every bucket of ``batches`` x ``frames`` x ``streaming_flags``
         (each value rounded up to its bucket) that has none yet; updates ``reserved_bytes``.
         ``after_prefix``: graphs of ``CFM.solve_after`` over the bank (streaming only).
-        ``max_row_frames``: only buckets of one row or of at most this many rows x frames."""
-        if after_prefix and self.bank is None:
+        ``max_row_frames``: only buckets of one row or of at most this many rows x frames;
+        ``pages``: graphs after stored chunks with page tables of these widths (None: not)."""
+        pages = list(pages)
+        if (after_prefix or pages != [None]) and self.bank is None:
             raise ValueError("graphs after voice prefixes need the prefix bank")
-        keys = self.buckets.keys(batches, frames, streaming_flags, after_prefix, max_row_frames)
+        if pages != [None] and self.pool is None:
+            raise ValueError("graphs after stored chunks need the turn-state pool")
+        keys = self.buckets.keys(batches, frames, streaming_flags, after_prefix, max_row_frames, pages)
         started = time.perf_counter()
         # Largest first: smaller graphs then fit in the pool blocks the larger ones freed.
         for key in sorted(keys - self.graphs.keys(), key=bucket_order, reverse=True):
@@ -240,6 +264,13 @@ class FlowGraphs:
         )
         if key.after_prefix:
             inputs += (self._static_slots[: key.batch],)
+        if key.pages is not None:
+            table, cached, turn_slot, write_pages, commit = self._static_turn_rows
+            writes = -(-key.frames // self.pool.page_frames)
+            inputs += (
+                table[: key.batch, : key.pages], cached[: key.batch], turn_slot[: key.batch],
+                write_pages[: key.batch, :writes], commit[: key.batch],
+            )
         return inputs, view(self._static_x, key.batch, channels, key.frames)
 
     def _capture(self, key: GraphKey) -> _CapturedSolve:
@@ -250,10 +281,13 @@ class FlowGraphs:
         cond.zero_()
         spks.zero_()
         mask.fill_(1)
-        for slots in inputs[4:]:
-            slots.zero_()
+        for index in inputs[4:]:  # bank slot 0; after stored chunks, none stored, nothing kept
+            index.zero_()
+        if key.pages is not None:
+            for index in (inputs[5], inputs[7], inputs[8]):
+                index.fill_(self.pool.scratch)
 
-        start, euler_step = step_program(self.cfm, key, inputs, x, self._step, self._times, self.bank)
+        start, euler_step = step_program(self.cfm, key, inputs, x, self._step, self._times, self.bank, self.pool)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             for _ in range(WARMUP_RUNS):
@@ -280,7 +314,15 @@ class FlowGraphs:
         mu, cond = random(batch, channels, frames), random(batch, channels, frames)
         spks = random(batch, self.cfm.config.spk_emb_dim)
         mask = torch.ones(batch, 1, frames, device=self.device, dtype=self.dtype)
-        if key.after_prefix:
+        if key.pages is not None:  # nothing stored, nothing kept: every index at the scratch page
+            slots = torch.arange(batch, device=self.device) % self.bank.slots
+            scratch = torch.full((batch, max(key.pages, 1)), self.pool.scratch, device=self.device)
+            zero = torch.zeros(batch, dtype=torch.long, device=self.device)
+            rows = TurnRows(slots, scratch[:, : key.pages], zero, scratch[:, 0], scratch[:, :1], zero)
+            replayed = self.run_paged(rows, mu, mask, spks, cond)
+            replayed = replayed and replayed[0]
+            eager = solve_paged(self.cfm, self.bank, self.pool, rows, mu, mask, spks, cond)
+        elif key.after_prefix:
             slots = torch.arange(batch, device=self.device) % self.bank.slots
             replayed = self.run_after_prefix(slots, mu, mask, spks, cond)
             eager = solve_after_prefix(self.cfm, self.bank, slots, mu, mask, spks, cond)
@@ -301,12 +343,20 @@ class FlowGraphs:
     # ------------------------------------------------------------------ serving
 
     def has(self, rows: int, frames: int, streaming: bool, after_prefix: bool = False) -> bool:
-        """Whether a call of this shape would replay a graph (capturing it first, if allowed)."""
-        key = self.buckets.key(rows, frames, streaming, after_prefix)
-        return key in self.graphs or (self.capture_missing and self.buckets.covers(key) and self._can_capture(key))
+        """Whether a call of this shape would replay a graph (capturing it first, if allowed).
+        With a turn-state pool, calls after voice prefixes are calls after stored chunks."""
+        pages = 0 if after_prefix and self.pool is not None else None
+        key = self.buckets.key(rows, frames, streaming, after_prefix, pages)
+        return key in self.graphs or self._capturable(key)
 
-    def _can_capture(self, key: GraphKey) -> bool:
-        return not key.after_prefix or self.bank is not None
+    def _capturable(self, key: GraphKey) -> bool:
+        """Whether a missing graph is captured on first use: with ``capture_missing``, or for
+        calls after stored chunks, whose page tables are too many to capture ahead."""
+        if not self.buckets.covers(key) or (key.after_prefix and self.bank is None):
+            return False
+        if key.pages is not None:
+            return self.pool is not None and key.pages <= MAX_GRAPH_PAGES
+        return self.capture_missing
 
     @torch.inference_mode()
     def run(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: bool) -> Tensor | None:
@@ -320,7 +370,37 @@ class FlowGraphs:
         key = self.buckets.key(mu.shape[0], mu.shape[2], True, after_prefix=True)
         return self._replay(key, (mu, mask, spks, cond, slots))
 
-    def _replay(self, key: GraphKey, inputs: tuple[Tensor, ...]) -> Tensor | None:
+    @torch.inference_mode()
+    def run_paged(
+        self, rows: TurnRows, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor
+    ) -> tuple[Tensor, int] | None:
+        """``solve_paged`` over this object's bank and pool by graph replay, with the row-frames
+        the graph computed, or None as ``run``."""
+        key = self.buckets.key(mu.shape[0], mu.shape[2], True, pages=rows.page_table.shape[1])
+        mel = self._replay(key, (mu, mask, spks, cond), rows)
+        return None if mel is None else (mel, key.row_frames)
+
+    def _padded_turn_rows(self, rows: TurnRows, key: GraphKey) -> tuple[Tensor, ...]:
+        """``rows`` padded to the key's shape: padding rows read row 0's state and keep nothing;
+        page tables are padded with the scratch page, and so are the pages to write."""
+        scratch = self.pool.scratch
+        batch, writes = key.batch, -(-key.frames // self.pool.page_frames)
+
+        def padded(index: Tensor, width: int, fill_rows: int | None) -> Tensor:
+            index = torch.nn.functional.pad(index, (0, width - index.shape[1]), value=scratch)
+            extra = batch - index.shape[0]
+            tail = index[:1].expand(extra, -1) if fill_rows is None else index.new_full((extra, width), fill_rows)
+            return torch.cat([index, tail])
+
+        def one(index: Tensor, fill: int | None) -> Tensor:
+            return padded(index[:, None], 1, fill)[:, 0]
+
+        return (
+            one(rows.slots, None), padded(rows.page_table, key.pages, None), one(rows.cached, None),
+            one(rows.turn_slot, scratch), padded(rows.write_pages, writes, scratch), one(rows.commit, 0),
+        )
+
+    def _replay(self, key: GraphKey, inputs: tuple[Tensor, ...], rows: TurnRows | None = None) -> Tensor | None:
         mu = inputs[0]
         if mu.dtype != self.dtype or mu.device != self.device:
             raise ValueError(
@@ -329,9 +409,9 @@ class FlowGraphs:
         rows, _, length = mu.shape
         captured = self.graphs.get(key)
         if captured is None:
-            if self.capture_missing and self.buckets.covers(key) and self._can_capture(key):
+            if self._capturable(key):
                 log.info("capturing a flow CUDA graph on first use: %s", key)
-                self.capture([key.batch], [key.frames], [key.streaming], key.after_prefix)
+                self.capture([key.batch], [key.frames], [key.streaming], key.after_prefix, pages=[key.pages])
                 captured = self.graphs[key]
             else:
                 if key not in self._reported_missing:
@@ -339,6 +419,8 @@ class FlowGraphs:
                     log.info("no flow CUDA graph for %s (%d rows x %d frames): running eagerly", key, rows, length)
                 return None
         padded = pad_inputs(*inputs[:4], key.batch, key.frames) + tuple(pad_rows(x, key.batch) for x in inputs[4:])
+        if rows is not None:
+            padded += self._padded_turn_rows(rows, key)
         captured.replay(padded)
         # The state buffer is shared by all graphs: copy it out before any other replay.
         return captured.x[:rows, :, :length].to(torch.float32, copy=True)

@@ -34,6 +34,7 @@ from engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 from engine.cosyvoice2.serving.incremental import FlowStreamCache, inference_chunk
 from engine.cosyvoice2.serving.prefix_bank import PrefixBank, VoicePrefixCache, flow_after_prefix, solve_after_prefix
 from engine.cosyvoice2.serving.request import StreamState, VoicePrompt
+from engine.cosyvoice2.serving.turn_pool import TurnStatePool, TurnRows, flow_paged, solve_paged
 
 
 @dataclass(frozen=True)
@@ -52,22 +53,33 @@ class Token2WavRunner:
     """Speech tokens -> 24 kHz audio for chunks of many utterances (:meth:`run`).
 
     ``incremental``: keep each utterance's flow state (else recompute, see the module
-    docstring); ``prefix_voices``: slots of the voice-prefix cache (recompute mode only).
-    ``flow_graphs`` and ``hift_graphs`` (the engine thread's CUDA graphs) are set at start-up.
+    docstring); ``prefix_voices``: slots of the voice-prefix cache (recompute mode only);
+    ``turn_state_bytes``: with a prefix cache, the budget of the paged pool in which turns
+    keep their decoder state (turn_pool.py; 0: none); ``final_attention``: ``"chunk"`` (the
+    official flow's streaming mode for the last chunk too) or ``"full"`` (the official
+    ``tts()`` loop's full-attention last pass). ``flow_graphs`` and ``hift_graphs`` (the engine
+    thread's CUDA graphs) are set at start-up.
     """
 
     def __init__(
-        self, flow: Flow, hift: HiFT, schedule: ChunkSchedule, *, incremental: bool = True, prefix_voices: int = 0
+        self, flow: Flow, hift: HiFT, schedule: ChunkSchedule, *, incremental: bool = True, prefix_voices: int = 0,
+        turn_state_bytes: int = 0, final_attention: str = "full",
     ) -> None:
+        if final_attention not in ("chunk", "full"):
+            raise ValueError(f"final_attention must be 'chunk' or 'full', got {final_attention!r}")
         self.flow = flow
         self.hift = hift
         self.schedule = schedule
         self.incremental = incremental
-        self.planner = CallPlanner(schedule, on_gpu=flow.decoder.noise.is_cuda)
+        self.final_streaming = final_attention == "chunk"
+        self.planner = CallPlanner(schedule, on_gpu=flow.decoder.noise.is_cuda, final_streaming=self.final_streaming)
         self.flow_graphs: FlowGraphs | None = None
         self.hift_graphs: HiftGraphs | None = None
         # Incremental streams keep their own flow state: the prefix cache serves recompute only.
         self.prefixes = VoicePrefixCache(flow, prefix_voices) if prefix_voices and not incremental else None
+        self.turn_pool = None
+        if turn_state_bytes and self.prefixes is not None:
+            self.turn_pool = TurnStatePool.within(flow.decoder, turn_state_bytes, next(flow.parameters()))
         self._window = torch.from_numpy(np.hamming(2 * schedule.cache_samples))
         # The flow's work as running totals (see work_totals); two worker threads add to them.
         self._work: collections.Counter[str] = collections.Counter()
@@ -77,7 +89,7 @@ class Token2WavRunner:
     def build(
         cls, flow: Flow, hift: HiFT, *, hop_len: int = 25, max_hop_len: int = 100, scale: int = 1,
         first_hop_len: int | None = None, first_by_load: bool = False, second_on_lane: bool = False,
-        incremental: bool = True, prefix_voices: int = 0,
+        incremental: bool = True, prefix_voices: int = 0, turn_state_bytes: int = 0, final_attention: str = "full",
     ) -> Token2WavRunner:
         """A runner with the chunk schedule these settings and the model's chunk sizes give
         (``first_hop_len`` None: the official first chunk, ``hop_len``)."""
@@ -94,7 +106,10 @@ class Token2WavRunner:
             first_by_load=first_by_load,
             second_on_lane=second_on_lane,
         )
-        return cls(flow, hift, schedule, incremental=incremental, prefix_voices=prefix_voices)
+        return cls(
+            flow, hift, schedule, incremental=incremental, prefix_voices=prefix_voices,
+            turn_state_bytes=turn_state_bytes, final_attention=final_attention,
+        )
 
     def new_stream(self) -> StreamState:
         """A new utterance's token2wav state, at its first chunk."""
@@ -105,8 +120,10 @@ class Token2WavRunner:
     def plan(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[list[int]]:
         """Indices of ``jobs`` in flow calls, in the order to run them (``CallPlanner.plan``);
         ``lane``: the calls run there (its graphs, no voice prefixes)."""
-        prefix = self.prefixes.shortest() if self.prefixes is not None and lane is None else None
-        return self.planner.plan(jobs, self._flow_graphs(lane), prefix)
+        on_engine_thread = self.prefixes is not None and lane is None
+        prefix = self.prefixes.shortest() if on_engine_thread else None
+        stored = self.stored_frames if on_engine_thread and self.turn_pool is not None else None
+        return self.planner.plan(jobs, self._flow_graphs(lane), prefix, stored)
 
     def lane_serves(self, job: ChunkJob, lane: Lane) -> bool:
         """Whether ``lane`` runs this job: one of its turn's opening chunks (``opens_turn``) that
@@ -150,20 +167,26 @@ class Token2WavRunner:
             return [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
 
     def _flows(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[torch.Tensor]:
-        """Each job's new mel: batched flow calls as ``plan`` splits them; incremental chunks,
-        and single rows without a voice prefix to use, run one by one."""
+        """Each job's new mel: batched flow calls as ``plan`` splits them (after the turns'
+        stored chunks where there is a turn-state pool); incremental chunks, and single rows
+        without a voice prefix to use, run one by one."""
         mels: dict[int, torch.Tensor] = {}
         for group in self.plan(jobs, lane):
-            finalize = jobs[group[0]].finalize
-            if jobs[group[0]].request.stream.flow_cache is not None and not finalize:
+            group_jobs = [jobs[i] for i in group]
+            finalize = group_jobs[0].finalize
+            if group_jobs[0].request.stream.flow_cache is not None and self._streaming(finalize):
                 continue
-            if len(group) > 1 or (not finalize and self.prefixes is not None and lane is None):
-                mels.update(zip(group, self._flow_batched([jobs[i] for i in group], finalize, lane)))
+            if self._paged_serves(group_jobs, lane):
+                mels.update(zip(group, self._flow_paged(group_jobs)))
+            elif len(group) > 1 or (self._streaming(finalize) and self.prefixes is not None and lane is None):
+                mels.update(zip(group, self._flow_batched(group_jobs, finalize, lane)))
         return [mels[i] if i in mels else self._flow(job, lane) for i, job in enumerate(jobs)]
 
-    @torch.inference_mode()
-    def _flow_batched(self, jobs: list[ChunkJob], finalize: bool, lane: Lane | None = None) -> list[torch.Tensor]:
-        """Chunks of several utterances in one flow call (each row equals running it alone)."""
+    def _streaming(self, finalize: bool) -> bool:
+        return self.planner.streaming(finalize)
+
+    def _batch_args(self, jobs: list[ChunkJob]) -> tuple[torch.Tensor, ...]:
+        """``Flow.decoder_inputs``' arguments up to ``embedding`` for these jobs, rows padded."""
         prompts = [job.request.prompt for job in jobs]
         device = prompts[0].speech_feat.device
 
@@ -177,13 +200,21 @@ class Token2WavRunner:
         prompt_token, prompt_token_len = padded([p.speech_tokens[0] for p in prompts])
         prompt_feat, prompt_feat_len = padded([p.speech_feat[0] for p in prompts])
         embedding = torch.cat([p.embedding for p in prompts])
-        args = (token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding)
+        return token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding
+
+    @torch.inference_mode()
+    def _flow_batched(self, jobs: list[ChunkJob], finalize: bool, lane: Lane | None = None) -> list[torch.Tensor]:
+        """Chunks of several utterances in one flow call (each row equals running it alone)."""
+        prompts = [job.request.prompt for job in jobs]
+        device = prompts[0].speech_feat.device
+        args = self._batch_args(jobs)
+        streaming = self._streaming(finalize)
         slots = None
         prefixes = self.prefixes
         # More voices than the cache holds would rebuild prefixes batch after batch. Asked
         # first whether a prefix serves: taking a slot may build a voice's prefix.
         if (
-            lane is None and not finalize and prefixes is not None
+            lane is None and streaming and prefixes is not None
             and 0 < len({id(p) for p in prompts}) <= prefixes.capacity and self._prefix_serves(jobs)
         ):
             prefixes.make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), prompts[0].speech_feat)
@@ -196,13 +227,89 @@ class Token2WavRunner:
         graphs = self._flow_graphs(lane)
         self._count_call(jobs, widths, slots is not None, graphs)
         if slots is not None:
-            mel, new_len = flow_after_prefix(self.flow, prefixes.bank, slots, *args, solve=self._solve_after_prefix)
+            mel, new_len = flow_after_prefix(
+                self.flow, prefixes.bank, slots, *args, finalize=finalize, solve=self._solve_after_prefix
+            )
         else:
-            mel, new_len = self._flow_call(args, not finalize, finalize, graphs)
+            mel, new_len = self._flow_call(args, streaming, finalize, graphs)
         mel_ratio = self.schedule.mel_ratio
         return [
             mel[i : i + 1, :, job.request.stream.offset * mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
         ]
+
+    # ------------------------------------------------------------------ turns' stored chunks
+
+    def _paged_serves(self, jobs: list[ChunkJob], lane: Lane | None) -> bool:
+        """Whether these jobs run after their voice prefixes and stored chunks: chunk-causal
+        calls on the engine's own thread (the lane keeps its graphs of whole first chunks)
+        whose voices all fit the prefix bank."""
+        if self.turn_pool is None or lane is not None or not self._streaming(jobs[0].finalize):
+            return False
+        prompts = {id(job.request.prompt): job.request.prompt for job in jobs}
+        if len(prompts) > self.prefixes.capacity:
+            return False
+        return all(self.prefixes.slot(p) is not None for p in prompts.values())
+
+    @torch.inference_mode()
+    def _flow_paged(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
+        """Chunks that start after their voice prefix and their turn's stored chunks, and store
+        the chunks they complete (turn_pool.py): each costs its own frames."""
+        device = jobs[0].request.prompt.speech_feat.device
+        slots = torch.tensor([self.prefixes.slot(job.request.prompt) for job in jobs], device=device)
+        states = [job.request.stream for job in jobs]
+        finalize = jobs[0].finalize
+        padded: list[int | None] = []
+
+        def solve(rows: TurnRows, *inputs: torch.Tensor) -> torch.Tensor:
+            mel, replayed = self._solve_paged(rows, *inputs)
+            padded.append(replayed)
+            return mel
+
+        result, turns = flow_paged(
+            self.flow, self.prefixes.bank, self.turn_pool, slots, [s.turn for s in states], self._batch_args(jobs),
+            finalize, keep=[not finalize] * len(jobs), solve=solve,
+        )
+        for state, turn in zip(states, turns):
+            state.turn = turn
+        start, end = result.start.tolist(), result.end.tolist()
+        widths = [e - s for s, e in zip(start, end)]
+        replayed = padded[0]
+        self._book(jobs, widths, len(jobs) * result.mel.shape[2] if replayed is None else replayed, replayed is None)
+        mels = []
+        for i, job in enumerate(jobs):
+            # The chunk's audio starts at the first frame of its first token (earlier frames of
+            # a call, back to its last stored chunk, were spoken before).
+            first = self.schedule.mel_ratio * (job.request.prompt.tokens + job.request.stream.offset)
+            if first < start[i]:
+                raise RuntimeError(f"a chunk's frames start at {first}, its call at {start[i]}")
+            mels.append(result.mel[i : i + 1, :, first - start[i] : end[i] - start[i]])
+        return mels
+
+    def _solve_paged(
+        self, rows: TurnRows, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
+    ) -> tuple[torch.Tensor, int | None]:
+        """The decoder after the rows' prefixes and stored chunks, and the row-frames its graph
+        computed: the engine thread's graph replay when one exists for the shape, else the
+        eager solve (None)."""
+        if self.flow_graphs is not None and mu.is_cuda:
+            replayed = self.flow_graphs.run_paged(self.turn_pool, rows, mu, mask, spks, cond)
+            if replayed is not None:
+                return replayed
+        bank = self.prefixes.bank
+        return solve_paged(self.flow.decoder, bank, self.turn_pool, rows, mu, mask, spks, cond), None
+
+    def stored_frames(self, job: ChunkJob) -> int:
+        """Decoder frames of the job's turn already stored (its voice prefix aside)."""
+        turn = job.request.stream.turn
+        return 0 if turn is None or self.turn_pool is None else len(turn.pages) * self.turn_pool.page_frames
+
+    def release(self, state: StreamState) -> None:
+        """Free an utterance's stored decoder state at once (it ended or was cancelled; no
+        call of it may be running)."""
+        state.flow_cache = None
+        if state.turn is not None:
+            self.turn_pool.release(state.turn)
+            state.turn = None
 
     def _prefix_serves(self, jobs: list[ChunkJob]) -> bool:
         """Whether these non-final jobs start after their voice prefixes: unless a graph of the
@@ -235,18 +342,19 @@ class Token2WavRunner:
             prompt.embedding,
         )
         graphs = self._flow_graphs(lane)
-        if state.flow_cache is None or job.finalize:
+        streaming = self._streaming(job.finalize)
+        if state.flow_cache is None or not streaming:
             width = self.planner.decoder_width(self.schedule.job_frames(job), job.finalize)
             self._count_call([job], [width], False, graphs)
-        if job.finalize:
-            # The official path speaks the last chunk with full (not chunk-causal) attention
-            # over prompt + all tokens: one pass that costs O(utterance), once.
+        if not streaming:
+            # The official tts() loop speaks the last chunk with full (not chunk-causal)
+            # attention over prompt + all tokens: one pass that costs O(utterance), once.
             mel, _ = self._flow_call(args, False, True, graphs)
         elif state.flow_cache is not None:
-            mel, _ = inference_chunk(self.flow, state.flow_cache, *args, finalize=False)
+            mel, _ = inference_chunk(self.flow, state.flow_cache, *args, finalize=job.finalize)
             return mel
         else:
-            mel, _ = self._flow_call(args, True, False, graphs)
+            mel, _ = self._flow_call(args, True, job.finalize, graphs)
         return mel[:, :, state.offset * self.schedule.mel_ratio :]
 
     def _flow_call(
@@ -305,7 +413,7 @@ class Token2WavRunner:
             speech = self._cross_fade(speech, state.hift_speech)
         if job.finalize:
             state.hift_mel = state.hift_source = state.hift_speech = None
-            state.flow_cache = None  # frees the flow's per-chunk state at once
+            self.release(state)  # the flow's stored state goes at once
         else:
             state.hift_mel = mel[:, :, -MEL_CACHE_FRAMES:]
             state.hift_source = source[:, :, -cache_samples:]
@@ -341,14 +449,16 @@ class Token2WavRunner:
 
     def _count_call(self, jobs: list[ChunkJob], widths: list[int], after_prefix: bool, graphs: FlowGraphs | None) -> None:
         """Book one flow call of these jobs, whose rows need ``widths`` decoder frames each."""
-        finalize = jobs[0].finalize
         rows, width = len(widths), max(widths)
-        replayed = self.planner.replayed_row_frames(graphs, rows, width, not finalize, after_prefix)
-        padded = rows * width if replayed is None else replayed
+        streaming = self._streaming(jobs[0].finalize)
+        replayed = self.planner.replayed_row_frames(graphs, rows, width, streaming, after_prefix)
+        self._book(jobs, widths, rows * width if replayed is None else replayed, replayed is None)
+
+    def _book(self, jobs: list[ChunkJob], widths: list[int], padded: int, eager: bool) -> None:
         kind = call_kind(jobs)
         with self._work_lock:
             work = self._work
             work["calls"] += 1
-            work["eager_calls"] += replayed is None
+            work["eager_calls"] += eager
             work[f"row_frames_{kind}"] += sum(widths)
             work["padded_row_frames"] += padded

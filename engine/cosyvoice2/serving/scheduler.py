@@ -136,11 +136,12 @@ class Scheduler:
             self.wake.notify_all()
 
     def cancel(self, request: Request) -> None:
-        """Forget a request at once; its state is freed once no batch holds it."""
+        """Forget a request at once; its state is freed now, or when the batch holding it ends."""
         with self.lock:
             if not request.status.ended:
                 request.advance(RequestStatus.CANCELLED)
             self.requests.discard(request)
+            self._release(request)
 
     def fail(self, request: Request, error: EngineError) -> None:
         """End a request with an error its consumer raises."""
@@ -152,7 +153,14 @@ class Scheduler:
             return
         request.advance(RequestStatus.FAILED)
         self.requests.discard(request)
+        self._release(request)
         self.loop.call_soon_threadsafe(request.output.put_nowait, error)
+
+    def _release(self, request: Request) -> None:
+        """Free an ended request's token2wav state (pages of the turn-state pool) unless a
+        worker is running its chunk; ``_run_call`` frees it then."""
+        if not request.running:
+            self.runner.release(request.stream)
 
     def counts(self) -> tuple[int, int]:
         """Chunks ready but not started, and chunks running."""
@@ -370,7 +378,8 @@ class Scheduler:
             for i, (request, job) in enumerate(batch):
                 request.running = False
                 if request not in self.requests:
-                    continue  # cancelled while running
+                    self._release(request)  # cancelled while running
+                    continue
                 if error is not None:
                     self._fail(request, error)
                     continue

@@ -61,10 +61,14 @@ class FakeToken2Wav:
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
+        self.released: list[str] = []  # utterances whose state was freed, in order
         self.schedule = self
 
     def work_totals(self) -> dict[str, float]:
         return {"flow_calls": len(self.batches)}
+
+    def release(self, state: FakeState) -> None:
+        self.released.append(state.name)
 
     def job_frames(self, job: FakeJob) -> int:
         return job.state.frames

@@ -1,0 +1,94 @@
+"""Turn state in the paged pool (serving/turn_pool.py) against the official flow: a turn whose
+calls start after its voice prefix and its stored chunks gives, at every call, the official
+streaming re-run's mel over all tokens so far (``finalize`` on the last call)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from engine.cosyvoice2.serving.prefix_bank import PrefixBank, voice_prefix
+from engine.cosyvoice2.serving.turn_pool import TurnStatePool, flow_paged
+from tests.engine.cosyvoice2.flow_pairs import TOLERANCE, max_err, utterance
+
+
+def stack(tensors: list[Tensor]) -> Tensor:
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1])) for t in tensors])
+
+
+def stream_turns(reference, ours, pool_pages: int) -> tuple[TurnStatePool, list[float]]:
+    """Two turns of different voices streamed in shared calls, each call compared with the
+    official streaming re-run at that row's token count; returns the pool and the errors."""
+    voices = [utterance(60, 140, seed=80), utterance(30, 120, seed=81)]
+    with torch.inference_mode():
+        prefixes = [voice_prefix(ours, v.prompt_token, v.prompt_feat, v.embedding) for v in voices]
+    bank = PrefixBank(ours.decoder, 2, 100, prefixes[0].keys[0])
+    for slot, prefix in enumerate(prefixes):
+        bank.put(slot, prefix)
+    pool = TurnStatePool(ours.decoder, pool_pages, prefixes[0].keys[0])
+    slots = torch.tensor([0, 1])
+    # Token counts per call: on and off chunk boundaries, rows at different points of their turn.
+    calls = [(18, 23), (43, 48), (44, 73), (93, 98), (140, 120)]
+    turns = [None, None]
+    errors = []
+    for k, counts in enumerate(calls):
+        finalize = k == len(calls) - 1
+        args = (
+            stack([v.token[:, :n] for v, n in zip(voices, counts)]), torch.tensor(counts),
+            stack([v.prompt_token for v in voices]), torch.tensor([v.prompt_token.shape[1] for v in voices]),
+            stack([v.prompt_feat for v in voices]), torch.tensor([v.prompt_feat.shape[1] for v in voices]),
+            torch.cat([v.embedding for v in voices]),
+        )
+        result, turns = flow_paged(ours, bank, pool, slots, turns, args, finalize, keep=[not finalize] * 2)
+        for b, (voice, n) in enumerate(zip(voices, counts)):
+            with torch.inference_mode():
+                expected, _ = reference.inference(*voice.args(n), True, finalize)
+            prompt = voice.prompt_feat.shape[1]
+            start, end = int(result.start[b]), int(result.end[b])
+            assert end - prompt == expected.shape[2]
+            first = max(start, prompt)
+            assert expected[:, :, first - prompt :].abs().max() > 1.0
+            errors.append(max_err(result.mel[b : b + 1, :, first - start : end - start], expected[:, :, first - prompt :]))
+    for turn in turns:
+        if turn is not None:
+            pool.release(turn)
+    return pool, errors
+
+
+def test_equivalence_paged_turns_with_the_official_streaming_flow(flow_pair) -> None:
+    """Every call of two turns batched together (different prefixes, different numbers of
+    stored chunks, partial chunks recomputed) equals the official streaming re-run, the last
+    call with finalize; the chunks are stored as they complete and all go back at the end."""
+    reference, ours = flow_pair
+    pool, errors = stream_turns(reference, ours, pool_pages=16)
+    assert max(errors) <= TOLERANCE, errors
+    assert pool.peak_pages >= 6  # both turns stored chunks (rather than recomputing)
+    assert pool.fallbacks == 0
+    assert pool.pages_in_use == 0
+
+
+def test_a_full_pool_falls_back_to_recompute_exactly(flow_pair) -> None:
+    """With room for two pages, turns store what fits and recompute the rest: the same mel."""
+    reference, ours = flow_pair
+    pool, errors = stream_turns(reference, ours, pool_pages=2)
+    assert max(errors) <= TOLERANCE, errors
+    assert pool.fallbacks > 0
+    assert pool.peak_pages == 2
+    assert pool.pages_in_use == 0
+
+
+def test_pool_budget_and_bookkeeping(flow_pair) -> None:
+    _, ours = flow_pair
+    like = next(ours.parameters())
+    page = TurnStatePool.page_bytes(ours.decoder, like.dtype)
+    pool = TurnStatePool.within(ours.decoder, 5 * page, like)
+    assert pool.pages == 4 and pool.nbytes == 5 * page
+    turn = pool.grow(None, 3)
+    assert turn is not None and len(turn.pages) == 3 and pool.pages_in_use == 3
+    assert pool.grow(turn, 2) is None and pool.fallbacks == 1 and len(turn.pages) == 3
+    pool.release(turn)
+    assert pool.pages_in_use == 0 and pool.peak_pages == 3
+    with pytest.raises(ValueError, match="no page"):
+        TurnStatePool.within(ours.decoder, page, like)
