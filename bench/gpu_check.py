@@ -105,9 +105,12 @@ model_dir = "{model_dir}"
 device = "cuda"
 dtype = "{args.flow_dtype}"
 llm_backend = "vllm"
-flow_mode = "recompute"
+flow_mode = "{args.flow_mode}"
+token2wav_cache_gb = {args.token2wav_cache_gb}
+final_chunk_attention = "{args.final_chunk_attention}"
 max_batch = {args.max_batch}
 graph_max_batch = {args.graph_max_batch}
+graph_frame_step = {args.graph_frame_step}
 token_first_hop_len = {args.first_hop}
 stream_scale_factor = {args.stream_scale}
 token_max_hop_len = {args.max_hop}
@@ -121,6 +124,7 @@ flow_cudnn_attention = {str(not args.no_flow_cudnn_attention).lower()}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
+token2wav_memory_gb = {args.token2wav_cache_gb + 16}
 max_num_seqs = 256
 enforce_eager = {str(args.enforce_eager).lower()}
 async_scheduling = {str(args.async_scheduling).lower()}
@@ -200,6 +204,13 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "token2wav_flow_calls", "token2wav_flow_eager_calls", "token2wav_flow_padded_row_frames",
         *(f"token2wav_{total}_{kind}" for total in ("flow_row_frames", "calls", "call_seconds") for kind in CALL_KINDS))}
     needed = sum(totals[f"token2wav_flow_row_frames_{kind}"] for kind in CALL_KINDS)
+    turns = delta("tts_token2wav_turn_state_turns_total")
+    turn_state = {
+        "peak_gb_since_start": round(after.get("tts_token2wav_turn_state_peak_bytes_total", 0.0) / 1e9, 2),
+        "turns": turns,
+        "mb_per_turn": round(delta("tts_token2wav_turn_state_stored_bytes_total") / turns / 1e6, 1) if turns else None,
+        "fallback_calls": delta("tts_token2wav_turn_state_fallbacks_total"),
+    }
     firsts = delta("tts_first_audio_chunks_total")
     first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None
                       for stage in ("llm_first_token", "llm_chunk", "token2wav_wait", "token2wav_run")}
@@ -225,6 +236,7 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "row_frames_per_call_s_by_kind": {kind: _ratio(totals[f"token2wav_flow_row_frames_{kind}"],
                                                        totals[f"token2wav_call_seconds_{kind}"]) for kind in CALL_KINDS},
         "first_audio_ms": first_audio_ms,
+        "turn_state": turn_state,
         "event_loop_lag_mean_ms": round(1000 * delta("tts_event_loop_lag_seconds_sum") / lag_n, 2) if lag_n else None,
         "event_loop_lag_share_over_s": lag_over,
     }
@@ -383,6 +395,12 @@ def main() -> int:
         "the official bound 20 makes replies ~2.7x too long",
     )
     parser.add_argument("--prefix-voices", type=int, default=4, help="prefix_voices of the gateway (0 = off)")
+    parser.add_argument("--flow-mode", default="paged", choices=("paged", "recompute"),
+                        help="flow_mode of the gateway (recompute: the design before the turn-state pool)")
+    parser.add_argument("--token2wav-cache-gb", type=float, default=40.0,
+                        help="token2wav_cache_gb of the gateway: the paged pool of turns' decoder state")
+    parser.add_argument("--final-chunk-attention", default="chunk", choices=("chunk", "full"))
+    parser.add_argument("--graph-frame-step", type=int, default=50, help="graph_frame_step of the gateway")
     parser.add_argument("--ttfa-p95-ms", type=float, default=400.0)
     parser.add_argument("--flow-dtype", default="bfloat16")
     parser.add_argument("--max-batch", type=int, default=64)

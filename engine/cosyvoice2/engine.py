@@ -109,6 +109,11 @@ class CosyVoice2Engine(Engine):
             log.info(
                 "flow voice prefixes: %d slots of %d frames (%.2f GiB)", bank.slots, bank.frames, bank.nbytes / 2**30
             )
+        pool = runner.turn_pool
+        if pool is not None:
+            log.info(
+                "turns' decoder state: %d pages of %d frames (%.2f GiB)", pool.pages, pool.page_frames, pool.nbytes / 2**30
+            )
         prompt_tokens = [info.speech_tokens for info in voices]
         if device.type == "cuda" and settings.graph_max_batch > 0:
             await asyncio.to_thread(startup.capture_flow_graphs, runner, settings, device)
@@ -125,13 +130,18 @@ class CosyVoice2Engine(Engine):
 
     def _runner(self, device: torch.device) -> Token2WavRunner:
         settings = self.settings
-        # incremental on CPU, where the flow is compute-bound; recompute on GPU (settings).
-        incremental = settings.flow_mode == "incremental" or (settings.flow_mode == "auto" and device.type == "cpu")
+        # auto: incremental on CPU, where the flow is compute-bound and runs one row at a time;
+        # paged on GPU, where rows batch across sessions (settings).
+        mode = settings.flow_mode if settings.flow_mode != "auto" else "incremental" if device.type == "cpu" else "paged"
+        if mode == "paged" and not settings.prefix_voices:
+            raise EngineError("flow_mode 'paged' needs prefix_voices >= 1 (turns continue from their voice's prefix)")
         return Token2WavRunner.build(
             self.models.flow, self.models.hift, hop_len=settings.token_hop_len, max_hop_len=settings.token_max_hop_len,
             scale=settings.stream_scale_factor, first_hop_len=settings.token_first_hop_len,
             first_by_load=settings.first_chunk_by_load, second_on_lane=settings.second_chunk_on_lane,
-            incremental=incremental, prefix_voices=settings.prefix_voices,
+            incremental=mode == "incremental", prefix_voices=settings.prefix_voices,
+            turn_state_bytes=int(settings.token2wav_cache_gb * 2**30) if mode == "paged" else 0,
+            final_attention=settings.final_chunk_attention,
         )
 
     async def _warm_up(self) -> None:

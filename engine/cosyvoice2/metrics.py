@@ -7,8 +7,7 @@ exports them with the ``tts_`` prefix and documents them from here (the engine's
 from __future__ import annotations
 
 # The kinds of token2wav call (engine/cosyvoice2/serving/chunking.py, call_kind).
-CALL_KINDS = {"first": "first chunks", "later": "later non-final chunks",
-              "final": "final chunks (full attention over the turn)"}
+CALL_KINDS = {"first": "first chunks", "later": "later non-final chunks", "final": "final chunks"}
 # Exported as tts_<name> (EngineStats.extra) and tts_<name>_total (EngineStats.totals).
 GAUGES = {
     "llm_streams": "Utterances the LLM stage is decoding.",
@@ -45,6 +44,12 @@ TOTALS = {
     "token2wav_flow_row_frames_final": "Mel frames the flow computed for final chunks (rows x widths).",
     "token2wav_flow_padded_row_frames": "Mel frames the flow computed with padding (rows and frames padded to the "
     "call's widest row or graph bucket); 1 - needed / padded is the share spent on padding.",
+    "token2wav_turn_state_peak_bytes": "Most GPU memory the paged pool of turns' decoder state held at once, "
+    "since start (flow_mode paged).",
+    "token2wav_turn_state_stored_bytes": "Decoder state stored for turns (stored / turns = memory per turn).",
+    "token2wav_turn_state_turns": "Turns that stored decoder state in the pool.",
+    "token2wav_turn_state_fallbacks": "Flow calls of a turn that found the pool full and recomputed from its last "
+    "stored chunk instead.",
     "first_audio_chunks": "Utterances' first chunks delivered (divide the first_audio_*_seconds totals by it).",
     "first_audio_llm_first_token_seconds": "First chunks: first text given to the LLM stage to its first speech token.",
     "first_audio_llm_chunk_seconds": "First chunks: first speech token to the chunk's tokens all there.",

@@ -90,12 +90,12 @@ class CosyVoice2Settings:
     # there (the official maximum ratio, 20). Benchmarks on random weights, which never
     # sample eos, set a real speaking rate (~7) so that replies last as long as real ones.
     max_speech_per_text_token: float = 20.0
-    # incremental: keep the flow's per-chunk state, so chunk k costs about what chunk 1
-    # does (exact; but the state is ~4.9 MB per mel frame at full size in float32, ~5 GB
-    # for a 6 s prompt + 16 s of speech). recompute: the official way, re-run the flow
-    # over everything so far for every chunk (no state). auto: incremental on CPU, where
-    # the flow is compute-bound; recompute on GPU, where batch-1 chunks are launch-bound
-    # and memory buys sessions (docs/cosyvoice2.md has the measurements).
+    # How the flow streams (all exact: each chunk equals the official flow's streaming call).
+    # paged: turns keep their decoder state in a pool of token2wav_cache_gb, batched across
+    # sessions, so a chunk costs its own frames (serving/turn_pool.py; needs prefix_voices).
+    # incremental: each utterance keeps its own state, unbatched (~4.9 MB per mel frame at
+    # full size in float32). recompute: the official way, re-run the flow over everything so
+    # far for every chunk (no state). auto: incremental on CPU, paged on GPU.
     # A listener about to run out of audio gets the tokens there are (at least
     # token_first_hop_len) as an early chunk instead of waiting for a whole hop, while the
     # token2wav worker has time for it. Keeps text streamed at LLM speed from stalling
@@ -110,6 +110,14 @@ class CosyVoice2Settings:
     # chunks then wait behind those calls on the lane (H200: docs/benchmarks.md).
     second_chunk_on_lane: bool = False
     flow_mode: str = "auto"
+    # Paged mode's pool of turns' decoder state: ~2.3 MB per mel frame at full size in bf16
+    # (8 GB: ~70 s of speech being generated at once). A turn that finds it full recomputes
+    # from its last stored chunk instead (counted), so this bounds memory, not sessions.
+    token2wav_cache_gb: float = 8.0
+    # The last chunk of a turn: "chunk" is the official flow's streaming mode (chunk-causal,
+    # like every other chunk; it costs its own frames), "full" the official tts() loop's
+    # full-attention pass over the whole turn (O(turn), once per turn).
+    final_chunk_attention: str = "chunk"
     max_batch: int = 16  # token2wav chunks run together
     # GPU: CUDA graphs of the flow solve, captured before the gateway reports ready (a
     # batch-1 chunk drops from ~280 ms eager to ~50 ms). Batches up to graph_max_batch
@@ -119,7 +127,7 @@ class CosyVoice2Settings:
     # there); other calls run eagerly. 0 turns graphs off.
     graph_max_batch: int = 16
     graph_max_frames: int = 3200
-    graph_frame_step: int = 100
+    graph_frame_step: int = 50
     # Recompute mode: a streaming batch (on a GPU, of more than one row) starts the decoder
     # after the voice prompt's whole chunks, whose state is the same in every call and is kept in a
     # bank of this many slots for the most recently used voices (~2.3 MB per prompt frame
@@ -149,8 +157,12 @@ class CosyVoice2Settings:
             raise ValueError("need 1 <= token_first_hop_len <= token_max_hop_len")
         if self.stream_scale_factor < 1:
             raise ValueError("stream_scale_factor must be >= 1")
-        if self.flow_mode not in ("auto", "incremental", "recompute"):
-            raise ValueError("flow_mode must be auto, incremental or recompute")
+        if self.flow_mode not in ("auto", "paged", "incremental", "recompute"):
+            raise ValueError("flow_mode must be auto, paged, incremental or recompute")
+        if self.token2wav_cache_gb < 0:
+            raise ValueError("token2wav_cache_gb must be >= 0")
+        if self.final_chunk_attention not in ("chunk", "full"):
+            raise ValueError("final_chunk_attention must be 'chunk' or 'full'")
         if self.max_speech_per_text_token <= 0:
             raise ValueError("max_speech_per_text_token must be > 0")
         if self.prefix_voices < 0:

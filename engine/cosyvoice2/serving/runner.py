@@ -245,10 +245,12 @@ class Token2WavRunner:
         whose voices all fit the prefix bank."""
         if self.turn_pool is None or lane is not None or not self._streaming(jobs[0].finalize):
             return False
-        prompts = {id(job.request.prompt): job.request.prompt for job in jobs}
+        prompts = {id(job.request.prompt): job.request.prompt for job in jobs}.values()
         if len(prompts) > self.prefixes.capacity:
             return False
-        return all(self.prefixes.slot(p) is not None for p in prompts.values())
+        like = next(iter(prompts)).speech_feat
+        self.prefixes.make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), like)
+        return all(self.prefixes.slot(p) is not None for p in prompts)
 
     @torch.inference_mode()
     def _flow_paged(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
@@ -443,9 +445,13 @@ class Token2WavRunner:
         graph; ``flow_row_frames_{first,later,final}``, the mel frames the decoder had to
         compute for each kind of chunk (rows x their own widths: what the work grows with);
         ``flow_padded_row_frames``, what it computed (rows and frames padded to the call's
-        widest row, or to its graph's bucket). Padded / needed is the share spent on padding."""
+        widest row, or to its graph's bucket). Padded / needed is the share spent on padding.
+        With a turn-state pool, its ``turn_state_*`` totals too (``TurnStatePool.totals``)."""
         with self._work_lock:
-            return {f"flow_{name}": float(value) for name, value in self._work.items()}
+            totals = {f"flow_{name}": float(value) for name, value in self._work.items()}
+        if self.turn_pool is not None:
+            totals |= {f"turn_state_{name}": float(value) for name, value in self.turn_pool.totals().items()}
+        return totals
 
     def _count_call(self, jobs: list[ChunkJob], widths: list[int], after_prefix: bool, graphs: FlowGraphs | None) -> None:
         """Book one flow call of these jobs, whose rows need ``widths`` decoder frames each."""

@@ -97,8 +97,12 @@ class TurnStatePool:
         self._lock = threading.Lock()
         self._free_pages = list(range(pages - 1, -1, -1))
         self._free_slots = list(range(pages - 1, -1, -1))
+        # Running totals (the engine exports them): the most pages held at once, pages and
+        # turns given state, and calls of a turn that could not store its new chunks.
         self.peak_pages = 0
-        self.fallbacks = 0  # calls of a turn that could not store its new chunks (pool full)
+        self.pages_stored = 0
+        self.turns = 0
+        self.fallbacks = 0
 
     @staticmethod
     def page_bytes(cfm: CFM, dtype: torch.dtype, steps: int = N_TIMESTEPS) -> int:
@@ -120,6 +124,15 @@ class TurnStatePool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.conv_context))
 
+    def totals(self) -> dict[str, float]:
+        """The pool's running totals, in bytes where they are memory (see ``__init__``)."""
+        page = self.nbytes / (self.pages + 1)
+        with self._lock:
+            return {
+                "peak_bytes": self.peak_pages * page, "stored_bytes": self.pages_stored * page,
+                "turns": self.turns, "fallbacks": self.fallbacks,
+            }
+
     @property
     def pages_in_use(self) -> int:
         with self._lock:
@@ -134,7 +147,9 @@ class TurnStatePool:
                 return None
             if turn is None:
                 turn = TurnState(self._free_slots.pop())
+                self.turns += 1
             turn.pages += [self._free_pages.pop() for _ in range(pages)]
+            self.pages_stored += pages
             self.peak_pages = max(self.peak_pages, self.pages - len(self._free_pages))
             return turn
 

@@ -74,12 +74,21 @@ class ReplayLLM:
         yield from self.tokens
 
 
-def official_stream(tiny_dir: Path, models, voice, tokens: list[int]) -> list[np.ndarray]:
+def official_stream(tiny_dir: Path, models, voice, tokens: list[int], final_attention: str = "full") -> list[np.ndarray]:
+    """The official streaming loop's chunks; ``final_attention="chunk"``: its last chunk with the
+    official flow in streaming mode too (``streaming=True, finalize=True``), the loop as released."""
     configs = models.configs
     _, flow, hift = official_modules(configs.llm, configs.flow, configs.hift)
     flow.load_state_dict(torch.load(tiny_dir / "flow.pt", weights_only=True), strict=True)
     hift.load_state_dict(torch.load(tiny_dir / "hift.pt", weights_only=True), strict=True)
     flow.eval(), hift.eval()
+    if final_attention == "chunk":
+        released = flow.inference
+
+        def streaming_inference(**kwargs):
+            return released(**(kwargs | {"streaming": True}))
+
+        flow.inference = streaming_inference
     model = official("cosyvoice.cli.model").CosyVoice2Model(ReplayLLM(tokens), flow, hift, fp16=False)
     model.llm = ReplayLLM(tokens)
     inputs = voice.model_input()
@@ -98,16 +107,31 @@ def official_stream(tiny_dir: Path, models, voice, tokens: list[int]) -> list[np
         return [c["tts_speech"][0].numpy() for c in chunks]
 
 
-def our_stream(models, voice, tokens: list[int], incremental: bool, prefix_voices: int = 0) -> list[np.ndarray]:
-    token2wav = make_runner(models, scale=1, incremental=incremental, prefix_voices=prefix_voices)
+# A turn-state pool of this many bytes holds every chunk of the test's turn (in float32).
+TURN_STATE_BYTES = 64 * 2**20
+
+
+def our_stream(
+    models, voice, tokens: list[int], incremental: bool, prefix_voices: int = 0, final_attention: str = "full",
+    turn_state_bytes: int = 0,
+) -> list[np.ndarray]:
+    token2wav = make_runner(
+        models, scale=1, incremental=incremental, prefix_voices=prefix_voices, final_attention=final_attention,
+        turn_state_bytes=turn_state_bytes,
+    )
     state = stream(token2wav, VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding), tokens, done=True)
     torch.manual_seed(1234)
     chunks = []
+    stored = []
     while (job := token2wav.schedule.next_job(state)) is not None:
         chunks.append(token2wav.run([job])[0])
+        stored.append(len(state.stream.turn.pages) if state.stream.turn is not None else 0)
     if prefix_voices:  # the stream really started its decoder after a stored prefix
         assert len(token2wav.prefixes._slots) == 1
         assert token2wav.prefixes.bank.frames == 2 * ((voice.speech_tokens.shape[1] - 3) // 25 * 25) > 0
+    if turn_state_bytes:  # ... and after its own stored chunks, given back at its end
+        pool = token2wav.turn_pool
+        assert stored[-2] >= 4 and stored[-1] == 0 and pool.pages_in_use == 0 and pool.fallbacks == 0
     return chunks
 
 
@@ -117,13 +141,21 @@ def tokens() -> list[int]:
     return torch.randint(0, 6561, (137,), generator=generator).tolist()
 
 
-@pytest.mark.parametrize(
-    ("incremental", "prefix_voices"), [(False, 0), (False, 2), (True, 0)],
-    ids=["recompute", "recompute-after-voice-prefix", "incremental"],
-)
-def test_equivalence_streaming(tiny_dir, models, voice, tokens, incremental, prefix_voices):
-    reference = official_stream(tiny_dir, models, voice, tokens)
-    ours = our_stream(models, voice, tokens, incremental, prefix_voices)
+STREAMING_MODES = {
+    "recompute": dict(incremental=False),
+    "recompute-after-voice-prefix": dict(incremental=False, prefix_voices=2),
+    "incremental": dict(incremental=True),
+    "paged": dict(incremental=False, prefix_voices=2, turn_state_bytes=TURN_STATE_BYTES),
+}
+
+
+@pytest.mark.parametrize("final_attention", ["full", "chunk"])
+@pytest.mark.parametrize("mode", list(STREAMING_MODES))
+def test_equivalence_streaming(tiny_dir, models, voice, tokens, mode, final_attention):
+    """Every chunk equals the official streaming loop's, its last chunk with full attention
+    (the released loop) or chunk-causal (the official flow's streaming mode), in every mode."""
+    reference = official_stream(tiny_dir, models, voice, tokens, final_attention)
+    ours = our_stream(models, voice, tokens, final_attention=final_attention, **STREAMING_MODES[mode])
     assert [len(c) for c in ours] == [len(c) for c in reference]
     assert len(reference) >= 4  # first (padded) hop, full hops, the final flush
     error = max(float(np.max(np.abs(a - b))) for a, b in zip(ours, reference))
