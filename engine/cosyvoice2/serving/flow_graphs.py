@@ -62,7 +62,9 @@ from torch import Tensor
 from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
 from engine.cosyvoice2.serving.buckets import FlowBuckets, GraphKey, bucket_order, pad_inputs, pad_rows
 from engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView, noise_after, solve_after_prefix
-from engine.cosyvoice2.serving.turn_pool import PagedView, TurnRows, TurnStatePool, paged_noise, solve_paged
+from engine.cosyvoice2.serving.turn_pool import (
+    PagedView, TurnRows, TurnStatePool, pad_turn_rows, paged_noise, solve_paged,
+)
 
 # The widest page table a graph after stored chunks is captured for (pages of 50 frames:
 # a turn of ~2 minutes); a call past it runs eagerly.
@@ -380,26 +382,6 @@ class FlowGraphs:
         mel = self._replay(key, (mu, mask, spks, cond), rows)
         return None if mel is None else (mel, key.row_frames)
 
-    def _padded_turn_rows(self, rows: TurnRows, key: GraphKey) -> tuple[Tensor, ...]:
-        """``rows`` padded to the key's shape: padding rows read row 0's state and keep nothing;
-        page tables are padded with the scratch page, and so are the pages to write."""
-        scratch = self.pool.scratch
-        batch, writes = key.batch, -(-key.frames // self.pool.page_frames)
-
-        def padded(index: Tensor, width: int, fill_rows: int | None) -> Tensor:
-            index = torch.nn.functional.pad(index, (0, width - index.shape[1]), value=scratch)
-            extra = batch - index.shape[0]
-            tail = index[:1].expand(extra, -1) if fill_rows is None else index.new_full((extra, width), fill_rows)
-            return torch.cat([index, tail])
-
-        def one(index: Tensor, fill: int | None) -> Tensor:
-            return padded(index[:, None], 1, fill)[:, 0]
-
-        return (
-            one(rows.slots, None), padded(rows.page_table, key.pages, None), one(rows.cached, None),
-            one(rows.turn_slot, scratch), padded(rows.write_pages, writes, scratch), one(rows.commit, 0),
-        )
-
     def _replay(self, key: GraphKey, inputs: tuple[Tensor, ...], rows: TurnRows | None = None) -> Tensor | None:
         mu = inputs[0]
         if mu.dtype != self.dtype or mu.device != self.device:
@@ -420,7 +402,7 @@ class FlowGraphs:
                 return None
         padded = pad_inputs(*inputs[:4], key.batch, key.frames) + tuple(pad_rows(x, key.batch) for x in inputs[4:])
         if rows is not None:
-            padded += self._padded_turn_rows(rows, key)
+            padded += pad_turn_rows(rows, self.pool, key.batch, key.pages, key.frames).as_tuple()
         captured.replay(padded)
         # The state buffer is shared by all graphs: copy it out before any other replay.
         return captured.x[:rows, :, :length].to(torch.float32, copy=True)

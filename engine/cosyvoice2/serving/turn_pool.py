@@ -230,6 +230,28 @@ class PagedView(PrefixView):
         return extended
 
 
+def pad_turn_rows(rows: TurnRows, pool: TurnStatePool, batch: int, pages: int, frames: int) -> TurnRows:
+    """``rows`` padded to a graph's shape: ``batch`` rows, page tables ``pages`` wide, pages to
+    write for ``frames`` new frames. Padding rows read row 0's state and keep nothing (scratch
+    slot and pages, commit 0); tables and pages to write are padded with the scratch page."""
+    scratch = pool.scratch
+    writes = -(-frames // pool.page_frames)
+
+    def padded(index: Tensor, width: int, fill: int | None) -> Tensor:
+        index = torch.nn.functional.pad(index, (0, width - index.shape[1]), value=scratch)
+        extra = batch - index.shape[0]
+        tail = index[:1].expand(extra, -1) if fill is None else index.new_full((extra, width), fill)
+        return torch.cat([index, tail])
+
+    def one(index: Tensor, fill: int | None) -> Tensor:
+        return padded(index[:, None], 1, fill)[:, 0]
+
+    return TurnRows(
+        one(rows.slots, None), padded(rows.page_table, pages, None), one(rows.cached, None),
+        one(rows.turn_slot, scratch), padded(rows.write_pages, writes, scratch), one(rows.commit, 0),
+    )
+
+
 def paged_noise(cfm: CFM, bank: PrefixBank, pool: TurnStatePool, rows: TurnRows, frames: int) -> Tensor:
     """The fixed noise of ``frames`` frames from each row's start (after its prefix and pages)."""
     start = bank.start[rows.slots] + rows.cached * pool.page_frames

@@ -17,7 +17,7 @@ import pytest_asyncio
 import torch
 
 from testkit.checkpoint import make_checkpoint
-from engine.base import AudioChunk, UtteranceOptions, drive
+from engine.base import AudioChunk, EngineError, UtteranceOptions, drive
 from engine.cosyvoice2.engine import CosyVoice2Engine
 from engine.cosyvoice2.serving.request import RequestStatus
 from engine.cosyvoice2.settings import CosyVoice2Settings
@@ -221,3 +221,49 @@ async def test_stage_counters_are_exported(cv2_gateway, cv2_engine):
     text = (await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())).decode()
     assert 'tts_token2wav_busy_seconds_total{engine="cosyvoice2"}' in text
     assert 'tts_llm_streams{engine="cosyvoice2"}' in text
+
+
+async def test_paged_flow_mode_serves_overlapping_turns_and_gives_their_state_back(cv2_engine):
+    """flow_mode = "paged" (the GPU default) runs on CPU too: two turns spoken at once and one
+    cancelled midway store their decoder state in the pool while they are generated, and every
+    page is back once they end."""
+    import dataclasses
+
+    settings = dataclasses.replace(cv2_engine.settings, flow_mode="paged", token2wav_cache_gb=0.25)
+    engine = CosyVoice2Engine(settings)
+    await engine.start()
+    try:
+        pool = engine.runner.turn_pool
+        assert pool is not None and pool.pages_in_use == 0
+        heard: dict[str, int] = {"a": 0, "b": 0}
+
+        def counter(name: str):
+            async def count(chunk: AudioChunk) -> None:
+                heard[name] += len(chunk.samples)
+            return count
+
+        texts = {"a": "The first turn says a few words, then a few more.", "b": "The second one overlaps it."}
+        await asyncio.gather(*(
+            drive(engine.open_utterance(UtteranceOptions(engine.default_voice)), counter(name), text=text)
+            for name, text in texts.items()
+        ))
+        assert all(heard.values())
+        stopped = engine.open_utterance(UtteranceOptions(engine.default_voice))
+        stopped.push_text("This turn is long enough to be cut off after its first chunk, sentence after sentence.")
+        stopped.end_input()
+        await until(anext(aiter(stopped)), 120)
+        stopped.cancel()
+        await eventually(lambda: pool.pages_in_use == 0, timeout=30)
+        totals = pool.totals()
+        assert totals["turns"] >= 2 and totals["stored_bytes"] > 0 and totals["fallbacks"] == 0
+    finally:
+        await engine.close()
+
+
+async def test_paged_flow_mode_needs_voice_prefixes(cv2_engine):
+    import dataclasses
+
+    engine = CosyVoice2Engine(dataclasses.replace(cv2_engine.settings, flow_mode="paged", prefix_voices=0))
+    with pytest.raises(EngineError, match="prefix_voices"):
+        await engine.start()
+    await engine.close()

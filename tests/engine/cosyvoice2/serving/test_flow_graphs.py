@@ -19,6 +19,7 @@ from engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, so
 from engine.cosyvoice2.modeldir.configs import CFMConfig
 from engine.cosyvoice2.serving.buckets import FlowBuckets, GraphKey, pad_inputs, pad_rows
 from engine.cosyvoice2.serving.flow_graphs import solve_after_padded, solve_padded, step_program
+from engine.cosyvoice2.serving.turn_pool import TurnRows, TurnStatePool, pad_turn_rows, solve_paged
 from tests.reference import randomize
 
 LENGTHS = [110, 57, 81]  # 3 rows -> batch bucket 4; 110 frames -> frame bucket 150
@@ -153,13 +154,17 @@ def test_cfm_solve_runs_without_host_sync() -> None:
         assert mel.shape == (4, 80, 150) and mel.dtype == torch.float32
 
 
-def solve_by_steps(cfm: CFM, key: GraphKey, inputs: tuple[Tensor, ...], bank: PrefixBank | None = None) -> Tensor:
+def solve_by_steps(
+    cfm: CFM, key: GraphKey, inputs: tuple[Tensor, ...], bank: PrefixBank | None = None,
+    pool: TurnStatePool | None = None,
+) -> Tensor:
     """A solve as the graphs of ``key`` run it, eagerly: ``start``, then the Euler step
     ``N_TIMESTEPS`` times, all on static tensors; returns x (the mel, in the model's dtype)."""
     mu = inputs[0]
     x = mu.new_zeros(key.batch, 80, key.frames)
     step = torch.zeros(1, dtype=torch.long, device=mu.device)
-    start, euler_step = step_program(cfm, key, inputs, x, step, cfm.step_times(N_TIMESTEPS, mu.device, mu.dtype), bank)
+    times = cfm.step_times(N_TIMESTEPS, mu.device, mu.dtype)
+    start, euler_step = step_program(cfm, key, inputs, x, step, times, bank, pool)
     start()
     for _ in range(N_TIMESTEPS):
         euler_step()
@@ -205,20 +210,68 @@ def test_step_program_is_the_eager_solve(cfm, streaming, dtype) -> None:
     assert torch.equal(stepped[: len(LENGTHS), :, : mu.shape[2]].float(), eager)
 
 
+def turn_rows(pool: TurnStatePool, slots: list[int], pages: list[list[int]], cached: list[int],
+              turn_slot: list[int], commit: list[int], frames: int) -> TurnRows:
+    """TurnRows for rows holding ``pages`` (the first ``cached`` of them stored, the next ones to
+    write ``commit`` frames into), pages to write for ``frames`` new frames."""
+    scratch = pool.scratch
+    table_width, writes = max(cached), -(-frames // pool.page_frames)
+    table = [p[:n] + [scratch] * (table_width - n) for p, n in zip(pages, cached)]
+    write = [(p[n : n + c // pool.page_frames] + [scratch] * writes)[:writes] for p, n, c in zip(pages, cached, commit)]
+    return TurnRows(*(torch.tensor(v) for v in (slots, table, cached, turn_slot, write, commit)))
+
+
+def test_padded_solve_after_stored_chunks_is_the_eager_one(cfm) -> None:
+    """A call after stored chunks as its graph runs it (padded: rows copying row 0's reads but
+    keeping nothing, page tables and pages to write padded with the scratch page), run eagerly
+    from ``start`` step by step, gives the unpadded eager solve's mel and stores the same pages
+    and conv contexts: rows of two voices holding 2, 1 and no stored chunks, committing 2, 0
+    and 1 new chunks."""
+    mu, mask, spks, cond = batch_inputs(LENGTHS, PROMPTS, seed=9)
+    bank = prefix_bank(cfm, mu)
+    pools = [TurnStatePool(cfm, 8, mu) for _ in range(2)]
+    generator = torch.Generator().manual_seed(3)
+    for pool in pools:  # the same stored state in both
+        for stored, fresh in zip(pool.keys + pool.values + pool.conv_context, pools[0].keys + pools[0].values + pools[0].conv_context):
+            stored.copy_(fresh if pool is not pools[0] else torch.randn(stored.shape, generator=generator))
+    initial = pools[0].keys[0].clone()
+    args = ([2, 0, 2], [[0, 1, 2, 3], [4], [5]], [2, 1, 0], [0, 1, 2], [100, 0, 50], mu.shape[2])
+    buckets = FlowBuckets.up_to(max_batch=8, max_frames=300)
+    key = buckets.key(len(LENGTHS), mu.shape[2], True, pages=2)
+    with torch.inference_mode():
+        rows = turn_rows(pools[0], *args)
+        eager = solve_paged(cfm, bank, pools[0], rows, mu, mask, spks, cond)
+        inputs = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
+        padded_rows = pad_turn_rows(rows, pools[1], key.batch, key.pages, key.frames)
+        stepped = solve_by_steps(cfm, key, inputs + padded_rows.as_tuple(), bank, pools[1])
+    assert eager.abs().max() > 1.0
+    assert (stepped[: len(LENGTHS), :, : mu.shape[2]] - eager).abs().max() <= 1e-5
+    for ours, theirs in zip(pools[0].keys + pools[0].values, pools[1].keys + pools[1].values):
+        assert (ours[:, :6] - theirs[:, :6]).abs().max() <= 1e-5  # the real pages (scratch aside)
+    for ours, theirs in zip(pools[0].conv_context, pools[1].conv_context):
+        assert (ours[:, :3] - theirs[:, :3]).abs().max() <= 1e-5
+    changed = [not torch.equal(pools[0].keys[0][:, page], initial[:, page]) for page in range(6)]
+    assert changed == [False, False, True, True, False, True]  # the committed chunks' pages, only
+
+
 def test_step_program_runs_without_host_sync() -> None:
     """The Euler step a graph captures (the step counter read on the device, the bank's state
     at that step) runs on the meta device: it reads no tensor data on the host."""
     cfm = CFM(CFMConfig.tiny()).to("meta").eval()
     mu = torch.zeros(4, 80, 150, device="meta")
     bank = PrefixBank(cfm, 2, 100, mu)
+    pool = TurnStatePool(cfm, 4, mu)
     slots = torch.zeros(4, dtype=torch.long, device="meta")
+    index = torch.zeros(4, 2, dtype=torch.long, device="meta")
+    rows = TurnRows(slots, index, slots, slots, index[:, :1].expand(4, 3), slots)
     inputs = (mu, torch.ones(4, 1, 150, device="meta"), torch.zeros(4, 80, device="meta"), mu)
     for key, extra, program_bank in (
         (GraphKey(4, 150, True), (), None),
         (GraphKey(4, 150, False), (), None),
         (GraphKey(4, 150, True, after_prefix=True), (slots,), bank),
+        (GraphKey(4, 150, True, after_prefix=True, pages=2), rows.as_tuple(), bank),
     ):
-        x = solve_by_steps(cfm, key, inputs + extra, program_bank)
+        x = solve_by_steps(cfm, key, inputs + extra, program_bank, pool)
         assert x.shape == (4, 80, 150)
 
 

@@ -520,3 +520,39 @@ async def test_an_lm_stage_that_ends_the_reply_before_the_text_ends_it():
         assert request.status is RequestStatus.FINISHED
     finally:
         await asyncio.to_thread(scheduler.stop)
+
+
+class GatedToken2Wav(FakeToken2Wav):
+    """Runs a chunk only once ``gate`` is set, saying when it has started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+        self.gate = threading.Event()
+
+    def run(self, jobs, lane=None):
+        self.started.set()
+        self.gate.wait(10)
+        return super().run(jobs, lane)
+
+
+async def test_cancel_frees_an_utterances_state_at_once_or_when_its_chunk_is_done():
+    """A cancelled utterance's token2wav state (its stored decoder state) is freed at once;
+    one whose chunk is running is freed when that call ends, not while it runs."""
+    fake = GatedToken2Wav()
+    scheduler = Scheduler(fake, max_batch=1, loop=asyncio.get_running_loop())
+    try:
+        waiting = add(scheduler, FakeState("waiting", 3), asyncio.Queue())
+        scheduler.cancel(waiting)
+        assert fake.released == ["waiting"]
+        running = add(scheduler, FakeState("running", 3), asyncio.Queue())
+        with scheduler.lock:
+            scheduler.wake.notify_all()
+        await asyncio.to_thread(fake.started.wait, 10)
+        scheduler.cancel(running)
+        assert fake.released == ["waiting"]  # its call is still running
+        fake.gate.set()
+        await eventually(lambda: fake.released == ["waiting", "running"])
+    finally:
+        fake.gate.set()
+        await asyncio.to_thread(scheduler.stop)
