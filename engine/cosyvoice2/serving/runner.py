@@ -4,14 +4,17 @@ It owns what the model calls need beyond the weights: each utterance's caches (t
 vocoder's context, and in incremental mode the flow's state), the voice-prefix cache, the
 CUDA graphs of the flow and the vocoder, and the running totals of the flow's work.
 
-The flow runs in one of two exact modes. ``recompute`` is the official one: every chunk
-re-runs the flow over prompt + all tokens so far, so chunk k costs O(k). A batch (on a
-GPU, of more than one row) starts its decoder after each voice's shared prompt prefix
-instead (prefix_bank.py): the same mel for less work. ``incremental`` keeps the flow's
-per-chunk state (incremental.py) and computes only the new chunk: the same mel within
-float rounding, at a memory cost per utterance. In both, the final chunk is what the
-official path makes it: one flow pass with full attention over prompt + all tokens (the
-official loop calls its last chunk without the streaming flag).
+The flow runs in one of three modes, each exact (a chunk equals the official flow's
+streaming call over prompt + all tokens so far). ``recompute`` is the official one: every
+chunk re-runs the flow over prompt + all tokens, so chunk k costs O(k); a batch (on a GPU,
+of more than one row) starts its decoder after each voice's shared prompt prefix instead
+(prefix_bank.py). ``paged`` starts it after the voice prefix and the turn's stored chunks
+too, keeping each turn's decoder state in a pool while it is generated (turn_pool.py): a
+chunk costs its own frames, and rows of any turns batch together. ``incremental`` keeps each
+utterance's state on its own (incremental.py) and runs it alone. The last chunk is
+chunk-causal like the others (``final_attention = "chunk"``, the official flow's streaming
+mode) or one pass of full attention over prompt + all tokens (``"full"``, as the official
+``tts()`` loop calls it).
 
 Synchronous torch code: the scheduler runs it on its worker threads (:meth:`run`).
 """
