@@ -303,6 +303,10 @@ class Token2WavRunner:
         bank = self.prefixes.bank
         return solve_paged(self.flow.decoder, bank, self.turn_pool, rows, mu, mask, spks, cond), None
 
+    def call_frames(self, job: ChunkJob) -> int:
+        """The frames a job's flow call covers, less what its turn has stored: what it costs."""
+        return self.schedule.job_frames(job) - self.stored_frames(job)
+
     def stored_frames(self, job: ChunkJob) -> int:
         """Decoder frames of the job's turn already stored (its voice prefix aside)."""
         turn = job.request.stream.turn

@@ -55,7 +55,7 @@ class Scheduler:
     """Runs token2wav for every open request, most urgent first, in batches.
 
     ``runner``: what runs chunks (runner.Token2WavRunner: ``schedule``, ``plan``, ``run``,
-    ``lane_serves``, ``work_totals``, ``hift``); ``loop``: the event loop the requests'
+    ``call_frames``, ``release``, ``lane_serves``, ``work_totals``, ``hift``); ``loop``: the event loop the requests'
     outputs belong to.
     """
 
@@ -256,7 +256,7 @@ class Scheduler:
         for deadline, _, request, job in ready:
             if len(batch) == self.max_batch:
                 break
-            frames = self.schedule.job_frames(job)
+            frames = self.runner.call_frames(job)
             padded = (len(batch) + 1) * max(width, frames)
             # A much longer context than the batch's, not due yet, waits for a batch of its
             # size: now it would run on its own after the others (see _run_calls), holding

@@ -73,6 +73,8 @@ class FakeToken2Wav:
     def job_frames(self, job: FakeJob) -> int:
         return job.state.frames
 
+    call_frames = job_frames
+
     def plan(self, jobs, lane=None):
         # Calls padded to their longest row, at a small cost per call (as Token2WavRunner.plan).
         return cheapest_groups([job.state.frames for job in jobs], lambda rows, width: 100 + rows * width)
