@@ -301,34 +301,33 @@ def flow_paged(
     """
     device = slots.device
     chunk = pool.page_frames
-    cached = torch.tensor([len(t.pages) if t is not None else 0 for t in turns], device=device)
+    stored = [len(t.pages) if t is not None else 0 for t in turns]
+    cached = torch.tensor(stored, device=device)
     start = bank.start[slots] + cached * chunk
     inputs = flow.decoder_inputs(*args, True, finalize, start=start)
     end = start + inputs.mask[:, 0].sum(dim=1).long()
-    commit = ((end // chunk * chunk - start) * torch.tensor(keep, device=device)).clamp(min=0)
-    chunks = (commit // chunk).tolist()
+    # Whole chunks completed by this call (start is a chunk boundary), one page each.
+    fresh = [max(0, e // chunk - s // chunk) if k else 0 for s, e, k in zip(start.tolist(), end.tolist(), keep)]
     turns = list(turns)
-    for b, count in enumerate(chunks):
+    for b, count in enumerate(fresh):
         if count:
             grown = pool.grow(turns[b], count)
             if grown is None:
-                commit[b] = 0
+                fresh[b] = 0
             else:
                 turns[b] = grown
-    width = inputs.mu.shape[2]
-    new_chunks = -(-width // chunk)
-    table_width = max([len(t.pages) if t is not None else 0 for t in turns] + [0])
-    page_table = torch.full((len(turns), table_width), pool.scratch, device=device, dtype=torch.long)
-    write_pages = torch.full((len(turns), max(new_chunks, 1)), pool.scratch, device=device, dtype=torch.long)
-    turn_slot = torch.full((len(turns),), pool.scratch, device=device, dtype=torch.long)
-    for b, turn in enumerate(turns):
-        if turn is None:
-            continue
-        stored, fresh = int(cached[b]), int(commit[b]) // chunk
-        page_table[b, :stored] = torch.tensor(turn.pages[:stored])
-        write_pages[b, :fresh] = torch.tensor(turn.pages[stored : stored + fresh])
-        turn_slot[b] = turn.slot
-    rows = TurnRows(slots, page_table[:, : max(int(cached.max()), 0)], cached, turn_slot, write_pages, commit)
+    # The index tensors, built on the host and copied once.
+    scratch, writes = pool.scratch, max(1, -(-inputs.mu.shape[2] // chunk))
+    table, write_pages, turn_slot = [], [], []
+    for turn, n, count in zip(turns, stored, fresh):
+        pages = turn.pages if turn is not None else []
+        table.append(pages[:n] + [scratch] * (max(stored) - n))
+        write_pages.append(pages[n : n + count] + [scratch] * (writes - count))
+        turn_slot.append(turn.slot if turn is not None else scratch)
+    rows = TurnRows(
+        slots, torch.tensor(table, dtype=torch.long).to(device), cached, torch.tensor(turn_slot).to(device),
+        torch.tensor(write_pages, dtype=torch.long).to(device), torch.tensor(fresh).to(device) * chunk,
+    )
     if solve is None:
         def solve(rows, mu, mask, spks, cond):
             return solve_paged(flow.decoder, bank, pool, rows, mu, mask, spks, cond)
