@@ -250,8 +250,15 @@ class Session:
         )
 
     def start_drain(self) -> list[Action]:
-        """Shutdown begins: running contexts may finish, new ones are refused."""
+        """Shutdown begins: running contexts may finish, new ones are refused, and the session
+        closes (1001) as soon as it has none, so that its client reconnects to another gateway
+        between replies rather than being refused its next one."""
         self.draining = True
+        return self._close_if_drained()
+
+    def _close_if_drained(self) -> list[Action]:
+        if self.draining and self.idle and not self.closed:
+            return self._close(CloseCode.GOING_AWAY, "server shutting down")
         return []
 
     def shutdown(self) -> list[Action]:
@@ -302,7 +309,7 @@ class Session:
             if context is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_CONTEXT, f"no open context {context_id!r}")
             if kind == ClientMessage.CANCEL:
-                return self._finish_cancelled(context)
+                return self._finish_cancelled(context) + self._close_if_drained()
             if context.state is not ContextState.STREAMING:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"context {context_id!r} has already ended its input")
             if kind == ClientMessage.FLUSH:
@@ -310,7 +317,7 @@ class Session:
             context.state = ContextState.ENDING
             return [EndInput(context.key)]
         except ProtocolError as exc:
-            return self._context_error(context_id, exc.code, exc.message)
+            return self._context_error(context_id, exc.code, exc.message) + self._close_if_drained()
 
     def _on_text(self, context_id: str, message: dict[str, Any], now: float) -> list[Action]:
         text = message.get("text")
@@ -444,13 +451,14 @@ class Session:
             )
         )
         actions.append(self._remove(context, "done"))
-        return actions
+        return actions + self._close_if_drained()
 
     def utterance_failed(self, key: int, message: str) -> list[Action]:
         context = self._by_key.get(key)
         if context is None:
             return []
-        return self._context_error(context.context_id, ErrorCode.INTERNAL, f"speech generation failed: {message}")
+        actions = self._context_error(context.context_id, ErrorCode.INTERNAL, f"speech generation failed: {message}")
+        return actions + self._close_if_drained()
 
     # ------------------------------------------------------------ helpers
 
