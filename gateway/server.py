@@ -100,13 +100,15 @@ class Gateway:
         log.info("engine %s ready (native %d Hz)", self.engine.name, self.engine.sample_rate)
 
     async def drain(self, timeout: float | None = None) -> None:
-        """Stop accepting; let running contexts finish up to ``timeout``; then close all."""
+        """Refuse new sessions; let running contexts finish up to ``timeout``; then close all.
+
+        The socket stays open until :meth:`stop`, so that a load balancer's health check reads
+        503 on ``/readyz`` (and a new handshake gets 503, which it retries elsewhere) rather
+        than a refused connection, which it cannot tell from a crash."""
         timeout = self.config.server.drain_timeout_s if timeout is None else timeout
         self.draining = True
         self.ready = False
         self.metrics.ready.set(0)
-        if self._server is not None:
-            self._server.close(close_connections=False)
         for runner in list(self.sessions):
             runner.apply(runner.session.start_drain())
         loop = asyncio.get_running_loop()
@@ -150,8 +152,12 @@ class Gateway:
         if path == "/healthz":
             return _response(connection, 200, b"ok\n", "text/plain; charset=utf-8")
         if path == "/readyz":
+            if self.draining:
+                return _response(connection, 503, b"draining\n", "text/plain; charset=utf-8")
             if not self.ready:
                 return _response(connection, 503, b"not ready\n", "text/plain; charset=utf-8")
+            if self.at_capacity:
+                return _response(connection, 503, b"at capacity\n", "text/plain; charset=utf-8")
             failure = self.engine.failure()
             if failure is not None:
                 return _response(connection, 503, f"engine failed: {failure}\n".encode(), "text/plain; charset=utf-8")
@@ -162,6 +168,8 @@ class Gateway:
             self.metrics.error("unauthorized")
             return _response(connection, 401, b"missing or invalid API key\n", "text/plain; charset=utf-8")
         if path == STREAM_PATH:
+            if self.draining:
+                return _response(connection, 503, b"shutting down\n", "text/plain; charset=utf-8")
             if not self.ready:
                 return _response(connection, 503, b"engine not ready\n", "text/plain; charset=utf-8")
             return None  # go on with the WebSocket handshake
@@ -180,6 +188,12 @@ class Gateway:
             )
             return _response(connection, 200, body, "application/json")
         return self._static(connection, path)
+
+    @property
+    def at_capacity(self) -> bool:
+        """No room for another session: ``/readyz`` says so, so that a balancer sends new
+        sessions elsewhere (one that slips through is still refused with ``overloaded``)."""
+        return len(self.sessions) >= self.config.limits.max_sessions
 
     def _static(self, connection: ServerConnection, path: str) -> Response:
         relative = STATIC_PAGES.get(path) or path.lstrip("/")

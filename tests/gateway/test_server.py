@@ -361,21 +361,43 @@ async def test_slow_reader_is_cut_off_without_slowing_others(piper_engine):
 
 async def test_drain_lets_running_contexts_finish(piper_engine):
     async with running_gateway(make_config(), piper_engine) as gw:
-        async with connect(ws_url(gw)) as ws:
+        base = f"http://127.0.0.1:{gw.port}"
+        async with connect(ws_url(gw)) as ws, connect(ws_url(gw)) as idle:
             await recv_json(ws)
+            await recv_json(idle)
             await ws.send('{"type":"text","text":"Finishing this sentence before shutdown."}')
             await ws.send('{"type":"end"}')
             assert (await recv_json(ws))["type"] == "audio"  # the context is running
             assert isinstance(await until(ws.recv()), bytes)
             drain = asyncio.create_task(gw.drain(timeout=10))
+            # A session without a running context goes at once, to reconnect elsewhere.
+            with pytest.raises(ConnectionClosed) as closed:
+                await until(idle.recv())
+            assert closed.value.rcvd.code == 1001
+            # Meanwhile a balancer's probe reads 503 and a new session is refused with 503.
+            assert (await http_get(base + "/readyz"))[:2] == (503, b"draining\n")
+            with pytest.raises(InvalidStatus) as refused:
+                await connect(ws_url(gw), open_timeout=2)
+            assert refused.value.response.status_code == 503
             _, _, done = await read_context(ws)
             assert done["type"] == "done"
             with pytest.raises(ConnectionClosed) as closed:
                 await until(ws.recv())
             assert closed.value.rcvd.code == 1001
             await until(drain)
-        with pytest.raises((OSError, InvalidStatus)):
-            await connect(ws_url(gw), open_timeout=2)
+
+
+async def test_readyz_is_503_while_the_gateway_is_full(piper_engine):
+    async with running_gateway(make_config(limits={"max_sessions": 2}), piper_engine) as gw:
+        base = f"http://127.0.0.1:{gw.port}"
+        async with connect(ws_url(gw)) as first:
+            await recv_json(first)
+            assert (await http_get(base + "/readyz"))[0] == 200
+            async with connect(ws_url(gw)) as second:
+                await recv_json(second)
+                assert (await http_get(base + "/readyz"))[:2] == (503, b"at capacity\n")
+            await eventually(lambda: len(gw.sessions) == 1)
+            assert (await http_get(base + "/readyz"))[0] == 200
 
 
 # ------------------------------------------------------------------ auth and HTTP

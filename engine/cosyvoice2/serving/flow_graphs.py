@@ -388,7 +388,7 @@ class FlowGraphs:
             raise ValueError(
                 f"graphs were captured for {self.dtype} on {self.device}, called with {mu.dtype} on {mu.device}"
             )
-        rows, _, length = mu.shape
+        batch, _, length = mu.shape
         captured = self.graphs.get(key)
         if captured is None:
             if self._capturable(key):
@@ -398,13 +398,13 @@ class FlowGraphs:
             else:
                 if key not in self._reported_missing:
                     self._reported_missing.add(key)
-                    log.info("no flow CUDA graph for %s (%d rows x %d frames): running eagerly", key, rows, length)
+                    log.info("no flow CUDA graph for %s (%d rows x %d frames): running eagerly", key, batch, length)
                 return None
         padded = pad_inputs(*inputs[:4], key.batch, key.frames) + tuple(pad_rows(x, key.batch) for x in inputs[4:])
         if rows is not None:
             padded += pad_turn_rows(rows, self.pool, key.batch, key.pages, key.frames).as_tuple()
         captured.replay(padded)
         # The state buffer is shared by all graphs: copy it out before any other replay.
-        return captured.x[:rows, :, :length].to(torch.float32, copy=True)
+        return captured.x[:batch, :, :length].to(torch.float32, copy=True)
 
 

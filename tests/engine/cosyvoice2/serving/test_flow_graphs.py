@@ -18,7 +18,7 @@ from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
 from engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, solve_after_prefix
 from engine.cosyvoice2.modeldir.configs import CFMConfig
 from engine.cosyvoice2.serving.buckets import FlowBuckets, GraphKey, pad_inputs, pad_rows
-from engine.cosyvoice2.serving.flow_graphs import solve_after_padded, solve_padded, step_program
+from engine.cosyvoice2.serving.flow_graphs import FlowGraphs, _CapturedSolve, solve_after_padded, solve_padded, step_program
 from engine.cosyvoice2.serving.turn_pool import TurnRows, TurnStatePool, pad_turn_rows, solve_paged
 from tests.reference import randomize
 
@@ -317,3 +317,39 @@ def test_solve_after_voice_prefixes_runs_without_host_sync() -> None:
     mel = solve_after_prefix(cfm, bank, slots, mu, torch.ones(3, 1, 150, device="meta"),
                              torch.zeros(3, 80, device="meta"), mu)
     assert mel.shape == (3, 80, 150) and mel.dtype == torch.float32
+
+
+class _EulerStepAsGraph:
+    """Stands in for a captured graph on CPU: a replay runs the captured Euler step eagerly."""
+
+    def __init__(self, euler_step) -> None:
+        self.replay = euler_step
+
+
+def test_run_paged_replays_with_its_rows_padded_to_the_graph(cfm) -> None:
+    """``FlowGraphs.run_paged`` fills a graph's static inputs (the padded call and its turn's
+    rows in the order the graph reads them) and returns the real rows' mel and the row-frames
+    the graph computed: with the graph run eagerly, it equals the eager call."""
+    mu, mask, spks, cond = batch_inputs(LENGTHS, PROMPTS, seed=9)
+    bank = prefix_bank(cfm, mu)
+    pools = [TurnStatePool(cfm, 8, mu) for _ in range(2)]
+    args = ([2, 0, 2], [[0, 1, 2, 3], [4], [5]], [2, 1, 0], [0, 1, 2], [100, 0, 50], mu.shape[2])
+    buckets = FlowBuckets.up_to(max_batch=8, max_frames=300)
+    key = buckets.key(len(LENGTHS), mu.shape[2], True, pages=2)
+    graphs = object.__new__(FlowGraphs)  # its CUDA parts aside
+    graphs.cfm, graphs.buckets, graphs.bank, graphs.pool = cfm, buckets, bank, pools[1]
+    graphs.device, graphs.dtype, graphs.capture_missing = mu.device, mu.dtype, False
+    with torch.inference_mode():
+        static = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
+        static += pad_turn_rows(turn_rows(pools[1], *args), pools[1], key.batch, key.pages, key.frames).as_tuple()
+        static = tuple(torch.zeros_like(t) for t in static)
+        x = mu.new_zeros(key.batch, 80, key.frames)
+        step = torch.zeros(1, dtype=torch.long)
+        times = cfm.step_times(N_TIMESTEPS, mu.device, mu.dtype)
+        start, euler_step = step_program(cfm, key, static, x, step, times, bank, pools[1])
+        graphs.graphs = {key: _CapturedSolve(_EulerStepAsGraph(euler_step), static, x, start)}
+        replayed, row_frames = graphs.run_paged(turn_rows(pools[1], *args), mu, mask, spks, cond)
+        eager = solve_paged(cfm, bank, pools[0], turn_rows(pools[0], *args), mu, mask, spks, cond)
+    assert row_frames == key.row_frames
+    assert eager.abs().max() > 1.0
+    assert (replayed - eager).abs().max() <= 1e-5
