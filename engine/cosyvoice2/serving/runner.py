@@ -296,8 +296,8 @@ class Token2WavRunner:
         """The decoder after the rows' prefixes and stored chunks, and the row-frames its graph
         computed: the engine thread's graph replay when one exists for the shape, else the
         eager solve (None)."""
-        if self.flow_graphs is not None and mu.is_cuda:
-            replayed = self.flow_graphs.run_paged(self.turn_pool, rows, mu, mask, spks, cond)
+        if self.flow_graphs is not None:
+            replayed = self.flow_graphs.run_paged(rows, mu, mask, spks, cond)
             if replayed is not None:
                 return replayed
         bank = self.prefixes.bank

@@ -9,6 +9,7 @@ fixed token list, so both sides vocode exactly the same tokens.
 from __future__ import annotations
 
 from pathlib import Path
+from unittest.mock import create_autospec
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from engine.cosyvoice2.serving import call_plan as call_plan_module
 from engine.cosyvoice2.serving import runner as runner_module
 from engine.cosyvoice2.serving.buckets import FlowBuckets
 from engine.cosyvoice2.serving.chunking import ChunkSchedule
+from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from engine.cosyvoice2.serving.request import Request, RequestStatus, StreamState, VoicePrompt
 from engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
 from engine.cosyvoice2.serving.turn_pool import TurnStatePool
@@ -166,6 +168,21 @@ def test_equivalence_streaming(tiny_dir, models, voice, tokens, mode, final_atte
     audio = np.concatenate(ours)
     assert len(audio) == len(tokens) * 2 * 480  # every token spoken, nothing duplicated at borders
     assert np.isfinite(audio).all() and np.abs(audio).max() > 1e-3
+
+
+def test_paged_calls_ask_the_graphs_first(models, voice, tokens):
+    """In paged mode every call is offered to the flow graphs (as FlowGraphs takes it) before
+    it runs eagerly."""
+    page = TurnStatePool.page_bytes(models.flow.decoder, torch.float32)
+    token2wav = make_runner(models, incremental=False, prefix_voices=2, turn_state_bytes=17 * page)
+    graphs = create_autospec(FlowGraphs, instance=True)
+    graphs.has.return_value = False
+    graphs.run.return_value = graphs.run_after_prefix.return_value = graphs.run_paged.return_value = None
+    token2wav.flow_graphs = graphs
+    state = stream(token2wav, VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding), tokens, done=True)
+    while (job := token2wav.schedule.next_job(state)) is not None:
+        token2wav.run([job])
+    assert graphs.run_paged.call_count >= 4
 
 
 def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tokens):
