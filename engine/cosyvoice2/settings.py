@@ -95,7 +95,8 @@ class CosyVoice2Settings:
     # sessions, so a chunk costs its own frames (serving/turn_pool.py; needs prefix_voices).
     # incremental: each utterance keeps its own state, unbatched (~4.9 MB per mel frame at
     # full size in float32). recompute: the official way, re-run the flow over everything so
-    # far for every chunk (no state). auto: incremental on CPU, paged on GPU.
+    # far for every chunk (no state). auto: incremental on CPU, recompute on GPU (paged is
+    # opt-in for now: docs/benchmarks.md, "Turn state on the H200").
     # A listener about to run out of audio gets the tokens there are (at least
     # token_first_hop_len) as an early chunk instead of waiting for a whole hop, while the
     # token2wav worker has time for it. Keeps text streamed at LLM speed from stalling

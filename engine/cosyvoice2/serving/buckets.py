@@ -13,11 +13,19 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+
+# While any thread captures a graph, the CUDA random generator is in capture mode, and a draw
+# from another thread fails ("offset increment outside graph capture"). The first-chunk lane
+# and the engine thread both capture on first use and both vocode (the vocoder's source draws
+# noise, eagerly or by replay), so captures and vocoder calls take this lock.
+CAPTURE_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)

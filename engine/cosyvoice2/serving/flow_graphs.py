@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from engine.cosyvoice2.serving.buckets import FlowBuckets, GraphKey, bucket_order, pad_inputs, pad_rows
+from engine.cosyvoice2.serving.buckets import CAPTURE_LOCK, FlowBuckets, GraphKey, bucket_order, pad_inputs, pad_rows
 from engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView, noise_after, solve_after_prefix
 from engine.cosyvoice2.serving.turn_pool import (
     PagedView, TurnRows, TurnStatePool, pad_turn_rows, paged_noise, solve_paged,
@@ -276,6 +276,10 @@ class FlowGraphs:
         return inputs, view(self._static_x, key.batch, channels, key.frames)
 
     def _capture(self, key: GraphKey) -> _CapturedSolve:
+        with CAPTURE_LOCK:
+            return self._capture_unlocked(key)
+
+    def _capture_unlocked(self, key: GraphKey) -> _CapturedSolve:
         inputs, x = self._static_views(key)
         mu, mask, spks, cond = inputs[:4]
         # Any valid inputs will do: the graph records kernels, not values.
@@ -318,9 +322,10 @@ class FlowGraphs:
         mask = torch.ones(batch, 1, frames, device=self.device, dtype=self.dtype)
         if key.pages is not None:  # nothing stored, nothing kept: every index at the scratch page
             slots = torch.arange(batch, device=self.device) % self.bank.slots
-            scratch = torch.full((batch, max(key.pages, 1)), self.pool.scratch, device=self.device)
+            writes = -(-frames // self.pool.page_frames)
+            scratch = torch.full((batch, max(key.pages, writes)), self.pool.scratch, device=self.device)
             zero = torch.zeros(batch, dtype=torch.long, device=self.device)
-            rows = TurnRows(slots, scratch[:, : key.pages], zero, scratch[:, 0], scratch[:, :1], zero)
+            rows = TurnRows(slots, scratch[:, : key.pages], zero, scratch[:, 0], scratch[:, :writes], zero)
             replayed = self.run_paged(rows, mu, mask, spks, cond)
             replayed = replayed and replayed[0]
             eager = solve_paged(self.cfm, self.bank, self.pool, rows, mu, mask, spks, cond)

@@ -30,6 +30,7 @@ import torch
 
 from engine.cosyvoice2.model.flow import DecoderInputs, Flow
 from engine.cosyvoice2.model.hift import HiFT
+from engine.cosyvoice2.serving.buckets import CAPTURE_LOCK
 from engine.cosyvoice2.serving.call_plan import CallPlanner
 from engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, ChunkJob, ChunkSchedule, call_kind
 from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
@@ -399,11 +400,12 @@ class Token2WavRunner:
         self, mel: torch.Tensor, cache_source: torch.Tensor, lane: Lane | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         graphs = self.hift_graphs if lane is None else lane.hift_graphs
-        if graphs is not None:
-            replayed = graphs.run(mel, cache_source)
-            if replayed is not None:
-                return replayed
-        return self.hift(mel, cache_source)
+        with CAPTURE_LOCK:  # it draws noise: not while the other thread captures a graph
+            if graphs is not None:
+                replayed = graphs.run(mel, cache_source)
+                if replayed is not None:
+                    return replayed
+            return self.hift(mel, cache_source)
 
     def _hift_input(self, job: ChunkJob, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's mel behind the cached frames of the last chunk, and the cached source."""

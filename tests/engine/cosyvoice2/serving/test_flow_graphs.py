@@ -329,7 +329,8 @@ class _EulerStepAsGraph:
 def test_run_paged_replays_with_its_rows_padded_to_the_graph(cfm) -> None:
     """``FlowGraphs.run_paged`` fills a graph's static inputs (the padded call and its turn's
     rows in the order the graph reads them) and returns the real rows' mel and the row-frames
-    the graph computed: with the graph run eagerly, it equals the eager call."""
+    the graph computed: with the graph run eagerly, it equals the eager call, and the start-up
+    check ``replay_error`` runs."""
     mu, mask, spks, cond = batch_inputs(LENGTHS, PROMPTS, seed=9)
     bank = prefix_bank(cfm, mu)
     pools = [TurnStatePool(cfm, 8, mu) for _ in range(2)]
@@ -353,3 +354,5 @@ def test_run_paged_replays_with_its_rows_padded_to_the_graph(cfm) -> None:
     assert row_frames == key.row_frames
     assert eager.abs().max() > 1.0
     assert (replayed - eager).abs().max() <= 1e-5
+    # The start-up check of such a graph (its rows store nothing) runs too.
+    assert graphs.replay_error(key) <= 1e-5
