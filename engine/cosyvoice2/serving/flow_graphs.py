@@ -188,12 +188,12 @@ class FlowGraphs:
         self, cfm: CFM, buckets: FlowBuckets, *, capture_missing: bool = False, bank: PrefixBank | None = None,
         pool: TurnStatePool | None = None, priority: int = 0, steps: int = N_TIMESTEPS,
     ) -> None:
-        weight = next(cfm.parameters())
-        if weight.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need the flow on a CUDA device, it is on {weight.device}")
         for name, state in (("prefix bank", bank), ("turn-state pool", pool)):
             if state is not None and state.steps != steps:
                 raise ValueError(f"graphs of {steps} Euler steps over a {name} of {state.steps}")
+        weight = next(cfm.parameters())
+        if weight.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the flow on a CUDA device, it is on {weight.device}")
         self.cfm = cfm
         self.steps = steps
         self.buckets = buckets
