@@ -108,6 +108,7 @@ llm_backend = "vllm"
 flow_mode = "{args.flow_mode}"
 token2wav_cache_gb = {args.token2wav_cache_gb}
 final_chunk_attention = "{args.final_chunk_attention}"
+flow_steps = {args.flow_steps}
 max_batch = {args.max_batch}
 graph_max_batch = {args.graph_max_batch}
 graph_frame_step = {args.graph_frame_step}
@@ -364,7 +365,7 @@ def stall_free_capacity(levels: list[dict], by_spread: bool) -> dict:
     return capacity
 
 
-def main() -> int:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check")))
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/cv2-full"))
@@ -400,6 +401,8 @@ def main() -> int:
     parser.add_argument("--token2wav-cache-gb", type=float, default=40.0,
                         help="token2wav_cache_gb of the gateway: the paged pool of turns' decoder state")
     parser.add_argument("--final-chunk-attention", default="chunk", choices=("chunk", "full"))
+    parser.add_argument("--flow-steps", type=int, default=10,
+                        help="flow_steps of the gateway: the flow's Euler steps (10 is the official count)")
     parser.add_argument("--graph-frame-step", type=int, default=50, help="graph_frame_step of the gateway")
     parser.add_argument("--ttfa-p95-ms", type=float, default=400.0)
     parser.add_argument("--flow-dtype", default="bfloat16")
@@ -431,6 +434,11 @@ def main() -> int:
     parser.add_argument("--equality-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="vLLM's precision in the equality check (bfloat16: judged by teacher-forced margins)")
     parser.add_argument("--ready-timeout", type=float, default=420)
+    return parser
+
+
+def main() -> int:
+    parser = argument_parser()
     args = parser.parse_args()
     try:  # before minutes of start-up, not at the first level
         for spread in args.start_spread:

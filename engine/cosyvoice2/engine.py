@@ -33,6 +33,7 @@ from engine.base import (
     drive,
 )
 from engine.cosyvoice2.frontend.voices import UnknownVoiceError, VoiceStore
+from engine.cosyvoice2.model.cfm import N_TIMESTEPS
 from engine.cosyvoice2.model.loading import DTYPES, CosyVoice2Models, load_models
 from engine.cosyvoice2.serving import startup
 from engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
@@ -101,6 +102,11 @@ class CosyVoice2Engine(Engine):
             )
         log.info("voices: %s (default %s)", ", ".join(v.name for v in self.voices()), self.default_voice)
         self.runner = runner = self._runner(device)
+        if settings.flow_steps != N_TIMESTEPS:  # a trade-off this project cannot measure: say so at start
+            log.warning(
+                "flow_steps = %d Euler steps, not the official %d: a speed/quality trade-off not measured here",
+                settings.flow_steps, N_TIMESTEPS,
+            )
         # The voice-prefix bank first: the flow's graphs read it.
         slots = runner.prefixes.capacity if runner.prefixes is not None else 0
         prompts = [self._prompt(info.id)[0] for info in voices[:slots]]
@@ -143,7 +149,7 @@ class CosyVoice2Engine(Engine):
             first_by_load=settings.first_chunk_by_load, second_on_lane=settings.second_chunk_on_lane,
             incremental=mode == "incremental", prefix_voices=settings.prefix_voices,
             turn_state_bytes=int(settings.token2wav_cache_gb * 2**30) if mode == "paged" else 0,
-            final_attention=settings.final_chunk_attention,
+            final_attention=settings.final_chunk_attention, flow_steps=settings.flow_steps,
         )
 
     async def _warm_up(self) -> None:

@@ -119,6 +119,11 @@ class CosyVoice2Settings:
     # like every other chunk; it costs its own frames), "full" the official tts() loop's
     # full-attention pass over the whole turn (O(turn), once per turn).
     final_chunk_attention: str = "chunk"
+    # Euler steps of the flow's solver in every flow mode (the voice prefixes, the paged pool and
+    # the incremental state are kept per step, so their memory scales with it too). 10 is the
+    # official count. Fewer trade quality for speed by an amount this project cannot measure
+    # without real weights: opt-in (docs/cosyvoice2.md).
+    flow_steps: int = 10
     max_batch: int = 16  # token2wav chunks run together
     # GPU: CUDA graphs of the flow solve, captured before the gateway reports ready (a
     # batch-1 chunk drops from ~280 ms eager to ~50 ms). Batches up to graph_max_batch
@@ -164,6 +169,8 @@ class CosyVoice2Settings:
             raise ValueError("token2wav_cache_gb must be >= 0")
         if self.final_chunk_attention not in ("chunk", "full"):
             raise ValueError("final_chunk_attention must be 'chunk' or 'full'")
+        if isinstance(self.flow_steps, bool) or not isinstance(self.flow_steps, int) or self.flow_steps < 1:
+            raise ValueError(f"flow_steps must be an integer >= 1 (10 is the official count), got {self.flow_steps!r}")
         if self.max_speech_per_text_token <= 0:
             raise ValueError("max_speech_per_text_token must be > 0")
         if self.prefix_voices < 0:

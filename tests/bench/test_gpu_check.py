@@ -128,6 +128,20 @@ def test_stall_free_capacity_by_workload_and_start_spread():
     assert gpu_check.float_list("0.5,5") == [0.5, 5.0]
 
 
+
+def test_the_gateway_config_it_writes_carries_its_options(tmp_path):
+    """The config gpu_check writes for the gateway loads, with --flow-steps as flow_steps (10,
+    the official count, unless asked); the JSON's options are these parsed arguments."""
+    from gateway.config import load_config
+
+    for argv, steps in (([], 10), (["--flow-steps", "4"], 4)):
+        args = gpu_check.argument_parser().parse_args(argv)
+        gpu_check.write_config(tmp_path / "gateway.toml", tmp_path / "model", args)
+        config = load_config(tmp_path / "gateway.toml", env={})
+        assert args.flow_steps == config.engine.cosyvoice2.flow_steps == steps
+        assert config.engine.cosyvoice2.final_chunk_attention == args.final_chunk_attention
+
+
 FAKE_MPS_CONTROL = """#!/usr/bin/env bash
 # Stands in for nvidia-cuda-mps-control: records how it was called; answers the queries
 # bench/gpu_check.py makes as a daemon with one server (pid 10) and its two clients would.

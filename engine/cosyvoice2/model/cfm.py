@@ -2,7 +2,8 @@
 :class:`~engine.cosyvoice2.model.estimator.Estimator` (``decoder`` in ``flow.pt``).
 
 It integrates dx/dt = v(x, t | mu, spk, cond) from Gaussian noise (t = 0) to mel (t = 1)
-with 10 Euler steps on a cosine time grid. Each step evaluates the velocity twice in one
+with Euler steps on a cosine time grid: 10 as the official flow does, or ``n_timesteps``
+(the engine's ``flow_steps`` setting). Each step evaluates the velocity twice in one
 batch, with and without the conditions, and extrapolates away from the unconditional one
 (guidance weight 0.7). Rows are independent.
 
@@ -28,7 +29,8 @@ from engine.cosyvoice2.model.estimator import CachedFrames, Estimator
 from engine.cosyvoice2.modeldir.configs import CFMConfig
 
 
-# The official flow always integrates with 10 Euler steps.
+# The official flow always integrates with 10 Euler steps: the default everywhere a step
+# count is asked for (the engine's flow_steps setting may ask for another).
 N_TIMESTEPS = 10
 # Seed and frame count of the official decoder's fixed noise (50 Hz x 300 s).
 NOISE_SEED = 0
@@ -50,6 +52,8 @@ class CFM(nn.Module):
         self.register_buffer("noise", noise, persistent=False)
 
     def time_grid(self, n_timesteps: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        if n_timesteps < 1:
+            raise ValueError(f"the flow needs at least one Euler step, got {n_timesteps}")
         t_span = torch.linspace(0, 1, n_timesteps + 1, device=device, dtype=dtype)
         if self.config.cfm_params.t_scheduler == "cosine":
             t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)

@@ -6,7 +6,8 @@ are those of the official ``CausalMaskedDiffWithXvec``):
 1. the token encoder (``flow_encoder.py``) turns prompt tokens + new tokens into ``mu``,
    one 80-dim vector per mel frame (2 frames a token), and projects the speaker x-vector
    to 80 dims;
-2. the decoder (``cfm.py``) integrates from noise to mel with 10 Euler steps, conditioned
+2. the decoder (``cfm.py``) integrates from noise to mel with 10 Euler steps (or
+   ``n_timesteps``), conditioned
    on ``mu``, the speaker and ``cond``: the prompt mel in the prompt frames and zeros
    elsewhere, so that the model continues the prompt's voice;
 3. the velocity network it integrates is the ``estimator.py`` U-Net.
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.cfm import CFM
+from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
 from engine.cosyvoice2.model.flow_encoder import build_token_encoder_parts, encode_tokens
 from engine.cosyvoice2.modeldir.configs import FlowConfig
 
@@ -106,14 +107,16 @@ class Flow(nn.Module):
         streaming: bool,
         finalize: bool,
         noise: Tensor | None = None,
+        n_timesteps: int = N_TIMESTEPS,
     ) -> Tensor:
-        """Mel ``[B, 80, T_new]`` of the new tokens (prompt frames cut off), as the official ``inference``.
+        """Mel ``[B, 80, T_new]`` of the new tokens (prompt frames cut off), as the official ``inference``
+        (whose decoder always takes 10 Euler steps; ``n_timesteps`` may ask for others).
 
         For B > 1 rows are zero-padded on the right; ``inference_batch`` also gives their lengths.
         """
         return self.inference_batch(
             token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding, streaming,
-            finalize, noise,
+            finalize, noise, n_timesteps,
         )[0]
 
     @torch.inference_mode()
@@ -129,18 +132,19 @@ class Flow(nn.Module):
         streaming: bool,
         finalize: bool | Tensor,
         noise: Tensor | None = None,
+        n_timesteps: int = N_TIMESTEPS,
     ) -> tuple[Tensor, Tensor]:
         """Batched ``inference``: every row equals running it alone.
 
         Arguments as :meth:`decoder_inputs`; noise: ``[1 or B, 80, >= frames]`` (default: the
-        official fixed noise). Returns mel ``[B, 80, max new frames]`` (float32) and the new
-        frame counts ``[B]``.
+        official fixed noise); n_timesteps: the decoder's Euler steps. Returns mel
+        ``[B, 80, max new frames]`` (float32) and the new frame counts ``[B]``.
         """
         inputs = self.decoder_inputs(
             token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding, streaming,
             finalize,
         )
-        mel = self.decoder(inputs.mu, inputs.mask, inputs.spk, inputs.cond, streaming, noise)
+        mel = self.decoder(inputs.mu, inputs.mask, inputs.spk, inputs.cond, streaming, noise, n_timesteps)
         return self.new_frames(mel, inputs), inputs.new_len
 
     def decoder_inputs(

@@ -1,14 +1,16 @@
 """CUDA graphs of the flow decoder's ODE solve, for fixed shape buckets.
 
 At small batch the flow estimator is launch-bound: one call issues a few thousand small
-kernels, so it costs ~35-40 ms eager on an H200 whatever the batch, and a chunk makes 10
-of them (measured at full size, bf16: one estimator call ~4.9 ms under graph replay for
-1 stream x 356 frames, 12 ms for 8 streams, 36 ms for 32, 134 ms for 128). A graph here
-holds one Euler step of ``CFM.solve`` (one estimator call on the doubled CFG batch and the
-update of x), and a solve replays it 10 times (``step_program``). The step reads its t and
-dt, and after voice prefixes the bank's state, at a step counter on the device that the
-graph itself advances. So 10 launches run a solve, and capturing a shape costs one step,
-not ten: with ~180 shapes served, capture is a few seconds of start-up, not minutes.
+kernels, so it costs ~35-40 ms eager on an H200 whatever the batch, and a chunk makes one
+per Euler step, 10 with the official step count (measured at full size, bf16: one estimator
+call ~4.9 ms under graph replay for 1 stream x 356 frames, 12 ms for 8 streams, 36 ms for
+32, 134 ms for 128). A graph here holds one Euler step of ``CFM.solve`` (one estimator call
+on the doubled CFG batch and the update of x), and a solve replays it once per step
+(``FlowGraphs.steps``, the ``flow_steps`` setting; ``step_program``). The step reads its t
+and dt, and after voice prefixes the bank's state, at a step counter on the device that the
+graph itself advances. So a launch per step runs a solve, and capturing a shape costs one
+step, whatever the step count: with ~180 shapes served, capture is a few seconds of
+start-up, not minutes.
 
 Shapes are bucketed (buckets.py): a graph is keyed by (batch bucket, frame bucket,
 streaming flag). A call is padded up to its bucket, exactly:
@@ -78,17 +80,18 @@ WARMUP_RUNS = 1
 
 
 def solve_padded(
-    cfm: CFM, buckets: FlowBuckets, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: bool
+    cfm: CFM, buckets: FlowBuckets, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: bool,
+    steps: int = N_TIMESTEPS,
 ) -> Tensor:
-    """``cfm(mu, mask, spks, cond, streaming)`` (default noise and steps) computed on the
-    inputs padded to their bucket, eagerly; returns the unpadded rows and frames."""
+    """``cfm(mu, mask, spks, cond, streaming)`` (default noise, ``steps`` Euler steps) computed on
+    the inputs padded to their bucket, eagerly; returns the unpadded rows and frames."""
     rows, _, length = mu.shape
     key = buckets.key(rows, length, streaming)
     if not buckets.covers(key):
         raise ValueError(f"{rows} rows x {length} frames is outside the buckets {buckets}")
     padded = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
     # An explicit noise tensor keeps CFM.forward off its graphs: this is the eager solve.
-    return cfm(*padded, streaming, noise=cfm.noise)[:rows, :, :length]
+    return cfm(*padded, streaming, noise=cfm.noise, n_timesteps=steps)[:rows, :, :length]
 
 
 def solve_after_padded(
@@ -116,7 +119,7 @@ def step_program(
     ``inputs``: mu, mask, spks, cond (and the bank slots after voice prefixes; after stored
     chunks, the ``TurnRows`` over ``pool``) at the key's shape; ``x`` ``[batch, 80, frames]`` in the model's dtype; ``step``: a one-element long
     tensor; ``times``: ``CFM.step_times``. Starting noise and steps are those of ``CFM.forward``
-    and ``prefix_bank.solve_after_prefix``, so ``N_TIMESTEPS`` steps after ``start`` leave their mel in x.
+    and ``prefix_bank.solve_after_prefix``, so ``len(times)`` steps after ``start`` leave their mel in x.
     """
     mu, mask, spks, cond = inputs[:4]
     slots = inputs[4] if key.after_prefix else None
@@ -146,14 +149,16 @@ def step_program(
 class _CapturedSolve:
     """One graph of an Euler step and the views of the shared static buffers it reads and writes.
 
-    A solve replays it ``N_TIMESTEPS`` times: the step reads t and dt (and, after voice
-    prefixes, the bank's state) at the step counter it then advances, and updates x in place.
+    A solve replays it ``steps`` times: the step reads t and dt (and, after voice prefixes,
+    the bank's state) at the step counter it then advances, and updates x in place.
     """
 
     def __init__(
-        self, graph: torch.cuda.CUDAGraph, inputs: tuple[Tensor, ...], x: Tensor, start: Callable[[], None]
+        self, graph: torch.cuda.CUDAGraph, inputs: tuple[Tensor, ...], x: Tensor, start: Callable[[], None],
+        steps: int,
     ) -> None:
         self.graph = graph
+        self.steps = steps
         self.inputs = inputs  # mu, mask, spks, cond (, slots after a prefix) at the padded shape
         self.x = x  # the ODE state [batch, 80, frames] in the model's dtype: noise in, mel out
         self.start = start  # sets x to the starting noise and the step counter to 0
@@ -162,12 +167,12 @@ class _CapturedSolve:
         for static, value in zip(self.inputs, padded_inputs):
             static.copy_(value)
         self.start()
-        for _ in range(N_TIMESTEPS):
+        for _ in range(self.steps):
             self.graph.replay()
 
 
 class FlowGraphs:
-    """CUDA graphs of ``CFM`` solves (default noise, 10 steps) for the shapes of ``buckets``.
+    """CUDA graphs of ``CFM`` solves (default noise, ``steps`` Euler steps) for the shapes of ``buckets``.
 
     Construct on the model's final device and dtype and ``capture`` ahead of serving. The
     token2wav runner then asks :meth:`run` (or :meth:`run_after_prefix`) first for every flow
@@ -181,12 +186,16 @@ class FlowGraphs:
 
     def __init__(
         self, cfm: CFM, buckets: FlowBuckets, *, capture_missing: bool = False, bank: PrefixBank | None = None,
-        pool: TurnStatePool | None = None, priority: int = 0,
+        pool: TurnStatePool | None = None, priority: int = 0, steps: int = N_TIMESTEPS,
     ) -> None:
+        for name, state in (("prefix bank", bank), ("turn-state pool", pool)):
+            if state is not None and state.steps != steps:
+                raise ValueError(f"graphs of {steps} Euler steps over a {name} of {state.steps}")
         weight = next(cfm.parameters())
         if weight.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the flow on a CUDA device, it is on {weight.device}")
         self.cfm = cfm
+        self.steps = steps
         self.buckets = buckets
         self.bank = bank  # what graphs after voice prefixes read (fixed: they bake in its addresses)
         self.pool = pool  # ... and graphs after stored chunks read and write
@@ -224,7 +233,7 @@ class FlowGraphs:
                 torch.zeros(buckets.max_batch, **index),
             )
         self._step = torch.zeros(1, device=self.device, dtype=torch.long)  # the Euler step a replay runs
-        self._times = cfm.step_times(N_TIMESTEPS, self.device, self.dtype)
+        self._times = cfm.step_times(steps, self.device, self.dtype)
         self.reserved_bytes = self._measure_reserved()
 
     # ------------------------------------------------------------------ capture
@@ -305,7 +314,7 @@ class FlowGraphs:
         # captured lazily; only this thread's calls must be capture-safe.
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
             euler_step()
-        return _CapturedSolve(graph, inputs, x, start)
+        return _CapturedSolve(graph, inputs, x, start, self.steps)
 
     @torch.inference_mode()
     def replay_error(self, key: GraphKey) -> float:
@@ -335,7 +344,7 @@ class FlowGraphs:
             eager = solve_after_prefix(self.cfm, self.bank, slots, mu, mask, spks, cond)
         else:
             replayed = self.run(mu, mask, spks, cond, key.streaming)
-            eager = self.cfm(mu, mask, spks, cond, key.streaming, noise=self.cfm.noise)
+            eager = self.cfm(mu, mask, spks, cond, key.streaming, noise=self.cfm.noise, n_timesteps=self.steps)
         if replayed is None:
             raise ValueError(f"no graph for {key}")
         return float((replayed - eager).abs().max())

@@ -12,10 +12,12 @@ official padded-first-hop chunking, arbitrary hop sizes, empty prompt, two sessi
 batched): max abs diff <= 2.4e-6 (tests/engine/cosyvoice2/serving/test_incremental.py).
 
 Cost of the state: per committed frame and per Euler step and CFG row it holds K and V of
-every attention layer (56 layers x 2 x 512 values at full size), so 10 steps x 2 rows x
-56 x 1024 x 4 bytes = 4.6 MB per frame in float32 (2.3 MB in bf16): about 3 GB (1.5 GB)
-for 3 s of prompt + 10 s of speech. ``flow_mode = "incremental"`` (CPU default) uses it;
-a GPU recomputes and shares voice prefixes instead (prefix_bank.py).
+every attention layer (56 layers x 2 x 512 values at full size), so with the official 10
+steps 10 x 2 rows x 56 x 1024 x 4 bytes = 4.6 MB per frame in float32 (2.3 MB in bf16):
+about 3 GB (1.5 GB) for 3 s of prompt + 10 s of speech. The state is laid out for the
+cache's step count (the ``flow_steps`` setting) and scales with it. ``flow_mode =
+"incremental"`` (CPU default) uses it; a GPU recomputes and shares voice prefixes instead
+(prefix_bank.py).
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ class CFMStreamCache:
     are whole 50-frame chunks (prompt included) whose states no later token can change.
 
     Rows are sessions; every call must pass the same sessions in the same order.
-    Storage is allocated on the first call and grows by whole chunks.
+    Storage is allocated on the first call and grows by whole chunks. ``steps``: the Euler
+    steps every solve over this cache takes (the state of one step is no other step's).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, steps: int = N_TIMESTEPS) -> None:
+        self.steps = steps
         self.committed: list[int] = []  # per session: frames whose states are stored
         self.capacity = 0  # frames the key/value buffers can hold
         self.keys: list[Tensor] = []  # [step * n_attention + layer] -> [2B, heads, capacity, head_dim]
@@ -115,12 +119,13 @@ class FlowStreamCache:
 
     Holds each session's incremental token-encoder state, the decoder's per-step cache,
     how many tokens (prompt included) were consumed and how many mel frames (prompt
-    included) were returned. Every call passes the same sessions in the same order.
+    included) were returned. Every call passes the same sessions in the same order;
+    the decoder solves with ``steps`` Euler steps.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, steps: int = N_TIMESTEPS) -> None:
         self.encoder: list[EncoderStreamState] = []
-        self.decoder = CFMStreamCache()
+        self.decoder = CFMStreamCache(steps)
         self.tokens_seen: list[int] = []
         self.emitted: list[int] = []
 
@@ -129,12 +134,12 @@ class FlowStreamCache:
         return bool(self.encoder)
 
 
-def zero_conv_context(cfm: CFM, rows: int, like: Tensor) -> list[Tensor]:
-    """Every causal conv's left context at the start of a sequence (its zero padding),
-    per Euler step: ``[step * n_conv + conv]`` -> ``[rows, channels, kernel - 1]``."""
+def zero_conv_context(cfm: CFM, rows: int, like: Tensor, steps: int) -> list[Tensor]:
+    """Every causal conv's left context at the start of a sequence (its zero padding), for
+    each of ``steps`` Euler steps: ``[step * n_conv + conv]`` -> ``[rows, channels, kernel - 1]``."""
     return [
         like.new_zeros(rows, conv.in_channels, conv.context)
-        for _ in range(N_TIMESTEPS)
+        for _ in range(steps)
         for conv in cfm.estimator.causal_convs
     ]
 
@@ -145,7 +150,7 @@ def allocate_cache(cfm: CFM, cache: CFMStreamCache, sessions: int, frames: int, 
     rows = 2 * sessions
     if not cache.started:
         cache.committed = [0] * sessions
-        cache.conv_context = zero_conv_context(cfm, rows, like)
+        cache.conv_context = zero_conv_context(cfm, rows, like, cache.steps)
     elif len(cache.committed) != sessions:
         raise ValueError(f"cache holds {len(cache.committed)} sessions, call has {sessions}")
     if frames <= cache.capacity:
@@ -158,7 +163,7 @@ def allocate_cache(cfm: CFM, cache: CFMStreamCache, sessions: int, frames: int, 
             new[:, :, : cache.capacity] = old
         return new
 
-    layers = cfm.estimator.attention_layers * N_TIMESTEPS
+    layers = cfm.estimator.attention_layers * cache.steps
     old_keys = cache.keys or [None] * len(layers)
     old_values = cache.values or [None] * len(layers)
     cache.keys = [grown(old, layer) for old, layer in zip(old_keys, layers)]
@@ -176,17 +181,15 @@ def forward_chunk(
     noise: Tensor,
     start: list[int],
     commit: list[int],
-    n_timesteps: int = N_TIMESTEPS,
 ) -> Tensor:
-    """Mel of new frames only (streaming mode), reusing and extending ``cache``.
+    """Mel of new frames only (streaming mode, ``cache.steps`` Euler steps: the steps its state
+    is kept for), reusing and extending ``cache``.
 
     mu, cond, noise: ``[B, 80, n]`` for the new frames, row b's frame i being frame
     ``start[b] + i`` of the sequence; mask ``[B, 1, n]``; ``start[b]`` must equal the
     cache's committed count; ``commit[b]`` (a multiple of the chunk size, or 0) new
     frames become committed.
     """
-    if n_timesteps != N_TIMESTEPS:
-        raise ValueError(f"the stream cache is laid out for {N_TIMESTEPS} steps")
     if list(start) != (cache.committed if cache.started else [0] * len(start)):
         raise ValueError(f"new frames start at {start}, cache has {cache.committed} committed")
     sessions, _, frames = mu.shape
@@ -201,7 +204,7 @@ def forward_chunk(
     def view_for_step(step: int) -> StepView:
         return StepView(cache, step, start_rows, commit_rows, key_len, n_attention, n_conv)
 
-    mel = cfm.solve(noise.to(mu.dtype), mask, mu, spks, cond, True, n_timesteps, view_for_step)
+    mel = cfm.solve(noise.to(mu.dtype), mask, mu, spks, cond, True, cache.steps, view_for_step)
     cache.committed = [s + c for s, c in zip(start, commit)]
     return mel
 
@@ -224,10 +227,11 @@ def inference_chunk(
     re-running ``inference(..., streaming=True)`` on all tokens so far for every chunk.
 
     Arguments as ``Flow.inference_batch`` (``token`` = all tokens so far, growing from call to
-    call). Returns the mel frames not returned before, ``[B, 80, max n]``, and n ``[B]``:
-    equal to the official full re-run's new-token mel from the previous call's end on.
-    Encoder and decoder each keep the states of complete 25-token / 50-frame chunks and
-    recompute only from the last chunk boundary (see the module docstring).
+    call); the decoder takes the cache's Euler steps (``FlowStreamCache(steps)``). Returns
+    the mel frames not returned before, ``[B, 80, max n]``, and n ``[B]``: equal to the
+    official full re-run's new-token mel from the previous call's end on. Encoder and
+    decoder each keep the states of complete 25-token / 50-frame chunks and recompute only
+    from the last chunk boundary (see the module docstring).
     """
     config = flow.config
     chunk = config.decoder.estimator.static_chunk_size
@@ -269,9 +273,7 @@ def inference_chunk(
         noise = flow.decoder.noise
     noise = gather_frames(noise[:, :, : int(end.max())].expand(sessions, -1, -1), start, frames)
     spk = project_speaker(flow, embedding)
-    mel = forward_chunk(flow.decoder, 
-        cache.decoder, mu, mask, spk, cond, noise, start.tolist(), commit.tolist()
-    )
+    mel = forward_chunk(flow.decoder, cache.decoder, mu, mask, spk, cond, noise, start.tolist(), commit.tolist())
 
     # 3. output: frames from the end of what was returned before
     emitted = torch.tensor(cache.emitted, device=device)

@@ -40,9 +40,11 @@ class VoicePrefix:
     what follows. So a streaming call may start its decoder after them, attending to
     their stored keys/values. Layout as ``incremental.CFMStreamCache`` with two rows (conditioned,
     unconditioned): ``keys[step * n_attention + layer]`` ``[2, heads, frames, head_dim]``,
-    ``conv_context[step * n_conv + conv]`` ``[2, channels, kernel - 1]``.
+    ``conv_context[step * n_conv + conv]`` ``[2, channels, kernel - 1]``, for each of ``steps``
+    Euler steps (a prefix serves only solves of as many steps).
     """
 
+    steps: int
     frames: int
     keys: list[Tensor]
     values: list[Tensor]
@@ -57,27 +59,31 @@ class PrefixBank:
     ``[steps, slots, 2, channels, kernel - 1]``; ``start[slot]`` is the slot's prefix length
     (0 while empty). The step is an index, not a list position, so that one CUDA graph of an
     Euler step reads every step's state (flow_graphs). ``put`` writes in place, so such a graph
-    stays valid as voices come and go.
+    stays valid as voices come and go. ``steps``: the Euler steps of the solves after its
+    prefixes, and of the prefixes it holds.
     """
 
-    def __init__(self, cfm: CFM, slots: int, frames: int, like: Tensor) -> None:
+    def __init__(self, cfm: CFM, slots: int, frames: int, like: Tensor, steps: int = N_TIMESTEPS) -> None:
         if slots < 1 or frames < 0:
             raise ValueError(f"a prefix bank needs >= 1 slot and >= 0 frames, got {slots}, {frames}")
+        self.steps = steps
         self.slots = slots
         self.frames = frames
         self.n_attention = len(cfm.estimator.attention_layers)
         self.n_conv = len(cfm.estimator.causal_convs)
         self.keys = [
-            like.new_zeros(N_TIMESTEPS, slots, 2, layer.heads, frames, layer.head_dim)
+            like.new_zeros(steps, slots, 2, layer.heads, frames, layer.head_dim)
             for layer in cfm.estimator.attention_layers
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.conv_context = [
-            like.new_zeros(N_TIMESTEPS, slots, 2, conv.in_channels, conv.context) for conv in cfm.estimator.causal_convs
+            like.new_zeros(steps, slots, 2, conv.in_channels, conv.context) for conv in cfm.estimator.causal_convs
         ]
         self.start = torch.zeros(slots, dtype=torch.long, device=like.device)
 
     def put(self, slot: int, prefix: VoicePrefix) -> None:
+        if prefix.steps != self.steps:
+            raise ValueError(f"a prefix of {prefix.steps} Euler steps does not fit a bank of {self.steps}")
         if prefix.frames > self.frames:
             raise ValueError(f"a prefix of {prefix.frames} frames does not fit a bank of {self.frames}")
         for bank, stored in ((self.keys, prefix.keys), (self.values, prefix.values)):
@@ -139,8 +145,11 @@ class PrefixView:
         return torch.cat([self._rows(self.bank.conv_context[slot]), x], dim=2)
 
 
-def decoder_prefix(cfm: CFM, mu: Tensor, spks: Tensor, cond: Tensor, frames: int) -> VoicePrefix:
-    """The decoder state after the first ``frames`` frames (whole chunks) of one voice.
+def decoder_prefix(
+    cfm: CFM, mu: Tensor, spks: Tensor, cond: Tensor, frames: int, steps: int = N_TIMESTEPS
+) -> VoicePrefix:
+    """The decoder state after the first ``frames`` frames (whole chunks) of one voice, at each
+    of ``steps`` Euler steps.
 
     mu, cond: ``[1, 80, >= frames]`` for the voice's prompt frames; spks ``[1, 80]``.
     """
@@ -148,18 +157,20 @@ def decoder_prefix(cfm: CFM, mu: Tensor, spks: Tensor, cond: Tensor, frames: int
     if chunk <= 0 or frames % chunk or frames > mu.shape[2]:
         raise ValueError(f"a voice prefix is whole {chunk}-frame chunks within the prompt, got {frames}")
     if frames == 0:  # nothing shared: no keys, and the zero left context of a causal conv
-        layers = cfm.estimator.attention_layers * N_TIMESTEPS
+        layers = cfm.estimator.attention_layers * steps
         return VoicePrefix(
+            steps=steps,
             frames=0,
             keys=[mu.new_zeros(2, layer.heads, 0, layer.head_dim) for layer in layers],
             values=[mu.new_zeros(2, layer.heads, 0, layer.head_dim) for layer in layers],
-            conv_context=zero_conv_context(cfm, 2, mu),
+            conv_context=zero_conv_context(cfm, 2, mu, steps),
         )
-    cache = CFMStreamCache()
+    cache = CFMStreamCache(steps)
     mask = mu.new_ones(1, 1, frames)
     noise = cfm.noise[:, :, :frames]
     forward_chunk(cfm, cache, mu[:, :, :frames], mask, spks, cond[:, :, :frames], noise, [0], [frames])
     return VoicePrefix(
+        steps=steps,
         frames=frames,
         keys=[k[:, :, :frames].clone() for k in cache.keys],
         values=[v[:, :, :frames].clone() for v in cache.values],
@@ -168,10 +179,12 @@ def decoder_prefix(cfm: CFM, mu: Tensor, spks: Tensor, cond: Tensor, frames: int
 
 
 @torch.inference_mode()
-def voice_prefix(flow: Flow, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> VoicePrefix:
+def voice_prefix(
+    flow: Flow, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, steps: int = N_TIMESTEPS
+) -> VoicePrefix:
     """The decoder state every streaming call of this voice shares (see :class:`VoicePrefix`):
     the prompt's whole chunks whose tokens and look-ahead are all prompt tokens (none
-    when the prompt is shorter than one such chunk).
+    when the prompt is shorter than one such chunk), for solves of ``steps`` Euler steps.
 
     prompt_token ``[1, P]``, prompt_feat ``[1, 2P, 80]``, embedding ``[1, 192]``.
     """
@@ -184,7 +197,7 @@ def voice_prefix(flow: Flow, prompt_token: Tensor, prompt_feat: Tensor, embeddin
     frames = flow.voice_prefix_frames(prompt_token.shape[1])
     feat_len = torch.tensor([prompt_feat.shape[1]], device=mu.device)
     cond = flow.prompt_condition(prompt_feat, feat_len, torch.zeros_like(feat_len), frames)
-    return decoder_prefix(flow.decoder, mu, spk, cond, frames)
+    return decoder_prefix(flow.decoder, mu, spk, cond, frames, steps)
 
 
 def noise_after(cfm: CFM, bank: PrefixBank, slots: Tensor, frames: int) -> Tensor:
@@ -200,12 +213,12 @@ def solve_after_prefix(
 
     Row b's voice prefix is in ``bank`` slot ``slots[b]``, and its column i is frame
     ``bank.start[slots[b]] + i``: mu, cond ``[B, 80, n]``, mask ``[B, 1, n]``. Equals the
-    same frames of a whole streaming solve (the prefix frames' states are the stored
-    ones), with the fixed noise. What a CUDA graph after voice prefixes captures
-    (flow_graphs.py)."""
+    same frames of a whole streaming solve of the bank's Euler steps (the prefix frames'
+    states are the stored ones), with the fixed noise. What a CUDA graph after voice
+    prefixes captures (flow_graphs.py)."""
     view = PrefixView(bank, slots)
     noise = noise_after(cfm, bank, slots, mu.shape[2]).to(mu.dtype)
-    return cfm.solve(noise, mask, mu, spks, cond, True, N_TIMESTEPS, view.at_step)
+    return cfm.solve(noise, mask, mu, spks, cond, True, bank.steps, view.at_step)
 
 
 @torch.inference_mode()
@@ -248,14 +261,16 @@ class VoicePrefixCache:
 
     The bank is as wide as the widest prefix it was made for. CUDA graphs read the bank in
     place, so once :meth:`prepare` has fixed its width (before graphs are captured) it is
-    never rebuilt; a voice whose prefix is wider then runs without one.
+    never rebuilt; a voice whose prefix is wider then runs without one. Prefixes and bank
+    are laid out for solves of ``steps`` Euler steps.
     """
 
-    def __init__(self, flow: Flow, capacity: int) -> None:
+    def __init__(self, flow: Flow, capacity: int, steps: int = N_TIMESTEPS) -> None:
         if capacity < 1:
             raise ValueError(f"a voice-prefix cache needs >= 1 slot, got {capacity}")
         self.flow = flow
         self.capacity = capacity
+        self.steps = steps
         self.bank: PrefixBank | None = None
         self._fixed = False
         # Voice -> its slot, most recently used last (the prompt too: its id stays its own while held).
@@ -274,7 +289,7 @@ class VoicePrefixCache:
     def make_room(self, frames: int, like: Tensor) -> None:
         """A bank at least ``frames`` wide, unless its width is fixed (``prepare``)."""
         if self.bank is None or (frames > self.bank.frames and not self._fixed):
-            self.bank = PrefixBank(self.flow.decoder, self.capacity, frames, like)
+            self.bank = PrefixBank(self.flow.decoder, self.capacity, frames, like, self.steps)
             self._slots.clear()
 
     def slot(self, prompt: VoicePrompt) -> int | None:
@@ -290,7 +305,8 @@ class VoicePrefixCache:
             slot = len(self._slots)
         else:
             _, (_, slot) = self._slots.popitem(last=False)
-        self.bank.put(slot, voice_prefix(self.flow, prompt.speech_tokens, prompt.speech_feat, prompt.embedding))
+        prefix = voice_prefix(self.flow, prompt.speech_tokens, prompt.speech_feat, prompt.embedding, self.steps)
+        self.bank.put(slot, prefix)
         self._slots[key] = (prompt, slot)
         return slot
 

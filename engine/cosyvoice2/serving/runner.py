@@ -14,7 +14,9 @@ chunk costs its own frames, and rows of any turns batch together. ``incremental`
 utterance's state on its own (incremental.py) and runs it alone. The last chunk is
 chunk-causal like the others (``final_attention = "chunk"``, the official flow's streaming
 mode) or one pass of full attention over prompt + all tokens (``"full"``, as the official
-``tts()`` loop calls it).
+``tts()`` loop calls it). Every mode solves with the same number of Euler steps
+(``flow_steps``; 10, the official count, by default), and every state it keeps (incremental
+caches, voice prefixes, the turn pool, the CUDA graphs' step loop) is laid out for it.
 
 Synchronous torch code: the scheduler runs it on its worker threads (:meth:`run`).
 """
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.cosyvoice2.model.cfm import N_TIMESTEPS
 from engine.cosyvoice2.model.flow import DecoderInputs, Flow
 from engine.cosyvoice2.model.hift import HiFT
 from engine.cosyvoice2.serving.buckets import CAPTURE_LOCK
@@ -61,17 +64,21 @@ class Token2WavRunner:
     ``turn_state_bytes``: with a prefix cache, the budget of the paged pool in which turns
     keep their decoder state (turn_pool.py; 0: none); ``final_attention``: ``"chunk"`` (the
     official flow's streaming mode for the last chunk too) or ``"full"`` (the official
-    ``tts()`` loop's full-attention last pass). ``flow_graphs`` and ``hift_graphs`` (the engine
-    thread's CUDA graphs) are set at start-up.
+    ``tts()`` loop's full-attention last pass); ``flow_steps``: the Euler steps of every flow
+    solve (10 is the official count). ``flow_graphs`` and ``hift_graphs`` (the engine thread's
+    CUDA graphs, captured for ``flow_steps``) are set at start-up.
     """
 
     def __init__(
         self, flow: Flow, hift: HiFT, schedule: ChunkSchedule, *, incremental: bool = True, prefix_voices: int = 0,
-        turn_state_bytes: int = 0, final_attention: str = "full",
+        turn_state_bytes: int = 0, final_attention: str = "full", flow_steps: int = N_TIMESTEPS,
     ) -> None:
         if final_attention not in ("chunk", "full"):
             raise ValueError(f"final_attention must be 'chunk' or 'full', got {final_attention!r}")
+        if flow_steps < 1:
+            raise ValueError(f"flow_steps must be >= 1, got {flow_steps}")
         self.flow = flow
+        self.flow_steps = flow_steps
         self.hift = hift
         self.schedule = schedule
         self.incremental = incremental
@@ -80,10 +87,10 @@ class Token2WavRunner:
         self.flow_graphs: FlowGraphs | None = None
         self.hift_graphs: HiftGraphs | None = None
         # Incremental streams keep their own flow state: the prefix cache serves recompute only.
-        self.prefixes = VoicePrefixCache(flow, prefix_voices) if prefix_voices and not incremental else None
+        self.prefixes = VoicePrefixCache(flow, prefix_voices, flow_steps) if prefix_voices and not incremental else None
         self.turn_pool = None
         if turn_state_bytes and self.prefixes is not None:
-            self.turn_pool = TurnStatePool.within(flow.decoder, turn_state_bytes, next(flow.parameters()))
+            self.turn_pool = TurnStatePool.within(flow.decoder, turn_state_bytes, next(flow.parameters()), flow_steps)
         self._window = torch.from_numpy(np.hamming(2 * schedule.cache_samples))
         # The flow's work as running totals (see work_totals); two worker threads add to them.
         self._work: collections.Counter[str] = collections.Counter()
@@ -94,6 +101,7 @@ class Token2WavRunner:
         cls, flow: Flow, hift: HiFT, *, hop_len: int = 25, max_hop_len: int = 100, scale: int = 1,
         first_hop_len: int | None = None, first_by_load: bool = False, second_on_lane: bool = False,
         incremental: bool = True, prefix_voices: int = 0, turn_state_bytes: int = 0, final_attention: str = "full",
+        flow_steps: int = N_TIMESTEPS,
     ) -> Token2WavRunner:
         """A runner with the chunk schedule these settings and the model's chunk sizes give
         (``first_hop_len`` None: the official first chunk, ``hop_len``)."""
@@ -112,12 +120,13 @@ class Token2WavRunner:
         )
         return cls(
             flow, hift, schedule, incremental=incremental, prefix_voices=prefix_voices,
-            turn_state_bytes=turn_state_bytes, final_attention=final_attention,
+            turn_state_bytes=turn_state_bytes, final_attention=final_attention, flow_steps=flow_steps,
         )
 
     def new_stream(self) -> StreamState:
         """A new utterance's token2wav state, at its first chunk."""
-        return StreamState(hop=self.schedule.hop_len, flow_cache=FlowStreamCache() if self.incremental else None)
+        flow_cache = FlowStreamCache(self.flow_steps) if self.incremental else None
+        return StreamState(hop=self.schedule.hop_len, flow_cache=flow_cache)
 
     # ------------------------------------------------------------------ planning
 
@@ -381,7 +390,8 @@ class Token2WavRunner:
             mel = graphs.run(inputs.mu, inputs.mask, inputs.spk, inputs.cond, streaming)
             if mel is not None:
                 return mel
-        return self.flow.decoder(inputs.mu, inputs.mask, inputs.spk, inputs.cond, streaming)
+        decoder = self.flow.decoder
+        return decoder(inputs.mu, inputs.mask, inputs.spk, inputs.cond, streaming, n_timesteps=self.flow_steps)
 
     def _solve_after_prefix(
         self, slots: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor

@@ -68,7 +68,7 @@ def capture_flow_graphs(runner: Token2WavRunner, settings: CosyVoice2Settings, d
     buckets = FlowBuckets.up_to(settings.graph_max_batch, settings.graph_max_frames, settings.graph_frame_step)
     bank = runner.prefixes.bank if runner.prefixes is not None else None
     pool = runner.turn_pool
-    graphs = FlowGraphs(runner.flow.decoder, buckets, bank=bank, pool=pool)
+    graphs = FlowGraphs(runner.flow.decoder, buckets, bank=bank, pool=pool, steps=runner.flow_steps)
     frames = buckets.frame_buckets()
     # Non-final chunks start after their voices' prefixes where there is a bank (frames:
     # those after the prefix), and after their turns' stored chunks where there is a pool;
@@ -131,7 +131,7 @@ def first_chunk_lane(
     schedule = runner.schedule
     widths = sorted({width for tokens in voice_prompt_tokens for width in schedule.lane_widths(tokens)})
     buckets = FlowBuckets.up_to(FIRST_LANE_MAX_BATCH, widths[-1], settings.graph_frame_step)
-    flow_graphs = FlowGraphs(runner.flow.decoder, buckets, priority=LANE_PRIORITY)
+    flow_graphs = FlowGraphs(runner.flow.decoder, buckets, priority=LANE_PRIORITY, steps=runner.flow_steps)
     flow_graphs.capture(buckets.batches, widths, [True])
     hift_graphs = None
     if settings.hift_graphs:

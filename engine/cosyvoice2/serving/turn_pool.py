@@ -10,10 +10,11 @@ them, as a call after the voice prefix does (prefix_bank.py). The same mel, for 
 the new frames.
 
 That state is large (~2.3 MB per frame at full size in bf16, 10 steps x 2 rows x 56 layers
-x K and V x 512 values), so it lives in a pool of fixed pages of one attention chunk each,
-sized by a memory budget, and a turn holds pages only while it is being generated: they go
-back the moment it ends or is cancelled. When the pool is full a turn keeps what it has and
-its call recomputes from its last stored chunk (a fallback, counted), so nothing fails.
+x K and V x 512 values at the official step count; it scales with ``flow_steps``), so it
+lives in a pool of fixed pages of one attention chunk each, sized by a memory budget, and a
+turn holds pages only while it is being generated: they go back the moment it ends or is
+cancelled. When the pool is full a turn keeps what it has and its call recomputes from its
+last stored chunk (a fallback, counted), so nothing fails.
 
 Rows of one call may hold different numbers of pages: each row reads its voice prefix from
 the bank, its pages through a page table padded with a scratch page (masked), then its new
@@ -76,7 +77,9 @@ class TurnStatePool:
     ``keys[layer]`` / ``values[layer]``: ``[steps, pages + 1, 2, heads, page_frames, head_dim]``;
     ``conv_context[conv]``: ``[steps, pages + 1, 2, channels, kernel - 1]`` by turn slot (a turn
     holding state holds a page, so there are as many slots as pages). The last page and slot
-    are scratch. Thread-safe: turns grow on the token2wav thread and are released from others.
+    are scratch. ``steps``: the Euler steps of the solves over the pool (the voice-prefix bank
+    they read must be laid out for as many). Thread-safe: turns grow on the token2wav thread
+    and are released from others.
     """
 
     def __init__(self, cfm: CFM, pages: int, like: Tensor, steps: int = N_TIMESTEPS) -> None:
@@ -167,6 +170,8 @@ class PagedView(PrefixView):
     chunks a row commits are written to its pages, and its conv context to its slot."""
 
     def __init__(self, bank: PrefixBank, pool: TurnStatePool, rows: TurnRows) -> None:
+        if bank.steps != pool.steps:
+            raise ValueError(f"a bank of {bank.steps} Euler steps with a pool of {pool.steps}")
         super().__init__(bank, rows.slots)
         self.pool = pool
         self.prefix_len = self.start

@@ -8,15 +8,21 @@ loads strictly into ours, so both compute with the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
+from engine.cosyvoice2.model.cfm import N_TIMESTEPS
 from engine.cosyvoice2.modeldir.configs import CFMConfig, EstimatorConfig, FlowConfig
 from tests.reference import official, randomize
 
 TOLERANCE = 1e-4
+# Euler step counts the serving paths are compared at: the official one, and another that the
+# flow_steps setting may ask for.
+STEPS = (N_TIMESTEPS, 4)
 
 
 def randomize_(module: nn.Module, seed: int) -> nn.Module:
@@ -65,6 +71,22 @@ def official_flow(config: FlowConfig) -> nn.Module:
     }
     flow = official("cosyvoice.flow.flow")
     return flow.CausalMaskedDiffWithXvec(**arguments, encoder=encoder, decoder=official_cfm(config.decoder))
+
+
+@contextlib.contextmanager
+def official_steps(flow: nn.Module, steps: int) -> Iterator[nn.Module]:
+    """The official flow with its decoder solving in ``steps`` Euler steps, within the block.
+
+    Its ``inference`` always asks the decoder for 10 (the released count); the decoder itself
+    takes any ``n_timesteps``, so its forward is wrapped to ask for ``steps`` instead: the
+    official computation at another step count, to compare ours with (flow_steps)."""
+    decoder = flow.decoder
+    released = decoder.forward
+    decoder.forward = lambda *args, **kwargs: released(*args, **(kwargs | {"n_timesteps": steps}))
+    try:
+        yield flow
+    finally:
+        del decoder.forward  # the class's forward again
 
 
 @dataclasses.dataclass

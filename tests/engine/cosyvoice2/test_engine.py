@@ -226,15 +226,17 @@ async def test_stage_counters_are_exported(cv2_gateway, cv2_engine):
 async def test_paged_flow_mode_serves_overlapping_turns_and_gives_their_state_back(cv2_engine):
     """flow_mode = "paged" (the GPU default) runs on CPU too: two turns spoken at once and one
     cancelled midway store their decoder state in the pool while they are generated, and every
-    page is back once they end."""
+    page is back once they end. With flow_steps other than 10, the pool and the voice prefixes
+    are kept for that many Euler steps."""
     import dataclasses
 
-    settings = dataclasses.replace(cv2_engine.settings, flow_mode="paged", token2wav_cache_gb=0.25)
+    settings = dataclasses.replace(cv2_engine.settings, flow_mode="paged", token2wav_cache_gb=0.25, flow_steps=4)
     engine = CosyVoice2Engine(settings)
     await engine.start()
     try:
         pool = engine.runner.turn_pool
         assert pool is not None and pool.pages_in_use == 0
+        assert engine.runner.flow_steps == pool.steps == engine.runner.prefixes.bank.steps == 4
         heard: dict[str, int] = {"a": 0, "b": 0}
 
         def counter(name: str):

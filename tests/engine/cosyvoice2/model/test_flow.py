@@ -17,11 +17,13 @@ from engine.cosyvoice2.model.estimator import Estimator, attention_bias, chunk_a
 from engine.cosyvoice2.model.flow import Flow
 from engine.cosyvoice2.modeldir.configs import EstimatorConfig, FlowConfig
 from tests.engine.cosyvoice2.flow_pairs import (
+    STEPS,
     TOLERANCE,
     decoder_inputs,
     max_err,
     official_estimator,
     official_flow,
+    official_steps,
     randomize_,
     utterance,
 )
@@ -60,15 +62,16 @@ def test_equivalence_flow_estimator_reverse_load() -> None:
     assert max_err(got, expected) <= TOLERANCE
 
 
-def test_equivalence_flow_cfm(cfm_pair) -> None:
+@pytest.mark.parametrize("steps", STEPS)
+def test_equivalence_flow_cfm(cfm_pair, steps) -> None:
     reference, ours = cfm_pair
     # The default noise is the official fixed noise (seed 0), drawn without touching the global RNG.
     assert torch.equal(ours.noise, reference.rand_noise)
     mu, mask, spks, cond = decoder_inputs(frames=110, prompt=36, seed=5)
     for streaming in (False, True):
         with torch.inference_mode():
-            expected, _ = reference(mu, mask, 10, spks=spks, cond=cond, streaming=streaming)
-            got = ours(mu, mask, spks, cond, streaming=streaming)
+            expected, _ = reference(mu, mask, steps, spks=spks, cond=cond, streaming=streaming)
+            got = ours(mu, mask, spks, cond, streaming=streaming, n_timesteps=steps)
         assert expected.abs().max() > 1.0
         assert max_err(got, expected) <= TOLERANCE, streaming
     # Explicit noise: the official module's noise buffer, replaced by another tensor.
@@ -76,11 +79,11 @@ def test_equivalence_flow_cfm(cfm_pair) -> None:
     reference.rand_noise, saved = other, reference.rand_noise
     try:
         with torch.inference_mode():
-            expected, _ = reference(mu, mask, 10, spks=spks, cond=cond, streaming=True)
+            expected, _ = reference(mu, mask, steps, spks=spks, cond=cond, streaming=True)
     finally:
         reference.rand_noise = saved
     with torch.inference_mode():
-        got = ours(mu, mask, spks, cond, streaming=True, noise=other)
+        got = ours(mu, mask, spks, cond, streaming=True, noise=other, n_timesteps=steps)
     assert max_err(got, expected) <= TOLERANCE
 
 
@@ -189,14 +192,15 @@ def test_chunk_causality_flow_decoder(cfm_pair) -> None:
 # ----------------------------------------------------------------------------- the whole flow
 
 
-def test_equivalence_flow(flow_pair) -> None:
+@pytest.mark.parametrize("steps", STEPS)
+def test_equivalence_flow(flow_pair, steps) -> None:
     reference, ours = flow_pair
     speech = utterance(prompt=13, tokens=40, seed=40)
     for streaming in (False, True):
         for finalize in (False, True):
-            with torch.inference_mode():
+            with torch.inference_mode(), official_steps(reference, steps):
                 expected, _ = reference.inference(*speech.args(), streaming, finalize)
-                got = ours.inference(*speech.args(), streaming=streaming, finalize=finalize)
+                got = ours.inference(*speech.args(), streaming=streaming, finalize=finalize, n_timesteps=steps)
             assert expected.shape == (1, 80, 2 * (40 - (0 if finalize else 3)))
             assert expected.abs().max() > 1.0
             assert max_err(got, expected) <= TOLERANCE, (streaming, finalize)

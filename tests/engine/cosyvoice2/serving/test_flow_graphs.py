@@ -20,6 +20,7 @@ from engine.cosyvoice2.modeldir.configs import CFMConfig
 from engine.cosyvoice2.serving.buckets import FlowBuckets, GraphKey, pad_inputs, pad_rows
 from engine.cosyvoice2.serving.flow_graphs import FlowGraphs, _CapturedSolve, solve_after_padded, solve_padded, step_program
 from engine.cosyvoice2.serving.turn_pool import TurnRows, TurnStatePool, pad_turn_rows, solve_paged
+from tests.engine.cosyvoice2.flow_pairs import STEPS
 from tests.reference import randomize
 
 LENGTHS = [110, 57, 81]  # 3 rows -> batch bucket 4; 110 frames -> frame bucket 150
@@ -156,38 +157,40 @@ def test_cfm_solve_runs_without_host_sync() -> None:
 
 def solve_by_steps(
     cfm: CFM, key: GraphKey, inputs: tuple[Tensor, ...], bank: PrefixBank | None = None,
-    pool: TurnStatePool | None = None,
+    pool: TurnStatePool | None = None, steps: int = N_TIMESTEPS,
 ) -> Tensor:
     """A solve as the graphs of ``key`` run it, eagerly: ``start``, then the Euler step
-    ``N_TIMESTEPS`` times, all on static tensors; returns x (the mel, in the model's dtype)."""
+    ``steps`` times, all on static tensors; returns x (the mel, in the model's dtype)."""
     mu = inputs[0]
     x = mu.new_zeros(key.batch, 80, key.frames)
     step = torch.zeros(1, dtype=torch.long, device=mu.device)
-    times = cfm.step_times(N_TIMESTEPS, mu.device, mu.dtype)
+    times = cfm.step_times(steps, mu.device, mu.dtype)
     start, euler_step = step_program(cfm, key, inputs, x, step, times, bank, pool)
     start()
-    for _ in range(N_TIMESTEPS):
+    for _ in range(steps):
         euler_step()
     return x
 
 
-def prefix_bank(cfm: CFM, like: Tensor) -> PrefixBank:
-    """A bank of 3 slots, 150 frames: the first voice of ``like``'s rows (100 frames) in slot 2 and
-    the second (50 frames) in slot 0; slot 1 empty."""
+def prefix_bank(cfm: CFM, like: Tensor, steps: int = N_TIMESTEPS) -> PrefixBank:
+    """A bank of 3 slots, 150 frames, for ``steps`` Euler steps: the first voice of ``like``'s rows
+    (100 frames) in slot 2 and the second (50 frames) in slot 0; slot 1 empty."""
     mu, _, spks, cond = batch_inputs([200, 200], [200, 200], seed=6)
     mu, spks, cond = mu.to(like), spks.to(like), cond.to(like)
-    bank = PrefixBank(cfm, 3, 150, mu)
-    bank.put(2, decoder_prefix(cfm, mu[:1], spks[:1], cond[:1], 100))
-    bank.put(0, decoder_prefix(cfm, mu[1:], spks[1:], cond[1:], 50))
+    bank = PrefixBank(cfm, 3, 150, mu, steps)
+    bank.put(2, decoder_prefix(cfm, mu[:1], spks[:1], cond[:1], 100, steps))
+    bank.put(0, decoder_prefix(cfm, mu[1:], spks[1:], cond[1:], 50, steps))
     return bank
 
 
+@pytest.mark.parametrize("steps", STEPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("streaming", [True, False, "after_prefix"])
-def test_step_program_is_the_eager_solve(cfm, streaming, dtype) -> None:
+def test_step_program_is_the_eager_solve(cfm, streaming, dtype, steps) -> None:
     """The Euler step a graph captures, run once per step from ``start`` with the step read
     from a device counter, gives the padded eager solve bit for bit (streaming, full
-    attention, and after voice prefixes; float32 and bfloat16)."""
+    attention, and after voice prefixes; float32 and bfloat16; the official and another
+    number of steps)."""
     model = CFM(CFMConfig.tiny())
     model.load_state_dict(cfm.state_dict())
     model = model.to(dtype)
@@ -197,15 +200,15 @@ def test_step_program_is_the_eager_solve(cfm, streaming, dtype) -> None:
     key = buckets.key(len(LENGTHS), mu.shape[2], streaming is not False, after_prefix)
     with torch.inference_mode():
         if after_prefix:
-            bank = prefix_bank(model, mu)
+            bank = prefix_bank(model, mu, steps)
             slots = torch.tensor([2, 0, 2])
             eager = solve_after_padded(model, buckets, bank, slots, mu, mask, spks, cond)
             inputs = pad_inputs(mu, mask, spks, cond, key.batch, key.frames) + (pad_rows(slots, key.batch),)
         else:
             bank = None
-            eager = solve_padded(model, buckets, mu, mask, spks, cond, streaming)
+            eager = solve_padded(model, buckets, mu, mask, spks, cond, streaming, steps)
             inputs = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
-        stepped = solve_by_steps(model, key, inputs, bank)
+        stepped = solve_by_steps(model, key, inputs, bank, steps=steps)
     assert eager.abs().max() > 1.0
     assert torch.equal(stepped[: len(LENGTHS), :, : mu.shape[2]].float(), eager)
 
@@ -221,15 +224,16 @@ def turn_rows(pool: TurnStatePool, slots: list[int], pages: list[list[int]], cac
     return TurnRows(*(torch.tensor(v) for v in (slots, table, cached, turn_slot, write, commit)))
 
 
-def test_padded_solve_after_stored_chunks_is_the_eager_one(cfm) -> None:
+@pytest.mark.parametrize("steps", STEPS)
+def test_padded_solve_after_stored_chunks_is_the_eager_one(cfm, steps) -> None:
     """A call after stored chunks as its graph runs it (padded: rows copying row 0's reads but
     keeping nothing, page tables and pages to write padded with the scratch page), run eagerly
     from ``start`` step by step, gives the unpadded eager solve's mel and stores the same pages
     and conv contexts: rows of two voices holding 2, 1 and no stored chunks, committing 2, 0
-    and 1 new chunks."""
+    and 1 new chunks (the official and another number of Euler steps)."""
     mu, mask, spks, cond = batch_inputs(LENGTHS, PROMPTS, seed=9)
-    bank = prefix_bank(cfm, mu)
-    pools = [TurnStatePool(cfm, 8, mu) for _ in range(2)]
+    bank = prefix_bank(cfm, mu, steps)
+    pools = [TurnStatePool(cfm, 8, mu, steps) for _ in range(2)]
     generator = torch.Generator().manual_seed(3)
     for pool in pools:  # the same stored state in both
         for stored, fresh in zip(pool.keys + pool.values + pool.conv_context, pools[0].keys + pools[0].values + pools[0].conv_context):
@@ -243,7 +247,7 @@ def test_padded_solve_after_stored_chunks_is_the_eager_one(cfm) -> None:
         eager = solve_paged(cfm, bank, pools[0], rows, mu, mask, spks, cond)
         inputs = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
         padded_rows = pad_turn_rows(rows, pools[1], key.batch, key.pages, key.frames)
-        stepped = solve_by_steps(cfm, key, inputs + padded_rows.as_tuple(), bank, pools[1])
+        stepped = solve_by_steps(cfm, key, inputs + padded_rows.as_tuple(), bank, pools[1], steps)
     assert eager.abs().max() > 1.0
     assert (stepped[: len(LENGTHS), :, : mu.shape[2]] - eager).abs().max() <= 1e-5
     for ours, theirs in zip(pools[0].keys + pools[0].values, pools[1].keys + pools[1].values):
@@ -326,14 +330,16 @@ class _EulerStepAsGraph:
         self.replay = euler_step
 
 
-def test_run_paged_replays_with_its_rows_padded_to_the_graph(cfm) -> None:
+@pytest.mark.parametrize("steps", STEPS)
+def test_run_paged_replays_with_its_rows_padded_to_the_graph(cfm, steps) -> None:
     """``FlowGraphs.run_paged`` fills a graph's static inputs (the padded call and its turn's
-    rows in the order the graph reads them) and returns the real rows' mel and the row-frames
-    the graph computed: with the graph run eagerly, it equals the eager call, and the start-up
-    check ``replay_error`` runs."""
+    rows in the order the graph reads them), replays it once per Euler step and returns the
+    real rows' mel and the row-frames the graph computed: with the graph run eagerly, it equals
+    the eager call (the official and another number of steps), and the start-up check
+    ``replay_error`` runs."""
     mu, mask, spks, cond = batch_inputs(LENGTHS, PROMPTS, seed=9)
-    bank = prefix_bank(cfm, mu)
-    pools = [TurnStatePool(cfm, 8, mu) for _ in range(2)]
+    bank = prefix_bank(cfm, mu, steps)
+    pools = [TurnStatePool(cfm, 8, mu, steps) for _ in range(2)]
     args = ([2, 0, 2], [[0, 1, 2, 3], [4], [5]], [2, 1, 0], [0, 1, 2], [100, 0, 50], mu.shape[2])
     buckets = FlowBuckets.up_to(max_batch=8, max_frames=300)
     key = buckets.key(len(LENGTHS), mu.shape[2], True, pages=2)
@@ -346,9 +352,9 @@ def test_run_paged_replays_with_its_rows_padded_to_the_graph(cfm) -> None:
         static = tuple(torch.zeros_like(t) for t in static)
         x = mu.new_zeros(key.batch, 80, key.frames)
         step = torch.zeros(1, dtype=torch.long)
-        times = cfm.step_times(N_TIMESTEPS, mu.device, mu.dtype)
+        times = cfm.step_times(steps, mu.device, mu.dtype)
         start, euler_step = step_program(cfm, key, static, x, step, times, bank, pools[1])
-        graphs.graphs = {key: _CapturedSolve(_EulerStepAsGraph(euler_step), static, x, start)}
+        graphs.graphs = {key: _CapturedSolve(_EulerStepAsGraph(euler_step), static, x, start, steps)}
         replayed, row_frames = graphs.run_paged(turn_rows(pools[1], *args), mu, mask, spks, cond)
         eager = solve_paged(cfm, bank, pools[0], turn_rows(pools[0], *args), mu, mask, spks, cond)
     assert row_frames == key.row_frames
@@ -356,3 +362,14 @@ def test_run_paged_replays_with_its_rows_padded_to_the_graph(cfm) -> None:
     assert (replayed - eager).abs().max() <= 1e-5
     # The start-up check of such a graph (its rows store nothing) runs too.
     assert graphs.replay_error(key) <= 1e-5
+
+
+def test_graphs_are_laid_out_for_the_steps_of_the_state_they_read(cfm) -> None:
+    """Graphs replay their Euler step once per step and read the bank's and the pool's state at
+    each: state laid out for another step count is refused before anything is captured."""
+    like = next(cfm.parameters())
+    buckets = FlowBuckets.up_to(max_batch=1, max_frames=50)
+    with pytest.raises(ValueError, match="graphs of 10 Euler steps over a prefix bank of 4"):
+        FlowGraphs(cfm, buckets, bank=PrefixBank(cfm, 1, 50, like, steps=4))
+    with pytest.raises(ValueError, match="graphs of 4 Euler steps over a turn-state pool of 10"):
+        FlowGraphs(cfm, buckets, pool=TurnStatePool(cfm, 1, like), steps=4)

@@ -7,21 +7,24 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.serving.prefix_bank import PrefixBank, flow_after_prefix, voice_prefix
-from tests.engine.cosyvoice2.flow_pairs import TOLERANCE, max_err, utterance
+from engine.cosyvoice2.model.cfm import N_TIMESTEPS
+from engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, flow_after_prefix, voice_prefix
+from tests.engine.cosyvoice2.flow_pairs import STEPS, TOLERANCE, decoder_inputs, max_err, official_steps, utterance
 
 
-def test_equivalence_flow_after_voice_prefix(flow_pair) -> None:
+@pytest.mark.parametrize("steps", STEPS)
+def test_equivalence_flow_after_voice_prefix(flow_pair, steps) -> None:
     """Streaming calls that start their decoder after the voice's stored prefix give the
     official whole re-run's mel: rows of three voices in one batch (prefixes of 2, 1 and
-    no whole chunks), at token counts on and off chunk boundaries."""
+    no whole chunks), at token counts on and off chunk boundaries, both solving with the
+    same number of Euler steps."""
     reference, ours = flow_pair
     voices = [utterance(60, 50, seed=70), utterance(30, 45, seed=71), utterance(13, 30, seed=72)]
     with torch.inference_mode():
-        prefixes = [voice_prefix(ours, v.prompt_token, v.prompt_feat, v.embedding) for v in voices]
+        prefixes = [voice_prefix(ours, v.prompt_token, v.prompt_feat, v.embedding, steps) for v in voices]
     assert [p.frames for p in prefixes] == [100, 50, 0]
     # Slots in another order than the voices, one slot left empty, and room for a longer prefix.
-    bank = PrefixBank(ours.decoder, 4, 150, prefixes[0].keys[0])
+    bank = PrefixBank(ours.decoder, 4, 150, prefixes[0].keys[0], steps)
     for slot, prefix in zip((2, 0, 3), prefixes):
         bank.put(slot, prefix)
     rows = [(0, 50), (1, 20), (0, 9), (2, 30), (1, 45)]  # (voice, tokens so far)
@@ -41,10 +44,20 @@ def test_equivalence_flow_after_voice_prefix(flow_pair) -> None:
     with torch.inference_mode():
         mel, mel_len = flow_after_prefix(ours, bank, slots, *batch, streaming=True, finalize=False)
     for i, (s, (_, n)) in enumerate(zip(speech, rows)):
-        with torch.inference_mode():
+        with torch.inference_mode(), official_steps(reference, steps):
             expected, _ = reference.inference(*s.args(n), True, False)
         assert int(mel_len[i]) == expected.shape[2]
         assert expected.abs().max() > 1.0
         assert max_err(mel[i : i + 1, :, : expected.shape[2]], expected) <= TOLERANCE, i
     with pytest.raises(ValueError, match="streaming"):
         flow_after_prefix(ours, bank, slots, *batch, streaming=False, finalize=True)
+
+
+def test_a_bank_holds_prefixes_of_its_own_step_count(cfm_pair) -> None:
+    """A prefix's state is per Euler step: a bank laid out for another step count refuses it."""
+    _, ours = cfm_pair
+    mu, _, spks, cond = decoder_inputs(frames=50, prompt=50, seed=73)
+    prefix = decoder_prefix(ours, mu, spks, cond, 0, steps=4)
+    PrefixBank(ours, 1, 50, mu, steps=4).put(0, prefix)
+    with pytest.raises(ValueError, match="4 Euler steps does not fit a bank of 10"):
+        PrefixBank(ours, 1, 50, mu, steps=N_TIMESTEPS).put(0, prefix)

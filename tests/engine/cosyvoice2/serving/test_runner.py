@@ -8,6 +8,7 @@ fixed token list, so both sides vocode exactly the same tokens.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from unittest.mock import create_autospec
 
@@ -17,6 +18,7 @@ import torch
 
 import dataclasses
 
+from engine.cosyvoice2.model.cfm import N_TIMESTEPS
 from engine.cosyvoice2.model.loading import load_models
 from engine.cosyvoice2.serving import call_plan as call_plan_module
 from engine.cosyvoice2.serving import runner as runner_module
@@ -27,6 +29,7 @@ from engine.cosyvoice2.serving.request import Request, RequestStatus, StreamStat
 from engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
 from engine.cosyvoice2.serving.turn_pool import TurnStatePool
 from testkit.checkpoint import make_checkpoint
+from tests.engine.cosyvoice2.flow_pairs import STEPS, official_steps
 from tests.reference import official, official_modules
 
 
@@ -77,9 +80,12 @@ class ReplayLLM:
         yield from self.tokens
 
 
-def official_stream(tiny_dir: Path, models, voice, tokens: list[int], final_attention: str = "full") -> list[np.ndarray]:
+def official_stream(
+    tiny_dir: Path, models, voice, tokens: list[int], final_attention: str = "full", flow_steps: int = N_TIMESTEPS
+) -> list[np.ndarray]:
     """The official streaming loop's chunks; ``final_attention="chunk"``: its last chunk with the
-    official flow in streaming mode too (``streaming=True, finalize=True``), the loop as released."""
+    official flow in streaming mode too (``streaming=True, finalize=True``), the loop as released;
+    the flow's decoder solving with ``flow_steps`` Euler steps (10 as released)."""
     configs = models.configs
     _, flow, hift = official_modules(configs.llm, configs.flow, configs.hift)
     flow.load_state_dict(torch.load(tiny_dir / "flow.pt", weights_only=True), strict=True)
@@ -96,7 +102,7 @@ def official_stream(tiny_dir: Path, models, voice, tokens: list[int], final_atte
     model.llm = ReplayLLM(tokens)
     inputs = voice.model_input()
     torch.manual_seed(1234)
-    with torch.inference_mode():
+    with torch.inference_mode(), official_steps(flow, flow_steps):
         chunks = model.tts(
             text=torch.zeros(1, 3, dtype=torch.int32),
             flow_embedding=inputs["flow_embedding"],
@@ -112,12 +118,12 @@ def official_stream(tiny_dir: Path, models, voice, tokens: list[int], final_atte
 
 def our_stream(
     models, voice, tokens: list[int], incremental: bool, prefix_voices: int = 0, final_attention: str = "full",
-    turn_state_pages: int = 0,
+    turn_state_pages: int = 0, flow_steps: int = N_TIMESTEPS,
 ) -> list[np.ndarray]:
-    page = TurnStatePool.page_bytes(models.flow.decoder, torch.float32)
+    page = TurnStatePool.page_bytes(models.flow.decoder, torch.float32, flow_steps)
     token2wav = make_runner(
         models, scale=1, incremental=incremental, prefix_voices=prefix_voices, final_attention=final_attention,
-        turn_state_bytes=(turn_state_pages + 1) * page if turn_state_pages else 0,
+        turn_state_bytes=(turn_state_pages + 1) * page if turn_state_pages else 0, flow_steps=flow_steps,
     )
     state = stream(token2wav, VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding), tokens, done=True)
     torch.manual_seed(1234)
@@ -126,12 +132,13 @@ def our_stream(
     while (job := token2wav.schedule.next_job(state)) is not None:
         chunks.append(token2wav.run([job])[0])
         stored.append(len(state.stream.turn.pages) if state.stream.turn is not None else 0)
-    if prefix_voices:  # the stream really started its decoder after a stored prefix
+    if prefix_voices:  # the stream really started its decoder after a stored prefix (of flow_steps steps)
         assert len(token2wav.prefixes._slots) == 1
         assert token2wav.prefixes.bank.frames == 2 * ((voice.speech_tokens.shape[1] - 3) // 25 * 25) > 0
+        assert token2wav.prefixes.bank.keys[0].shape[0] == flow_steps
     if turn_state_pages:  # ... and after its own stored chunks (as many as fit), given back at its end
         pool = token2wav.turn_pool
-        assert stored[-1] == 0 and pool.pages_in_use == 0
+        assert stored[-1] == 0 and pool.pages_in_use == 0 and pool.keys[0].shape[0] == flow_steps
         if turn_state_pages >= len(tokens) // 25 + 4:
             assert stored[-2] >= 4 and pool.fallbacks == 0
         else:
@@ -154,13 +161,25 @@ STREAMING_MODES = {
 }
 
 
+@pytest.fixture(scope="module")
+def official_chunks(tiny_dir, models, voice, tokens):
+    """``official_stream`` of the test's tokens by (final_attention, flow_steps): run once for
+    all the modes compared with it."""
+    return functools.cache(functools.partial(official_stream, tiny_dir, models, voice, tokens))
+
+
+@pytest.mark.parametrize("flow_steps", STEPS)
 @pytest.mark.parametrize("final_attention", ["full", "chunk"])
 @pytest.mark.parametrize("mode", list(STREAMING_MODES))
-def test_equivalence_streaming(tiny_dir, models, voice, tokens, mode, final_attention):
+def test_equivalence_streaming(official_chunks, models, voice, tokens, mode, final_attention, flow_steps):
     """Every chunk equals the official streaming loop's, its last chunk with full attention
-    (the released loop) or chunk-causal (the official flow's streaming mode), in every mode."""
-    reference = official_stream(tiny_dir, models, voice, tokens, final_attention)
-    ours = our_stream(models, voice, tokens, final_attention=final_attention, **STREAMING_MODES[mode])
+    (the released loop) or chunk-causal (the official flow's streaming mode), in every mode,
+    the flow solving with the official 10 Euler steps or another number (flow_steps) on both
+    sides."""
+    reference = official_chunks(final_attention, flow_steps)
+    ours = our_stream(
+        models, voice, tokens, final_attention=final_attention, flow_steps=flow_steps, **STREAMING_MODES[mode]
+    )
     assert [len(c) for c in ours] == [len(c) for c in reference]
     assert len(reference) >= 4  # first (padded) hop, full hops, the final flush
     error = max(float(np.max(np.abs(a - b))) for a, b in zip(ours, reference))
@@ -183,6 +202,11 @@ def test_paged_calls_ask_the_graphs_first(models, voice, tokens):
     while (job := token2wav.schedule.next_job(state)) is not None:
         token2wav.run([job])
     assert graphs.run_paged.call_count >= 4
+
+
+def test_a_flow_of_no_euler_steps_is_refused(models):
+    with pytest.raises(ValueError, match="flow_steps must be >= 1, got 0"):
+        make_runner(models, flow_steps=0)
 
 
 def test_recompute_chunks_of_several_utterances_batch_exactly(models, voice, tokens):

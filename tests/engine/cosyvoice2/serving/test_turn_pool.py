@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from engine.cosyvoice2.model.cfm import N_TIMESTEPS
 from engine.cosyvoice2.serving.prefix_bank import PrefixBank, voice_prefix
-from engine.cosyvoice2.serving.turn_pool import TurnStatePool, flow_paged
-from tests.engine.cosyvoice2.flow_pairs import TOLERANCE, max_err, utterance
+from engine.cosyvoice2.serving.turn_pool import TurnRows, TurnStatePool, flow_paged, solve_paged
+from tests.engine.cosyvoice2.flow_pairs import STEPS, TOLERANCE, max_err, official_steps, utterance
 
 
 def stack(tensors: list[Tensor]) -> Tensor:
@@ -18,16 +19,17 @@ def stack(tensors: list[Tensor]) -> Tensor:
     return torch.cat([nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1])) for t in tensors])
 
 
-def stream_turns(reference, ours, pool_pages: int) -> tuple[TurnStatePool, list[float]]:
+def stream_turns(reference, ours, pool_pages: int, steps: int = N_TIMESTEPS) -> tuple[TurnStatePool, list[float]]:
     """Two turns of different voices streamed in shared calls, each call compared with the
-    official streaming re-run at that row's token count; returns the pool and the errors."""
+    official streaming re-run at that row's token count, both solving with ``steps`` Euler
+    steps; returns the pool and the errors."""
     voices = [utterance(60, 140, seed=80), utterance(30, 120, seed=81)]
     with torch.inference_mode():
-        prefixes = [voice_prefix(ours, v.prompt_token, v.prompt_feat, v.embedding) for v in voices]
-    bank = PrefixBank(ours.decoder, 2, 100, prefixes[0].keys[0])
+        prefixes = [voice_prefix(ours, v.prompt_token, v.prompt_feat, v.embedding, steps) for v in voices]
+    bank = PrefixBank(ours.decoder, 2, 100, prefixes[0].keys[0], steps)
     for slot, prefix in enumerate(prefixes):
         bank.put(slot, prefix)
-    pool = TurnStatePool(ours.decoder, pool_pages, prefixes[0].keys[0])
+    pool = TurnStatePool(ours.decoder, pool_pages, prefixes[0].keys[0], steps)
     slots = torch.tensor([0, 1])
     # Token counts per call: on and off chunk boundaries, rows at different points of their turn.
     calls = [(18, 23), (43, 48), (44, 73), (93, 98), (140, 120)]
@@ -43,7 +45,7 @@ def stream_turns(reference, ours, pool_pages: int) -> tuple[TurnStatePool, list[
         )
         result, turns = flow_paged(ours, bank, pool, slots, turns, args, finalize, keep=[not finalize] * 2)
         for b, (voice, n) in enumerate(zip(voices, counts)):
-            with torch.inference_mode():
+            with torch.inference_mode(), official_steps(reference, steps):
                 expected, _ = reference.inference(*voice.args(n), True, finalize)
             prompt = voice.prompt_feat.shape[1]
             start, end = int(result.start[b]), int(result.end[b])
@@ -57,12 +59,14 @@ def stream_turns(reference, ours, pool_pages: int) -> tuple[TurnStatePool, list[
     return pool, errors
 
 
-def test_equivalence_paged_turns_with_the_official_streaming_flow(flow_pair) -> None:
+@pytest.mark.parametrize("steps", STEPS)
+def test_equivalence_paged_turns_with_the_official_streaming_flow(flow_pair, steps) -> None:
     """Every call of two turns batched together (different prefixes, different numbers of
     stored chunks, partial chunks recomputed) equals the official streaming re-run, the last
-    call with finalize; the chunks are stored as they complete and all go back at the end."""
+    call with finalize, both solving with the same number of Euler steps; the chunks are
+    stored as they complete and all go back at the end."""
     reference, ours = flow_pair
-    pool, errors = stream_turns(reference, ours, pool_pages=16)
+    pool, errors = stream_turns(reference, ours, pool_pages=16, steps=steps)
     assert max(errors) <= TOLERANCE, errors
     assert pool.peak_pages >= 6  # both turns stored chunks (rather than recomputing)
     assert pool.fallbacks == 0
@@ -92,3 +96,21 @@ def test_pool_budget_and_bookkeeping(flow_pair) -> None:
     assert pool.pages_in_use == 0 and pool.peak_pages == 3
     with pytest.raises(ValueError, match="no page"):
         TurnStatePool.within(ours.decoder, page, like)
+    # State is kept per Euler step: a page of 4 steps is 4/10 of one of the official 10, so the
+    # same budget holds 12 of them (less the scratch page).
+    assert 10 * TurnStatePool.page_bytes(ours.decoder, like.dtype, 4) == 4 * page
+    assert TurnStatePool.within(ours.decoder, 5 * page, like, steps=4).pages == 11
+
+
+def test_a_pool_and_a_bank_of_other_step_counts_are_refused(flow_pair) -> None:
+    """A paged call reads the bank's and the pool's state at the same Euler step: both must be
+    laid out for as many steps."""
+    _, ours = flow_pair
+    like = next(ours.parameters())
+    bank = PrefixBank(ours.decoder, 1, 50, like, steps=4)
+    pool = TurnStatePool(ours.decoder, 2, like, steps=N_TIMESTEPS)
+    index = torch.zeros(1, dtype=torch.long)
+    rows = TurnRows(index, index[:, None], index, index, index[:, None], index)
+    mu = like.new_zeros(1, 80, 50)
+    with pytest.raises(ValueError, match="a bank of 4 Euler steps with a pool of 10"):
+        solve_paged(ours.decoder, bank, pool, rows, mu, like.new_ones(1, 1, 50), like.new_zeros(1, 80), mu)

@@ -1,0 +1,19 @@
+"""The CosyVoice2 engine's settings refuse values it cannot run with, saying which and why
+(the config loader names the key: tests/gateway/test_config.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.cosyvoice2.settings import CosyVoice2Settings
+
+
+@pytest.mark.parametrize("flow_steps", [0, -3, 2.5, True, "10"])
+def test_flow_steps_must_be_a_whole_number_of_at_least_one(flow_steps):
+    with pytest.raises(ValueError, match=r"flow_steps must be an integer >= 1 \(10 is the official count\), got"):
+        CosyVoice2Settings(flow_steps=flow_steps)
+
+
+def test_flow_steps_default_to_the_official_count():
+    assert CosyVoice2Settings().flow_steps == 10
+    assert CosyVoice2Settings(flow_steps=4).flow_steps == 4
