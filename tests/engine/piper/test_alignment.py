@@ -1,0 +1,68 @@
+"""The pieces behind Piper's word timings, without the model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.piper.alignment import label_phonemes, phoneme_times, time_words
+from engine.text import Segmenter, TextNormalizer
+from engine.text.spoken_words import SpokenWord, SpokenWords
+
+
+def test_phonemes_of_joined_words_are_split_between_them():
+    # espeak says "in the box" as "ɪnðə bˈɑːks": the word break falls inside the first word.
+    sentence = list("ɪnðə bˈɑːks")
+    labels = label_phonemes(sentence, [list("ɪn"), list("ðə"), list("bˈɑːks")])
+    assert [labels[i] for i, p in enumerate(sentence) if p not in " ˈ"] == [0, 0, 1, 1, 2, 2, 2, 2, 2]
+
+
+def test_unclaimed_phonemes_join_the_word_before():
+    labels = label_phonemes(list("abxcd"), [list("ab"), list("cd")])
+    assert labels == [0, 0, 0, 1, 1]
+
+
+def test_phoneme_times_skip_the_start_and_keep_each_pad():
+    # ids: BOS PAD a PAD b PAD EOS, durations in frames
+    durations = np.array([[[1, 1, 2, 1, 3, 1, 1]]], dtype=np.float32)
+    assert phoneme_times(durations, 2, 0.5).tolist() == [[1.0, 2.5], [2.5, 4.5]]
+    with pytest.raises(ValueError, match="durations for 3 phonemes"):
+        phoneme_times(durations, 3, 0.5)
+
+
+def test_spoken_words_of_one_agent_word_merge():
+    words = [SpokenWord("three", 0, "$3"), SpokenWord("dollars", 0, "$3"), SpokenWord("now", 1, "now")]
+    sentence = list("θɹiː dɑːlɚz naʊ")
+    times = np.array([[i * 0.1, i * 0.1 + 0.1] for i in range(len(sentence))])
+    word_phonemes = {"three": list("θɹiː"), "dollars": list("dɑːlɚz"), "now": list("naʊ")}
+    [timings] = time_words(words, [sentence], [times], word_phonemes.__getitem__)
+    assert [(t.text, round(t.start_s, 1), round(t.end_s, 1)) for t in timings] == [("$3", 0.0, 1.1), ("now", 1.2, 1.5)]
+
+
+def fragments_with_words(deltas: list[str]) -> list[list[tuple[str, str]]]:
+    normalizer, segmenter, spoken = TextNormalizer("en"), Segmenter(), SpokenWords()
+    fragments = []
+
+    def take(text: str) -> str:
+        spoken.feed(text, normalizer.take_spans())
+        return text
+
+    for delta in deltas:
+        fragments += segmenter.push(take(normalizer.push(delta)))
+    fragments += segmenter.push(take(normalizer.flush())) + segmenter.flush()
+    return [[(w.text, w.source_text) for w in spoken.words_of(f)] for f in fragments]
+
+
+def test_each_spoken_word_knows_the_agent_word_it_speaks():
+    text = "Sure! It costs **$3.50**, see you at 10:30 on May 5th."
+    pairs = [pair for fragment in fragments_with_words([text[i : i + 3] for i in range(0, len(text), 3)]) for pair in fragment]
+    assert ("dollars", "$3.50,") in pairs and ("cents,", "$3.50,") in pairs
+    assert ("thirty", "10:30") in pairs and ("fifth.", "5th.") in pairs
+    assert [source for _, source in pairs if source.startswith("Sure")] == ["Sure!"]
+
+
+def test_a_fragment_not_from_the_stream_is_refused():
+    spoken = SpokenWords()
+    spoken.feed("hello there", [])
+    with pytest.raises(ValueError, match="not the next text"):
+        spoken.words_of("goodbye")
