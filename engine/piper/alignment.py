@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -84,12 +85,23 @@ def label_phonemes(sentence: Sequence[str], words: Sequence[Sequence[str]]) -> l
     return labels
 
 
+@dataclass(frozen=True, slots=True)
+class SourceTiming:
+    """An agent word's time inside one chunk (seconds from its start)."""
+
+    source: int  # the agent word's number in the utterance
+    text: str
+    start_s: float
+    end_s: float
+    continues: bool = False  # its reading goes on in the next chunk
+
+
 def time_words(
     words: Sequence[SpokenWord],
     sentences: Sequence[Sequence[str]],
     sentence_times: Sequence[np.ndarray],
     phonemize_word: Callable[[str], list[str]],
-) -> list[list[WordTiming]]:
+) -> list[list[SourceTiming]]:
     """Each sentence's agent words with their times inside that sentence's audio.
 
     ``sentences`` are the phonemes of one fragment, ``words`` its spoken words in order,
@@ -100,7 +112,7 @@ def time_words(
         return [[] for _ in sentences]
     flat = [p for sentence in sentences for p in sentence]
     labels = label_phonemes(flat, [phonemize_word(word.text) for word in words])
-    timings: list[list[WordTiming]] = []
+    timings: list[list[SourceTiming]] = []
     at = 0
     for sentence, times in zip(sentences, sentence_times):
         spans: dict[int, list[float]] = {}  # agent word number -> [start, end]
@@ -115,5 +127,46 @@ def time_words(
             span[0], span[1] = min(span[0], start), max(span[1], end)
             texts[word.source] = word.source_text
         at += len(sentence)
-        timings.append([WordTiming(texts[s], start, end) for s, (start, end) in spans.items()])
+        timings.append([SourceTiming(s, texts[s], start, end) for s, (start, end) in spans.items()])
+    _mark_continuations(timings, words[-1])
     return timings
+
+
+def _mark_continuations(timings: list[list[SourceTiming]], last_word: SpokenWord) -> None:
+    """Flag each sentence's last word when the next sentence (or fragment) goes on with it."""
+    for k, sentence in enumerate(timings):
+        if not sentence:
+            continue
+        later = next((t for t in timings[k + 1 :] if t), None)
+        last = sentence[-1]
+        goes_on = later[0].source == last.source if later else last_word.continues and last_word.source == last.source
+        if goes_on:
+            sentence[-1] = SourceTiming(last.source, last.text, last.start_s, last.end_s, continues=True)
+
+
+class WordJoiner:
+    """One utterance's chunk timings, in order, to the words it reports: a word whose reading
+    runs over into the next chunk is reported once, with the next chunk, spanning both."""
+
+    def __init__(self) -> None:
+        self._held: SourceTiming | None = None  # times from the utterance's start
+        self._chunk_start_s = 0.0
+
+    def chunk(self, timings: Sequence[SourceTiming], duration_s: float) -> tuple[WordTiming, ...]:
+        """The words to report with a chunk of ``duration_s`` seconds, times from its start."""
+        offset = self._chunk_start_s
+        self._chunk_start_s += duration_s
+        words = []
+        for timing in timings:
+            held, self._held = self._held, None
+            start_s = timing.start_s
+            if held is not None:
+                if held.source == timing.source:
+                    start_s = held.start_s - offset
+                else:  # never cut after all: report it as it was
+                    words.append(WordTiming(held.text, held.start_s - offset, held.end_s - offset))
+            if timing.continues:
+                self._held = SourceTiming(timing.source, timing.text, start_s + offset, timing.end_s + offset)
+            else:
+                words.append(WordTiming(timing.text, start_s, timing.end_s))
+        return tuple(words)

@@ -40,9 +40,8 @@ from engine.base import (
     Utterance,
     UtteranceOptions,
     Voice,
-    WordTiming,
 )
-from engine.piper.alignment import phoneme_times, time_words, with_durations
+from engine.piper.alignment import SourceTiming, WordJoiner, phoneme_times, time_words, with_durations
 from engine.scheduling import PlaybackClock
 from engine.piper.settings import PiperSettings
 from engine.text import Segmenter, TextNormalizer
@@ -59,6 +58,15 @@ _WARMUP_TEXT = "Warming up the voice, one moment."
 class _Fragment:
     text: str
     words: list[SpokenWord]  # its spoken words and the agent words they speak
+
+
+@dataclass(frozen=True)
+class _Synthesized:
+    """One sentence's audio and its words' times, before the utterance joins words across chunks."""
+
+    audio: np.ndarray
+    words: list[SourceTiming]
+    compute_s: float
 
 
 @dataclass
@@ -219,7 +227,7 @@ class PiperEngine(Engine):
 
     def _synthesize(
         self, fragment: _Fragment, speed: float, run_options: onnxruntime.RunOptions | None
-    ) -> list[AudioChunk]:
+    ) -> list[_Synthesized]:
         voice = self._voice
         assert voice is not None
         config = voice.config
@@ -249,13 +257,10 @@ class PiperEngine(Engine):
                 runs.append((_normalize_peak(audio), times, time.perf_counter() - started))
         finally:
             self._sessions.put(session)
-        words: list[list[WordTiming]] = [[] for _ in runs]
+        words: list[list[SourceTiming]] = [[] for _ in runs]
         if self._timed and fragment.words:
             words = time_words(fragment.words, sentences, [times for _, times, _ in runs], self._phonemize_word)
-        return [
-            AudioChunk(audio, words=tuple(timings), compute_s=compute_s)
-            for (audio, _, compute_s), timings in zip(runs, words)
-        ]
+        return [_Synthesized(audio, timings, compute_s) for (audio, _, compute_s), timings in zip(runs, words)]
 
 
 def _normalize_peak(audio: np.ndarray, peak: float = 0.9) -> np.ndarray:
@@ -278,6 +283,7 @@ class PiperUtterance(Utterance):
             max_chars=settings.fragment_max_chars,
         )
         self._spoken_words = SpokenWords()
+        self._words = WordJoiner()
         self.fragments: collections.deque[_Fragment] = collections.deque()
         self._output: asyncio.Queue = asyncio.Queue()
         self._pending_chunks = 0  # delivered but not yet taken by the consumer
@@ -330,11 +336,13 @@ class PiperUtterance(Utterance):
     def schedulable(self) -> bool:
         return bool(self.fragments) and not self.cancelled and self._pending_chunks < _OUTPUT_CHUNKS
 
-    def _deliver(self, chunks: list[AudioChunk]) -> None:
-        for chunk in chunks:
-            self.clock.produced(len(chunk.samples) / self._engine.sample_rate, time.monotonic())
+    def _deliver(self, results: list[_Synthesized]) -> None:
+        for result in results:
+            seconds = len(result.audio) / self._engine.sample_rate
+            words = self._words.chunk(result.words, seconds)
+            self.clock.produced(seconds, time.monotonic())
             self._pending_chunks += 1
-            self._output.put_nowait(chunk)
+            self._output.put_nowait(AudioChunk(result.audio, words=words, compute_s=result.compute_s))
         self._maybe_finish()
 
     def _fail(self, error: EngineError) -> None:

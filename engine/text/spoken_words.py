@@ -24,6 +24,9 @@ class SpokenWord:
     text: str  # as the voice reads it: "dollars"
     source: int  # the agent word's number in the utterance, from 0
     source_text: str  # the agent word: "$3.50"
+    # The agent word's reading goes on in the next fragment: the segmenter cut inside it
+    # ("three dollars | and fifty cents"). Only ever true of a fragment's last word.
+    continues: bool = False
 
 
 class SpokenWords:
@@ -57,8 +60,17 @@ class SpokenWords:
                 raise ValueError(f"no agent word speaks {match.group()!r}")
             span = self._spans[index]
             words.append(SpokenWord(match.group(), self._first_span + index, span.token))
+        if words:
+            words[-1] = self._with_continuation(words[-1], offsets[-1])
         self._forget_before(offsets[-1])
         return words
+
+    def _with_continuation(self, word: SpokenWord, fragment_end: int) -> SpokenWord:
+        span = self._spans[word.source - self._first_span]
+        rest = self._stream[fragment_end + 1 - self._base : span.end - self._base]
+        if any(ch.isalnum() for ch in rest):
+            return SpokenWord(word.text, word.source, word.source_text, continues=True)
+        return word
 
     def _locate(self, fragment: str) -> list[int]:
         """Stream offset of each character of ``fragment`` (whitespace inside may differ in width)."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.piper.alignment import label_phonemes, phoneme_times, time_words
+from engine.base import WordTiming
+from engine.piper.alignment import SourceTiming, WordJoiner, label_phonemes, phoneme_times, time_words
 from engine.text import Segmenter, TextNormalizer
 from engine.text.spoken_words import SpokenWord, SpokenWords
 
@@ -66,3 +67,22 @@ def test_a_fragment_not_from_the_stream_is_refused():
     spoken.feed("hello there", [])
     with pytest.raises(ValueError, match="not the next text"):
         spoken.words_of("goodbye")
+
+
+def test_a_word_cut_between_fragments_knows_it_continues():
+    normalizer, segmenter, spoken = TextNormalizer("en"), Segmenter(first_max_chars=20), SpokenWords()
+    text = normalizer.push("We paid $3.50 today.") + normalizer.flush()
+    spoken.feed(text, normalizer.take_spans())
+    first, second = segmenter.push(text) + segmenter.flush()
+    assert first == "We paid three"  # the cut falls inside "$3.50"'s reading
+    first_words, second_words = spoken.words_of(first), spoken.words_of(second)
+    assert [(w.source_text, w.continues) for w in first_words][-1] == ("$3.50", True)
+    assert second_words[0].source == first_words[-1].source and not second_words[-1].continues
+
+
+def test_a_word_running_over_into_the_next_chunk_is_reported_once_spanning_both():
+    joiner = WordJoiner()
+    first = joiner.chunk([SourceTiming(0, "We", 0.0, 0.2), SourceTiming(1, "$3.50", 0.3, 1.0, continues=True)], 1.0)
+    second = joiner.chunk([SourceTiming(1, "$3.50", 0.0, 0.8), SourceTiming(2, "today.", 0.9, 1.4)], 1.5)
+    assert first == (WordTiming("We", 0.0, 0.2),)
+    assert second == (WordTiming("$3.50", -0.7, 0.8), WordTiming("today.", 0.9, 1.4))
