@@ -4,6 +4,7 @@
 timings as aligned transcripts; ``synthesize()`` speaks a whole text. See :class:`GatewayTTS`.
 """
 
+from integrations.gateway_options import GatewayOptions
 from integrations.livekit.tts import GatewayTTS
 
-__all__ = ["GatewayTTS"]
+__all__ = ["GatewayOptions", "GatewayTTS"]

@@ -17,34 +17,24 @@ from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, APIConnectOptions
 from livekit.agents.voice.io import TimedString
 
 from gateway.client import Alignment, Context, GatewayError, TTSClient
+from integrations.gateway_options import GatewayOptions
 
 
 class GatewayTTS(tts.TTS):
     """Speech from a tts-gateway at ``url`` (``ws://host:8765/v1/stream``), with word timings.
 
-    ``voice`` picks one of the gateway's voices (its default when None); ``speed`` is the
-    gateway's speaking rate (0.5-2.0); ``sample_rate`` is one the gateway supports. Audio is
-    16-bit PCM, mono.
+    ``options`` carry the key, voice and speed; ``sample_rate`` is one the gateway supports.
+    Audio is 16-bit PCM, mono.
     """
 
-    def __init__(
-        self,
-        *,
-        url: str,
-        api_key: str | None = None,
-        voice: str | None = None,
-        speed: float | None = None,
-        sample_rate: int = 24000,
-    ) -> None:
+    def __init__(self, *, url: str, options: GatewayOptions | None = None, sample_rate: int = 24000) -> None:
         super().__init__(
             capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=True),
             sample_rate=sample_rate,
             num_channels=1,
         )
         self._url = url
-        self._api_key = api_key
-        self._voice = voice
-        self._speed = speed
+        self._options = options or GatewayOptions()
         self._client: TTSClient | None = None
         self._connecting = asyncio.Lock()
 
@@ -70,12 +60,10 @@ class GatewayTTS(tts.TTS):
         async with self._connecting:
             if self._client is None or self._client.closed:
                 try:
-                    self._client = await TTSClient.connect(
-                        self._url, api_key=self._api_key, sample_rate=self.sample_rate, encoding="pcm_s16le"
-                    )
+                    self._client = await self._options.connect(self._url, self.sample_rate)
                 except (OSError, TimeoutError) as error:
                     raise APIConnectionError(f"cannot reach the tts-gateway at {self._url}: {error}") from error
-            return self._client.context(voice=self._voice, speed=self._speed)
+            return self._options.context(self._client)
 
 
 class GatewaySynthesizeStream(tts.SynthesizeStream):

@@ -5,6 +5,7 @@ cancels the turn's context, and the gateway's word timings become Pipecat's word
 text frames. See :class:`GatewayTTSService`.
 """
 
+from integrations.gateway_options import GatewayOptions
 from integrations.pipecat.tts import GatewayTTSService
 
-__all__ = ["GatewayTTSService"]
+__all__ = ["GatewayOptions", "GatewayTTSService"]

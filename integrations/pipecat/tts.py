@@ -19,38 +19,28 @@ from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode, TTSService
 
 from gateway.client import Alignment, Context, GatewayError, TTSClient
+from integrations.gateway_options import GatewayOptions
 
 
 class GatewayTTSService(TTSService):
     """Speech from a tts-gateway at ``url`` (``ws://host:8765/v1/stream``), with word timestamps.
 
-    ``voice`` picks one of the gateway's voices (its default when None); ``speed`` is the
-    gateway's speaking rate (0.5-2.0). The audio comes as 16-bit PCM at the pipeline's output
-    rate, or ``sample_rate`` when given (one the gateway supports).
+    ``options`` carry the key, voice and speed. The audio comes as 16-bit PCM at the pipeline's
+    output rate, or ``sample_rate`` when given (one the gateway supports).
     """
 
-    def __init__(
-        self,
-        *,
-        url: str,
-        api_key: str | None = None,
-        voice: str | None = None,
-        speed: float | None = None,
-        sample_rate: int | None = None,
-        **kwargs,
-    ) -> None:
+    def __init__(self, *, url: str, options: GatewayOptions | None = None, sample_rate: int | None = None, **kwargs):
         super().__init__(
             # The gateway cuts the text into speakable pieces itself; tokens go straight on.
             text_aggregation_mode=kwargs.pop("text_aggregation_mode", TextAggregationMode.TOKEN),
             push_text_frames=False,  # the words come back as timed frames from the alignments
             push_start_frame=True,
             sample_rate=sample_rate,
-            settings=TTSSettings(model=None, voice=voice, language=None),
+            settings=TTSSettings(model=None, voice=options.voice if options else None, language=None),
             **kwargs,
         )
         self._url = url
-        self._api_key = api_key
-        self._speed = speed
+        self._options = options or GatewayOptions()
         self._client: TTSClient | None = None
         self._contexts: dict[str, Context] = {}  # open turns by Pipecat context id
         self._readers: set[asyncio.Task] = set()
@@ -62,9 +52,7 @@ class GatewayTTSService(TTSService):
 
     async def start(self, frame: StartFrame) -> None:
         await super().start(frame)
-        self._client = await TTSClient.connect(
-            self._url, api_key=self._api_key, sample_rate=self.sample_rate, encoding="pcm_s16le"
-        )
+        self._client = await self._options.connect(self._url, self.sample_rate)
 
     async def stop(self, frame: EndFrame) -> None:
         await super().stop(frame)
@@ -99,8 +87,7 @@ class GatewayTTSService(TTSService):
     def _open(self, context_id: str) -> Context:
         if self._client is None:
             raise RuntimeError("the service is not started")
-        voice = self._settings.voice or None
-        context = self._client.context(context_id, voice=voice, speed=self._speed)
+        context = self._options.context(self._client, context_id)
         self._contexts[context_id] = context
         reader = self.create_task(self._read(context), f"tts-gateway-{context_id}")
         self._readers.add(reader)
