@@ -350,6 +350,7 @@ TRICKY_TEXTS = [
     "Text with [a link [nests](u) and ![img](i \"t\") ok] **_mixed_** ***all***\n***\nEnd - 5 - 10 — dash",
     "St. Louis, Main St. now; No. 5, 5 kg, 3x, 16:9, 5/6/2024, 24/7, R&D, C#, A -> B.",
     "Mixed 中文 and English 123 then 中文456 and 7 个 and 2024年.",
+    "Call 555-1234 or 1-800-555-1234 by 12-25-2024; read pages 5-7, between 10-20 minutes, 3-2.",
 ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,8 @@ from engine.base import WordTiming
 from engine.piper.alignment import SourceTiming, WordJoiner, label_phonemes, phoneme_times, time_words
 from engine.text import Segmenter, TextNormalizer
 from engine.text.spoken_words import SpokenWord, SpokenWords
+
+from tests.engine.test_text import TRICKY_TEXTS
 
 
 def test_phonemes_of_joined_words_are_split_between_them():
@@ -40,23 +44,9 @@ def test_spoken_words_of_one_agent_word_merge():
     assert [(t.text, round(t.start_s, 1), round(t.end_s, 1)) for t in timings] == [("$3", 0.0, 1.1), ("now", 1.2, 1.5)]
 
 
-def fragments_with_words(deltas: list[str]) -> list[list[tuple[str, str]]]:
-    normalizer, segmenter, spoken = TextNormalizer("en"), Segmenter(), SpokenWords()
-    fragments = []
-
-    def take(text: str) -> str:
-        spoken.feed(text, normalizer.take_spans())
-        return text
-
-    for delta in deltas:
-        fragments += segmenter.push(take(normalizer.push(delta)))
-    fragments += segmenter.push(take(normalizer.flush())) + segmenter.flush()
-    return [[(w.text, w.source_text) for w in spoken.words_of(f)] for f in fragments]
-
-
 def test_each_spoken_word_knows_the_agent_word_it_speaks():
     text = "Sure! It costs **$3.50**, see you at 10:30 on May 5th."
-    pairs = [pair for fragment in fragments_with_words([text[i : i + 3] for i in range(0, len(text), 3)]) for pair in fragment]
+    pairs = [(w.text, w.source_text) for w in spoken_words_of([text[i : i + 3] for i in range(0, len(text), 3)])]
     assert ("dollars", "$3.50,") in pairs and ("cents,", "$3.50,") in pairs
     assert ("thirty", "10:30") in pairs and ("fifth.", "5th.") in pairs
     assert [source for _, source in pairs if source.startswith("Sure")] == ["Sure!"]
@@ -86,3 +76,28 @@ def test_a_word_running_over_into_the_next_chunk_is_reported_once_spanning_both(
     second = joiner.chunk([SourceTiming(1, "$3.50", 0.0, 0.8), SourceTiming(2, "today.", 0.9, 1.4)], 1.5)
     assert first == (WordTiming("We", 0.0, 0.2),)
     assert second == (WordTiming("$3.50", -0.7, 0.8), WordTiming("today.", 0.9, 1.4))
+
+
+@pytest.mark.parametrize("text", TRICKY_TEXTS)
+def test_every_spoken_word_maps_to_an_agent_word_in_order_however_the_text_is_cut(text):
+    rng = random.Random(len(text))
+    one_shot = spoken_words_of([text])
+    assert one_shot, text
+    for _ in range(10):
+        cuts = sorted(rng.sample(range(1, len(text)), min(8, len(text) - 1)))
+        words = spoken_words_of([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+        assert words == one_shot
+        sources = [word.source for word in words]
+        assert sources == sorted(sources)
+
+
+def spoken_words_of(deltas: list[str]) -> list[SpokenWord]:
+    """The spoken words of every fragment the agent's deltas make, in order."""
+    normalizer, segmenter, spoken = TextNormalizer(), Segmenter(), SpokenWords()
+    fragments = []
+    for delta in [*deltas, None]:
+        text = normalizer.push(delta) if delta is not None else normalizer.flush()
+        spoken.feed(text, normalizer.take_spans())
+        fragments += segmenter.push(text) + ([] if delta is not None else segmenter.flush())
+    # A word cut between fragments is flagged in the first; the words themselves do not change.
+    return [SpokenWord(w.text, w.source, w.source_text) for f in fragments for w in spoken.words_of(f)]
