@@ -245,13 +245,13 @@ def prepare_imports(upstream: Path, patches: list[str]) -> None:
     patches.append("stub: modelscope (snapshot_download, never called with a local model_dir)")
     # matcha.utils' package init imports Matcha's training helpers (hydra, wget, gdown); inference
     # needs only matcha.utils.audio and matcha.utils.pylogger, imported as submodules.
-    importlib.import_module("matcha")
+    matcha = importlib.import_module("matcha")
     utils_dir = upstream / "matcha" / "utils"
     utils = types.ModuleType("matcha.utils")
     utils.__path__ = [str(utils_dir)]
     utils.__spec__ = importlib.machinery.ModuleSpec("matcha.utils", None, is_package=True)
     utils.__spec__.submodule_search_locations = [str(utils_dir)]
-    sys.modules["matcha.utils"] = utils
+    sys.modules["matcha.utils"] = matcha.utils = utils
     patches.append("stub: matcha.utils package init skipped (training helpers: hydra, wget, gdown)")
     try:
         import torchaudio  # noqa: F401

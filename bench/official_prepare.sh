@@ -57,7 +57,7 @@ WHEELS=(
     omegaconf==2.3.1                                                    # flow.py's DictConfig
     conformer==0.3.2 diffusers==0.42.1                                  # matcha's decoder
     librosa==0.11.0 decorator==5.3.1 platformdirs==4.14.9 pooch==1.9.0  # matcha.utils.audio's mel filters
-    inflect==7.6.0 typeguard==4.6.0 more-itertools==11.2.1              # the text frontend
+    inflect==7.6.0 typeguard==4.6.0 more-itertools==11.2.1 jaraco.functools==4.6.0  # the text frontend
 )
 rm -f .official/whl/*.whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
