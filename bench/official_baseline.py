@@ -52,6 +52,7 @@ import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+os.environ.setdefault("TQDM_DISABLE", "1")  # inference_zero_shot's progress bar per call, before tqdm is imported
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -132,10 +133,10 @@ def run_agent(agent: int, seed: tuple[int, int, int], level: int, speak: Speak, 
             time.sleep(min(pause, max(0.0, deadline - time.perf_counter())))
 
 
-def run_level(level: int, speak: Speak, replies: list[str], args: argparse.Namespace) -> tuple[list[loadgen.Record], dict]:
+def run_level(level: int, speak: Speak, replies: list[str],
+              args: argparse.Namespace) -> tuple[list[loadgen.Record], dict]:
     """``level`` agent threads sharing ``speak``; then waits for threads they left behind (upstream's
     LLM threads of truncated replies) so that the next level starts on an idle model."""
-    before = threading.active_count()
     records: list[loadgen.Record] = []
     errors: list[str] = []
     level_start = time.perf_counter()
@@ -147,11 +148,16 @@ def run_level(level: int, speak: Speak, replies: list[str], args: argparse.Names
     for thread in threads:
         thread.join()
     ended = time.perf_counter()
-    while threading.active_count() > before and time.perf_counter() - ended < args.drain_timeout:
+    while leftover_llm_threads() and time.perf_counter() - ended < args.drain_timeout:
         time.sleep(0.1)
     info = {"wall_s": round(ended - level_start, 2), "drain_s": round(time.perf_counter() - ended, 2),
-            "threads_left": threading.active_count() - before, "error_samples": errors}
+            "threads_left": leftover_llm_threads(), "error_samples": errors}
     return records, info
+
+
+def leftover_llm_threads() -> int:
+    """Upstream's LLM threads still running (``threading.Thread(target=self.llm_job)``, named so)."""
+    return sum(thread.name.endswith("(llm_job)") for thread in threading.enumerate())
 
 
 def run(speak: Speak, args: argparse.Namespace, config: dict, write: Callable[[dict], None] | None = None) -> dict:
@@ -241,7 +247,6 @@ def prepare_imports(upstream: Path, patches: list[str]) -> None:
     sys.path.append(str(STUBS))  # after site-packages: a real modelscope wins
     os.environ["PYTHONPATH"] = os.pathsep.join([str(upstream), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")]),
                                                 str(STUBS)])
-    os.environ.setdefault("TQDM_DISABLE", "1")  # inference_zero_shot's per-call progress bar
     patches.append("stub: modelscope (snapshot_download, never called with a local model_dir)")
     # matcha.utils' package init imports Matcha's training helpers (hydra, wget, gdown); inference
     # needs only matcha.utils.audio and matcha.utils.pylogger, imported as submodules.
@@ -427,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     prepare_imports(args.upstream.resolve(), patches)
     cosyvoice, loaded = load_official(args, patches)
     args.sample_rate = loaded["sample_rate"]
-    config = {"arm": args.arm, "model_dir": str(args.model_dir), "max_speech_per_text_token": args.max_speech_per_text_token,
+    config = {"arm": args.arm, "model_dir": str(args.model_dir),
+              "max_speech_per_text_token": args.max_speech_per_text_token,
               "upstream": _pinned(args.upstream), "patches": patches, **loaded}
 
     def write(result: dict) -> None:
@@ -440,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _pinned(upstream: Path) -> str | None:
-    pinned = upstream.parent / "PINNED"
+    pinned = upstream / "PINNED"
     return pinned.read_text().strip() if pinned.is_file() else None
 
 
