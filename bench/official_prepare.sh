@@ -26,11 +26,11 @@ grep -qx /.official/ "$exclude" 2>/dev/null || echo /.official/ >> "$exclude"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# A git directory holding COMMIT: the one given, else a blobless clone of URL.
+# A git directory holding COMMIT: the one given, else a bare clone of URL.
 git_dir() {
     local given=$1 url=$2 commit=$3 name=$4
     if [ -z "$given" ]; then
-        git clone -q --bare --filter=blob:none "$url" "$work/$name.git" >&2
+        git clone -q --bare "$url" "$work/$name.git" >&2
         given=$work/$name.git
     fi
     git --git-dir="$given" cat-file -e "$commit^{commit}" || { echo "$given lacks $commit" >&2; exit 1; }
