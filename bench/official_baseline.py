@@ -426,10 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_speech_per_text_token is None:
         args.max_speech_per_text_token = gateway_speech_cap()
     args.sample_rate = 24000
+    args.upstream = args.upstream.resolve()  # also for the vLLM arm's spawned processes
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"official_{args.arm}.json"
     patches: list[str] = []
-    prepare_imports(args.upstream.resolve(), patches)
+    prepare_imports(args.upstream, patches)
     cosyvoice, loaded = load_official(args, patches)
     args.sample_rate = loaded["sample_rate"]
     config = {"arm": args.arm, "model_dir": str(args.model_dir),
