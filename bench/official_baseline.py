@@ -23,9 +23,9 @@ Runtime patches, each listed in the result's ``patches`` (docs/benchmarks.md exp
   length bound; it is set to the gateway's ``max_speech_per_text_token`` (gpu_check's);
 - ``Qwen2 from config``: the checkpoint's CosyVoice-BlankEN has a config and no weights (they
   are overwritten by llm.pt anyway), so the LM backbone is built from its config;
-- ``torchaudio.load via wave``: only where torchcodec is missing (torchaudio >= 2.9 needs it);
+- ``torchaudio.load`` by our WAV reader: only where torchcodec is missing (torchaudio >= 2.9 needs it);
 - stubs (bench/official_stubs/): ``modelscope`` (downloads only; never called with a local
-  model_dir) and ``matcha.utils``'s package init (hydra, wandb-era training helpers) is skipped;
+  model_dir) and ``matcha.utils``'s package init (Matcha's training helpers: hydra, wget, gdown) is skipped;
 - vLLM arm: ``typing.Union`` made visible to upstream's vLLM model file and ``embed_input_ids``
   aliased to its ``get_input_embeddings`` (vLLM 0.26 names), the model registered at import.
 - CPU only, where torchaudio has no build for the installed torch: a stand-in torchaudio from
@@ -269,7 +269,7 @@ def prepare_imports(upstream: Path, patches: list[str]) -> None:
         import torchaudio
 
         torchaudio.load = _load_wav
-        patches.append("torchaudio.load via the stdlib-free WAV reader of engine.cosyvoice2.frontend.prompt "
+        patches.append("torchaudio.load via the WAV reader of engine.cosyvoice2.frontend.prompt "
                        "(no torchcodec)")
 
 
