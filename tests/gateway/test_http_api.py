@@ -17,7 +17,7 @@ RATE = 24000
 
 
 def speech_url(gw, query: str = "") -> str:
-    return f"http://127.0.0.1:{gw.http.port}/v1/audio/speech" + (f"?{query}" if query else "")
+    return f"http://127.0.0.1:{gw.port}/v1/audio/speech" + (f"?{query}" if query else "")
 
 
 async def post(gw, body, headers: dict | None = None, query: str = ""):

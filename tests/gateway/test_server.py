@@ -520,6 +520,6 @@ async def test_fixed_voice_engine_refuses_voice_registration(gateway):
     form.add_field("name", "x"), form.add_field("text", "words")
     form.add_field("audio", b"RIFF....", filename="p.wav", content_type="audio/wav")
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"http://127.0.0.1:{gateway.http.port}/v1/voices", data=form) as response:
+        async with http.post(f"http://127.0.0.1:{gateway.port}/v1/voices", data=form) as response:
             assert response.status == 501
             assert (await response.json())["error"]["code"] == "not_supported"
