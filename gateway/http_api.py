@@ -107,7 +107,12 @@ class HttpApi:
         """Ready the app; returns the factory of its per-connection protocol, for the one port."""
         # A client that goes away cancels its handler at once (and so its utterance). By the
         # time the runner is cleaned up the gateway has drained: what still runs is cancelled.
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
+        # After an answer sent before its request's body was read in full, the rest of the body
+        # is read and dropped for up to lingering_time, so that the client reads the answer
+        # rather than a reset; a client that sends no more is closed a second later.
+        self._runner = web.AppRunner(
+            self.app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5, lingering_time=1.0
+        )
         await self._runner.setup()
         assert self._runner.server is not None
         return self._runner.server
@@ -178,7 +183,7 @@ class HttpApi:
         relative = STATIC_PAGES.get(request.path) or request.path.lstrip("/")
         target = (self.web_root / relative).resolve()
         if not target.is_relative_to(self.web_root) or not target.is_file():
-            return _text(404, "not found")
+            return _error(404, "not_found", f"no route or page {request.path}")
         content_type = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
         if content_type.startswith("text/") or content_type.endswith("javascript"):
             content_type += "; charset=utf-8"

@@ -6,7 +6,7 @@ listening socket, and :func:`websockets.asyncio.server.serve` lets its caller wr
 asyncio protocol of each accepted connection (``create_connection``). The wrapper here,
 :class:`FrontDoor`, reads the head of the connection's first request, then hands the
 transport and the bytes read so far to the protocol that serves that path: the
-websockets connection for ``/v1/stream``, else a fresh aiohttp request handler. From
+websockets connection for ``GET /v1/stream``, else a fresh aiohttp request handler. From
 there either runs exactly as if it had accepted the connection itself.
 
 The front door bounds the head in size and in time, so a silent or trickling client
@@ -59,7 +59,7 @@ class FrontDoor(asyncio.Protocol):
                 self._refuse(431, "Request Header Fields Too Large", f"the request head exceeds {MAX_HEAD_BYTES} bytes")
             return
         self._stop_timer()
-        target = self._websocket if _request_path(self._head) == STREAM_PATH else self._http()
+        target = self._websocket if _opens_a_websocket(self._head) else self._http()
         transport, self._transport = self._transport, None
         assert transport is not None
         transport.set_protocol(target)
@@ -94,10 +94,9 @@ class FrontDoor(asyncio.Protocol):
             self._timer = None
 
 
-def _request_path(head: bytes) -> str:
-    """The path of the request line ``METHOD target HTTP/1.1``; "" when it has none."""
-    line = bytes(head).split(b"\r\n", 1)[0]
-    parts = line.split(b" ")
-    if len(parts) != 3:
-        return ""  # malformed: aiohttp answers it with 400
-    return urlsplit(parts[1].decode("latin-1")).path
+def _opens_a_websocket(head: bytes) -> bool:
+    """Whether the request line is ``GET /v1/stream[?query] HTTP/1.1``. Anything else goes to
+    the HTTP routes, which answer every request (a POST to the stream's path gets 405, a
+    malformed request 400)."""
+    parts = bytes(head).split(b"\r\n", 1)[0].split(b" ")
+    return len(parts) == 3 and parts[0] == b"GET" and urlsplit(parts[1].decode("latin-1")).path == STREAM_PATH

@@ -326,3 +326,39 @@ def test_connection_lost_cancels_everything():
     actions = session.connection_lost()
     assert {a.key for a in actions if isinstance(a, CancelUtterance)} == {0, 1}
     assert session.contexts == {}
+
+
+def test_a_keepalive_keeps_a_quiet_session_open_and_nothing_else():
+    session = make_session()
+    session.open({}, 0.0)
+    assert session.receive_message(msg(type="keepalive"), now=50.0) == []
+    assert session.check_idle(now=100.0) == []  # 50 s after the keepalive
+    session.heard(now=105.0)  # a WebSocket ping
+    assert session.check_idle(now=164.9) == []
+    assert only_error(session.check_idle(now=165.0))["code"] == "idle_timeout"
+    other = make_session()
+    other.open({}, 0.0)
+    error = only_error(other.receive_message(msg(type="keepalive", context_id="c"), now=1.0))
+    assert error["code"] == "bad_message" and "context_id" in error["message"]
+
+
+def test_audio_going_out_counts_as_activity():
+    session = make_session()
+    session.open({}, 0.0)
+    session.receive_message(msg(type="text", text="Hi"), now=0.0)
+    session.audio_ready(0, np.zeros(1600, np.float32), [], 0.0, now=59.0)
+    assert session.check_idle(now=100.0) == []
+
+
+def test_a_session_chooses_its_inactivity_timeout_within_the_bound():
+    session = make_session()
+    session.open({"inactivity_timeout": "5"}, 0.0)
+    assert session.check_idle(now=4.9) == [] and only_error(session.check_idle(now=5.0))["code"] == "idle_timeout"
+    longest = make_session()
+    longest.open({"inactivity_timeout": "180"}, 0.0)
+    assert longest.check_idle(now=179.0) == []
+    for value in ("181", "0", "-1", "soon", "nan", "inf"):
+        actions = make_session().open({"inactivity_timeout": value}, 0.0)
+        error = only_error(actions)
+        assert error["code"] == "bad_message" and "inactivity_timeout" in error["message"], value
+        assert actions[-1] == CloseSession(1008, error["message"])
