@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -43,11 +44,10 @@ class FrontDoor(asyncio.Protocol):
         self._http = http
         self._head_timeout = head_timeout
         self._head = bytearray()
-        self._transport: asyncio.Transport | None = None
+        self._transport: Any = None  # an asyncio.Transport, or uvloop's (not a subclass of it)
         self._timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+    def connection_made(self, transport: Any) -> None:
         self._transport = transport
         self._timer = asyncio.get_running_loop().call_later(self._head_timeout, self._head_timed_out)
 
@@ -61,7 +61,6 @@ class FrontDoor(asyncio.Protocol):
         self._stop_timer()
         target = self._websocket if _opens_a_websocket(self._head) else self._http()
         transport, self._transport = self._transport, None
-        assert transport is not None
         transport.set_protocol(target)
         target.connection_made(transport)
         target.data_received(bytes(self._head))
