@@ -136,6 +136,7 @@ class HttpApi:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
+            log.info("%s %s from %s: %d %s", request.method, request.path, request.remote, exc.status, exc.reason)
             response = _error(exc.status, "not_found" if exc.status == 404 else "bad_request",
                               f"{exc.reason}: {request.method} {request.path}")
         response.force_close()

@@ -20,6 +20,7 @@ beside the speech it asks for.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,6 +28,8 @@ from urllib.parse import urlsplit
 import orjson
 
 from gateway.wire import STREAM_PATH
+
+log = logging.getLogger("tts_gateway.http")
 
 # The longest request head (request line and headers) the port reads; aiohttp and
 # websockets both refuse single lines over 8 KiB.
@@ -79,6 +82,7 @@ class FrontDoor(asyncio.Protocol):
         self._stop_timer()
         if self._transport is None:
             return
+        log.info("connection from %s dropped: %s", self._transport.get_extra_info("peername"), message)
         body = orjson.dumps({"error": {"code": "bad_request", "message": message}})
         self._transport.write(
             f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
