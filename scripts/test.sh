@@ -9,7 +9,7 @@ pip() { .venv/bin/python -m pip install -q "$@"; }
 pip --upgrade pip
 # torch first and pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
 pip torch==2.13.0
-pip -e '.[test,server,cosyvoice2,bench]'
+pip -e '.[test,server,cosyvoice2,bench,pipecat,livekit]'
 # The official CosyVoice2 implementation, test-only, for the equivalence tests.
 pip -r tests/requirements-reference.txt
 pip --no-deps cosyvoice-minicpmo==0.1.0

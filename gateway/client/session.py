@@ -17,7 +17,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway.client.context import Context
-from gateway.client.frames import AudioChunk, Done, GatewayError, Word
+from gateway.client.frames import Alignment, AudioChunk, Done, GatewayError, Word
 from gateway.wire import (
     CLIENT_PING_INTERVAL_S,
     CONTEXT_SURVIVING_CODES,
@@ -271,9 +271,9 @@ class TTSClient:
             elif kind == GatewayMessage.ALIGNMENT:
                 ctx = self._contexts.get(message.get("context_id"))
                 if ctx is not None and not ctx._cancel_requested:
-                    ctx.alignments.extend(
-                        Word(word["text"], word["start_ms"], word["end_ms"]) for word in message.get("words", ())
-                    )
+                    words = tuple(Word(w["text"], w["start_ms"], w["end_ms"]) for w in message.get("words", ()))
+                    ctx.alignments.extend(words)
+                    await ctx._queue.put(Alignment(ctx.context_id, words))
             elif kind == GatewayMessage.DONE:
                 ctx = self._contexts.pop(message.get("context_id"), None)
                 if ctx is not None:

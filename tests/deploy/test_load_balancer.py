@@ -12,6 +12,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -92,9 +93,9 @@ async def speak_until(url: str, session: int, stop: asyncio.Event, traffic: Traf
             async with TTSClient.connect(url) as tts:
                 traffic.connections += 1
                 while not stop.is_set():
+                    context = tts.context(encoding="pcm_s16le")  # raises once the session was closed
                     reply = Reply(session, time.monotonic())
                     traffic.replies.append(reply)
-                    context = tts.context(encoding="pcm_s16le")
                     try:
                         await context.send_text(f"Session {session} says reply {len(traffic.replies)}.")
                         await context.end()
@@ -122,6 +123,7 @@ async def test_rolling_restart_behind_haproxy_loses_no_reply(tmp_path: Path) -> 
     logs = tmp_path / "logs"
     env = {
         **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # tts-gateway
         "TTS_GATEWAY__SERVER__DRAIN_TIMEOUT_S": "20",
         "TTS_GATEWAY__LIMITS__MAX_SESSIONS": "64",
     }
@@ -161,7 +163,8 @@ async def test_rolling_restart_behind_haproxy_loses_no_reply(tmp_path: Path) -> 
         await asyncio.sleep(3)
     finally:
         stop.set()
-        await asyncio.wait_for(asyncio.gather(*agents, return_exceptions=True), 60)
+        ended = await asyncio.wait_for(asyncio.gather(*agents, return_exceptions=True), 60)
+        traffic.failures += [f"agent raised {error!r}" for error in ended if isinstance(error, BaseException)]
         os.killpg(launcher.pid, signal.SIGTERM)
         try:
             launcher.wait(60)

@@ -144,7 +144,7 @@ async def test_contexts_interleave_on_one_socket(gateway):
         for cid in ("a", "b"):
             await ws.send(orjson.dumps({"type": "text", "context_id": cid, "text": LONG_TEXT[:400]}).decode())
             await ws.send(orjson.dumps({"type": "end", "context_id": cid}).decode())
-        order, seqs, done = [], {"a": [], "b": []}, set()
+        order, seqs, words, done = [], {"a": [], "b": []}, {"a": [], "b": []}, set()
         while done != {"a", "b"}:
             frame = orjson.loads(await until(ws.recv(), 30))
             if frame["type"] == "audio":
@@ -153,9 +153,13 @@ async def test_contexts_interleave_on_one_socket(gateway):
                 seqs[frame["context_id"]].append(frame["seq"])
             elif frame["type"] == "done":
                 done.add(frame["context_id"])
+            elif frame["type"] == "alignment":
+                words[frame["context_id"]] += [word["text"] for word in frame["words"]]
             else:
                 pytest.fail(f"unexpected frame {frame}")
     assert seqs["a"] == list(range(len(seqs["a"]))) and seqs["b"] == list(range(len(seqs["b"])))
+    # Each context's word timings are its own words, whatever the interleaving.
+    assert words["a"] == words["b"] == LONG_TEXT[:400].split()
     # Both are spoken at once: b's audio starts before a's has all been sent.
     assert order.index("b") < len(order) - 1 - order[::-1].index("a")
 

@@ -171,6 +171,23 @@ async def test_voice_route_registers_a_voice_sessions_can_use(cv2_gateway):
         assert len(await until(tts.context().speak("Hi."), 120)) > 0
 
 
+async def test_a_voice_registered_on_one_replica_is_spoken_by_another(cv2_engine, cv2_gateway):
+    """Replicas that share the voices directory (docs/deployment.md) share voices: one
+    registered through one gateway is listed and spoken by another at once."""
+    other = CosyVoice2Engine(cv2_engine.settings)
+    await other.start()
+    try:
+        async with running_gateway(make_config(engine={"name": "cosyvoice2"}), other) as replica:
+            status, body = await post_voice(cv2_gateway, {"name": "shared", "text": PROMPT_TEXT, "audio": prompt_wav()})
+            assert status == 201
+            voice_id = body["voice"]["id"]
+            async with TTSClient.connect(ws_url(replica), voice=voice_id) as tts:
+                assert voice_id in [v["id"] for v in tts.ready["voices"]]
+                assert len(await until(tts.context().speak("Hi."), 120)) > 0
+    finally:
+        await other.close()
+
+
 @pytest.mark.parametrize(
     "fields, code, fragment",
     [
