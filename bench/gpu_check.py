@@ -90,7 +90,6 @@ def write_config(path: Path, model_dir: Path, args) -> None:
 [server]
 host = "127.0.0.1"
 port = {args.port}
-http_port = {args.port + 1}
 log_level = "info"
 
 [limits]

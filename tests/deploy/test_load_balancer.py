@@ -124,7 +124,6 @@ async def test_rolling_restart_behind_haproxy_loses_no_reply(tmp_path: Path) -> 
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # tts-gateway
-        "TTS_GATEWAY__SERVER__HTTP_PORT": "0",
         "TTS_GATEWAY__SERVER__DRAIN_TIMEOUT_S": "20",
         "TTS_GATEWAY__LIMITS__MAX_SESSIONS": "64",
     }
