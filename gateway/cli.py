@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser(engines: dict[str, EngineDescriptor]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tts-gateway", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tts-gateway {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the WebSocket gateway")
@@ -94,6 +95,15 @@ def _parser(engines: dict[str, EngineDescriptor]) -> argparse.ArgumentParser:
         for verb in engine.cli:
             _add_verb(commands, engine.name, verb)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tts-gateway")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def _add_verb(commands: argparse._SubParsersAction, engine_name: str, verb: CliVerb) -> None:
@@ -137,6 +147,10 @@ def _configured(args: argparse.Namespace) -> int:
         if args.command == "serve":
             _run(_serve(config))
         elif args.command == "say":
+            problem = _say_problem(args.text, args.output)
+            if problem:
+                print(f"tts-gateway say: {problem}", file=sys.stderr)
+                return 2
             _run(_say(config, args.text, args.output, args.voice, args.speed))
         else:
             return _engine_verb(config, args)
@@ -190,6 +204,18 @@ async def _serve(config: Config) -> None:
 
     gateway = Gateway(config, create_engine(config.engine.name, config.engine.selected))
     await gateway.serve_forever()
+
+
+def _say_problem(text: str, output: Path) -> str:
+    """Why ``say`` cannot do its job, found before the engine loads; "" when it can."""
+    if not text.strip():
+        return "nothing to say: TEXT is empty"
+    folder = output.parent
+    if not folder.is_dir():
+        return f"cannot write {output}: folder {folder} does not exist"
+    if output.is_dir():
+        return f"cannot write {output}: it is a folder"
+    return ""
 
 
 async def _say(config: Config, text: str, output: Path, voice: str | None, speed: float) -> None:

@@ -49,6 +49,27 @@ def test_say_writes_a_wav(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "text, output, message",
+    [
+        ("", "out.wav", "nothing to say: TEXT is empty"),
+        ("  ", "out.wav", "nothing to say: TEXT is empty"),
+        ("Hello.", "missing/out.wav", "folder missing does not exist"),
+        ("Hello.", ".", "it is a folder"),
+    ],
+)
+def test_say_refuses_what_it_cannot_do_before_loading_a_voice(tmp_path, text, output, message):
+    result = subprocess.run([*CLI, "say", text, "-o", output], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not list(tmp_path.glob("*.wav"))
+
+
+def test_version():
+    result = subprocess.run([*CLI, "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("tts-gateway 0.")
+
+
+@pytest.mark.parametrize(
     "config, message",
     [
         ("[server]\nprot = 1\n", "config error: unknown key(s) server.prot"),
