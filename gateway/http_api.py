@@ -21,9 +21,9 @@ routes are JSON: ``{"error": {"code": "...", "message": "..."}}``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import mimetypes
-import base64
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
@@ -326,10 +326,10 @@ class HttpApi:
         elif voice not in ids:
             raise _BadRequest(ErrorCode.UNKNOWN_VOICE, f"unknown voice {voice!r}; GET /v1/voices lists them")
         fmt = body.get("response_format", "wav")
-        if fmt not in CONTENT_TYPES:
+        if not isinstance(fmt, str) or fmt not in CONTENT_TYPES:
             raise _BadRequest(ErrorCode.UNSUPPORTED_FORMAT, f"response_format must be one of {sorted(CONTENT_TYPES)}")
         stream_format = body.get("stream_format", "audio")
-        if stream_format not in STREAM_FORMATS:
+        if not isinstance(stream_format, str) or stream_format not in STREAM_FORMATS:
             raise _BadRequest(ErrorCode.UNSUPPORTED_FORMAT, f"stream_format must be one of {list(STREAM_FORMATS)}")
         if body.get("instructions"):  # no engine of the gateway takes a speaking style from words
             raise _BadRequest(UNSUPPORTED_PARAMETER, "instructions are not supported: the voice speaks in its own style")
