@@ -5,11 +5,13 @@ this app. The routes:
 
 - ``GET /healthz``, ``/readyz``: liveness and readiness (plain text, for probes).
 - ``GET /metrics``, ``/v1/stats``, ``/v1/voices``: Prometheus metrics, live statistics, voices.
+- ``GET /v1/models``, ``/v1/audio/voices``: the speech models and voices, in OpenAI's list shape.
 - ``POST /v1/voices`` registers a zero-shot voice from a prompt recording and its
   transcript (multipart form: ``name``, ``text``, ``audio``).
-- ``POST /v1/audio/speech`` is OpenAI's speech endpoint: JSON in, 24 kHz 16-bit mono
-  audio (``wav`` or ``pcm``) streamed out as the engine produces it. Each request in
-  flight takes one of the gateway's ``max_sessions`` places, as a WebSocket session does.
+- ``POST /v1/audio/speech`` is OpenAI's speech endpoint: JSON in, 24 kHz mono audio in
+  any of OpenAI's formats (gateway/codecs.py) streamed out as the engine produces it, as
+  a plain body or as Server-Sent Events. Each request in flight takes one of the
+  gateway's ``max_sessions`` places, as a WebSocket session does.
 - Any other ``GET``: the static files of the web client and the dashboard.
 
 The same API keys, limits and metrics apply as on the WebSocket. Errors of the API
@@ -19,18 +21,18 @@ routes are JSON: ``{"error": {"code": "...", "message": "..."}}``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import mimetypes
-import struct
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import orjson
 from aiohttp import web
 
 from engine.base import AudioChunk, Engine, EngineError, UtteranceOptions, drive
-from gateway.audio import StreamEncoder
 from gateway.auth import authorized
+from gateway.codecs import CONTENT_TYPES, SPEECH_RATE, SpeechEncoder
 from gateway.config import Config
 from gateway.metrics import Metrics
 from gateway.protocol import ContextFinished
@@ -41,9 +43,10 @@ log = logging.getLogger("tts_gateway.http")
 
 MAX_UPLOAD_BYTES = 16 * 1024 * 1024  # 30 s of 48 kHz stereo 16-bit fits with room
 
-# OpenAI's speech output: 24 kHz 16-bit mono little-endian.
-SPEECH_RATE = 24000
-SPEECH_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
+# The speech route speaks every model name with the engine; GET /v1/models lists OpenAI's.
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+STREAM_FORMATS = ("audio", "sse")  # the audio as the body, or as Server-Sent Events
+UNSUPPORTED_PARAMETER = "unsupported_parameter"
 OPENAI_SPEED_RANGE = (0.25, 4.0)  # accepted, then clamped to the engine's SPEED_RANGE
 # OpenAI's voice names speak with the engine's default voice, so OpenAI clients work unchanged.
 OPENAI_VOICES = frozenset(
@@ -100,6 +103,8 @@ class HttpApi:
         self.app.router.add_get("/v1/voices", self.voices)
         self.app.router.add_post("/v1/voices", self.add_voice)
         self.app.router.add_post("/v1/audio/speech", self.speech)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/v1/audio/voices", self.openai_voices)
         self.app.router.add_get("/{path:.*}", self.static)
         self._runner: web.AppRunner | None = None
 
@@ -180,6 +185,20 @@ class HttpApi:
         listing = {"voices": [v.as_json() for v in self.engine.voices()], "default": self.engine.default_voice}
         return _body(200, orjson.dumps(listing), "application/json")
 
+    async def models(self, request: web.Request) -> web.Response:
+        if refused := self._refused(request):
+            return refused
+        listing = [{"id": m, "object": "model", "created": 0, "owned_by": "tts-gateway"} for m in OPENAI_MODELS]
+        return _body(200, orjson.dumps({"object": "list", "data": listing}), "application/json")
+
+    async def openai_voices(self, request: web.Request) -> web.Response:
+        """The engine's voices in OpenAI's list shape; the speech route's ``voice`` takes each id."""
+        if refused := self._refused(request):
+            return refused
+        listing = [{"object": "voice", **v.as_json()} for v in self.engine.voices()]
+        return _body(200, orjson.dumps({"object": "list", "data": listing, "default": self.engine.default_voice}),
+                     "application/json")
+
     async def static(self, request: web.Request) -> web.Response:
         relative = STATIC_PAGES.get(request.path) or request.path.lstrip("/")
         target = (self.web_root / relative).resolve()
@@ -238,7 +257,7 @@ class HttpApi:
         except TimeoutError:
             return self._error(408, ErrorCode.BAD_MESSAGE, f"the body did not arrive within {self.request_timeout_s:g} s")
         try:
-            text, voice, fmt, speed = self._speech_request(body)
+            speech = self._speech_request(body)
         except _BadRequest as exc:
             return self._error(400, exc.code, str(exc))
         if self.gateway.draining:
@@ -252,26 +271,26 @@ class HttpApi:
             return self._error(400, ErrorCode.BAD_MESSAGE, "the client closed the connection")
         self.speeches.add(transport)
         try:
-            return await self._speak(request, body, text, voice, fmt, speed)
+            return await self._speak(request, body, speech)
         finally:
             self.speeches.discard(transport)
 
-    async def _speak(self, request: web.Request, body: dict, text: str, voice: str, fmt: str,
-                     speed: float) -> web.StreamResponse:
+    async def _speak(self, request: web.Request, body: dict, speech: _Speech) -> web.StreamResponse:
         received_at = asyncio.get_running_loop().time()
         try:
-            utterance = self.engine.open_utterance(UtteranceOptions(voice=voice, speed=speed))
+            utterance = self.engine.open_utterance(UtteranceOptions(voice=speech.voice, speed=speech.speed))
         except EngineError as exc:
             return self._error(500, ErrorCode.INTERNAL, str(exc))
         self.metrics.context_started()
-        response = web.StreamResponse(headers={"Content-Type": SPEECH_FORMATS[fmt], "Cache-Control": "no-store"})
+        encoder = SpeechEncoder(speech.format, self.engine.sample_rate)
+        content_type = "text/event-stream" if speech.sse else encoder.content_type
+        response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-store"})
         if isinstance(body.get("model"), str):
             response.headers["X-Model"] = body["model"]
-        encoder = StreamEncoder(self.engine.sample_rate, SPEECH_RATE, "pcm_s16le")
-        download = _SpeechDownload(request, response, fmt, encoder, self.metrics)
+        download = _SpeechDownload(request, response, encoder, speech.sse, self.metrics)
         outcome = "cancelled"
         try:
-            await drive(utterance, download.write, text=text, start=download.start)
+            await drive(utterance, download.write, text=speech.text, start=download.start)
             await download.finish()
             outcome = "done"
         except EngineError as exc:  # the status line is gone: the client sees a cut-short body
@@ -289,8 +308,8 @@ class HttpApi:
             ))
         return response
 
-    def _speech_request(self, body) -> tuple[str, str, str, float]:
-        """Validate an OpenAI speech body: (text, engine voice id, format, engine speed)."""
+    def _speech_request(self, body) -> _Speech:
+        """Validate an OpenAI speech body."""
         if not isinstance(body, dict):
             raise _BadRequest(ErrorCode.BAD_MESSAGE, "the body must be a JSON object")
         text = body.get("input")
@@ -307,36 +326,51 @@ class HttpApi:
         elif voice not in ids:
             raise _BadRequest(ErrorCode.UNKNOWN_VOICE, f"unknown voice {voice!r}; GET /v1/voices lists them")
         fmt = body.get("response_format", "wav")
-        if fmt not in SPEECH_FORMATS:
-            raise _BadRequest(ErrorCode.UNSUPPORTED_FORMAT, f"response_format must be one of {sorted(SPEECH_FORMATS)}")
+        if not isinstance(fmt, str) or fmt not in CONTENT_TYPES:
+            raise _BadRequest(ErrorCode.UNSUPPORTED_FORMAT, f"response_format must be one of {sorted(CONTENT_TYPES)}")
+        stream_format = body.get("stream_format", "audio")
+        if not isinstance(stream_format, str) or stream_format not in STREAM_FORMATS:
+            raise _BadRequest(ErrorCode.UNSUPPORTED_FORMAT, f"stream_format must be one of {list(STREAM_FORMATS)}")
+        if body.get("instructions"):  # no engine of the gateway takes a speaking style from words
+            raise _BadRequest(UNSUPPORTED_PARAMETER, "instructions are not supported: the voice speaks in its own style")
         speed = body.get("speed", 1.0)
         low, high = OPENAI_SPEED_RANGE
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not low <= speed <= high:
             raise _BadRequest(ErrorCode.BAD_MESSAGE, f"speed must be a number from {low} to {high}")
-        return text, voice, fmt, min(max(float(speed), SPEED_RANGE[0]), SPEED_RANGE[1])
+        speed = min(max(float(speed), SPEED_RANGE[0]), SPEED_RANGE[1])
+        return _Speech(text, voice, fmt, stream_format == "sse", speed)
+
+
+class _Speech(NamedTuple):
+    """A valid speech request."""
+
+    text: str
+    voice: str  # an engine voice id
+    format: str  # the response format (gateway/codecs.py)
+    sse: bool  # the audio as Server-Sent Events rather than as the body
+    speed: float  # the engine's
 
 
 class _SpeechDownload:
-    """One speech response: the utterance's audio as 24 kHz 16-bit PCM, written as it comes,
-    and what the metrics record about it."""
+    """One speech response: the utterance's audio in the response format, written as it
+    comes (as the body, or as Server-Sent Events), and what the metrics record about it."""
 
-    def __init__(self, request: web.Request, response: web.StreamResponse, fmt: str, encoder: StreamEncoder,
+    def __init__(self, request: web.Request, response: web.StreamResponse, encoder: SpeechEncoder, sse: bool,
                  metrics: Metrics) -> None:
         self._request = request
         self._response = response
-        self._fmt = fmt
         self._encoder = encoder
+        self._sse = sse
         self._metrics = metrics
         self.first_audio_at: float | None = None
         self.samples = 0
         self.compute_s = 0.0
 
     async def start(self) -> None:
-        """The status line and headers, and a WAV header whose sizes say "unknown"."""
+        """The status line and headers, and what the format starts with (a WAV header)."""
         self._response.force_close()  # one request per connection: see gateway/one_port.py
         await self._response.prepare(self._request)
-        if self._fmt == "wav":
-            await self._response.write(streaming_wav_header(SPEECH_RATE))
+        await self._write(self._encoder.header())
 
     async def write(self, chunk: AudioChunk) -> None:
         self.compute_s += chunk.compute_s
@@ -346,29 +380,35 @@ class _SpeechDownload:
             await self._send(data, n)
 
     async def finish(self) -> None:
-        """The resampler's look-ahead, then the end of the body."""
+        """The encoder's held-back audio, then the end of the body."""
         await self._send(*self._encoder.finish())
+        if self._sse:
+            # OpenAI's done event also reports tokens used; the gateway counts none, so it has no usage.
+            await self._response.write(_event({"type": "speech.audio.done"}))
         await self._response.write_eof()
 
     async def _send(self, data: bytes, n: int) -> None:
-        await self._response.write(data)
+        await self._write(data)
         self.samples += n
         self._metrics.audio(n / SPEECH_RATE)
+
+    async def _write(self, data: bytes) -> None:
+        if not data:
+            return
+        if self._sse:
+            data = _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+        await self._response.write(data)
+
+
+def _event(event: dict) -> bytes:
+    """One Server-Sent Event."""
+    return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
 class _BadRequest(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-def streaming_wav_header(sample_rate: int) -> bytes:
-    """A 16-bit mono WAV header whose sizes say "unknown" (0xFFFFFFFF), for a stream."""
-    unknown = 0xFFFFFFFF
-    return struct.pack(
-        "<4sI4s4sIHHIIHH4sI",
-        b"RIFF", unknown, b"WAVE", b"fmt ", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16, b"data", unknown,
-    )
 
 
 def _field_bytes(value) -> bytes:

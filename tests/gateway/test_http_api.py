@@ -73,10 +73,11 @@ async def test_pcm_format_and_voice_choices(gateway):
     assert results[None, 2.0] < 0.75 * results["joe", 1.0]  # speed reaches the engine
 
 
-async def test_audio_streams_before_synthesis_ends(gateway):
+@pytest.mark.parametrize("fmt", ["pcm", "mp3", "opus", "flac", "aac"])  # compressed ones as they are encoded
+async def test_audio_streams_before_synthesis_ends(gateway, fmt):
     async with aiohttp.ClientSession() as http:
         started = time.monotonic()
-        async with http.post(speech_url(gateway), json={"input": LONG_TEXT, "response_format": "pcm"}) as response:
+        async with http.post(speech_url(gateway), json={"input": LONG_TEXT, "response_format": fmt}) as response:
             assert response.status == 200
             first = await response.content.readany()
             first_at = time.monotonic() - started
@@ -110,7 +111,11 @@ async def test_disconnect_cancels_the_utterance(gateway):
         ({"input": "x" * 20_001}, "text_too_long"),
         ({"input": "Hi.", "voice": "nobody"}, "unknown_voice"),
         ({"input": "Hi.", "voice": ["joe"]}, "unknown_voice"),
-        ({"input": "Hi.", "response_format": "mp3"}, "unsupported_format"),
+        ({"input": "Hi.", "response_format": "ogg"}, "unsupported_format"),
+        ({"input": "Hi.", "response_format": ["mp3"]}, "unsupported_format"),
+        ({"input": "Hi.", "stream_format": "chunks"}, "unsupported_format"),
+        ({"input": "Hi.", "stream_format": {"sse": True}}, "unsupported_format"),
+        ({"input": "Hi.", "instructions": "Whisper."}, "unsupported_parameter"),
         ({"input": "Hi.", "speed": 0.2}, "bad_message"),
         ({"input": "Hi.", "speed": 4.5}, "bad_message"),
         ({"input": "Hi.", "speed": "fast"}, "bad_message"),
@@ -168,7 +173,7 @@ async def test_the_openai_sdk_speaks_through_the_one_port(piper_engine, fmt):
 async def test_the_openai_sdk_reads_a_refusal_as_its_error(gateway):
     async with openai_client(gateway) as client:
         with pytest.raises(openai.BadRequestError) as refused:
-            await client.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="mp3")
+            await client.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="ogg")
     assert refused.value.body["code"] == "unsupported_format"
 
 
