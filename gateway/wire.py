@@ -11,6 +11,7 @@ Standard library only: the client installs without the gateway's dependencies.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -24,6 +25,11 @@ SESSION_QUERY_PARAMETERS = frozenset({"voice", "sample_rate", "encoding", "api_k
 DEFAULT_CONTEXT = "default"  # the context of messages that name none
 MAX_CONTEXT_ID_CHARS = 128
 SPEED_RANGE = (0.5, 2.0)  # speaking rate, 1.0 is normal
+# Text to speak may hold these control characters (ordinary whitespace); any other
+# (U+0000-U+001F, U+007F-U+009F) is refused: it has no sound, and engines' text
+# front ends are not written for it (a NUL broke one).
+ALLOWED_CONTROL_CHARACTERS = "\t\n\r"
+_REFUSED_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 SAMPLE_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
 # Every encoding is mono; each sample takes this many bytes on the wire.
@@ -113,3 +119,17 @@ SESSION_ENDING_CODES: Mapping[ErrorCode, CloseCode] = MappingProxyType({
 #   a context that was open stays open. Any other code means the context was refused or
 #   has ended (no `done` follows).
 CONTEXT_SURVIVING_CODES = frozenset({ErrorCode.BAD_MESSAGE, ErrorCode.TEXT_TOO_LONG})
+
+
+def control_character_error(text: str) -> str | None:
+    """Why ``text`` may not be spoken (it holds a refused control character), or None.
+
+    One rule for every route that takes text (the WebSocket's ``text`` frames, the HTTP
+    speech route's ``input``), so that they refuse the same input with the same words."""
+    found = _REFUSED_CONTROL.search(text)
+    if found is None:
+        return None
+    return (
+        f"text holds control character U+{ord(found.group()):04X} at position {found.start()}; "
+        "only tab, newline and carriage return are allowed"
+    )

@@ -124,3 +124,11 @@ def test_a_session_error_after_ready_ends_the_session_exactly_when_the_wire_says
 
 def test_every_session_ending_code_has_a_case_above():
     assert set(SESSION_ENDING_CODES) <= {case[0] for case in SESSION_ERRORS}
+
+
+def test_control_character_rule_is_one_function_for_every_route():
+    from gateway.wire import control_character_error
+
+    assert control_character_error("Tabs\tand\nline\r\nbreaks are text.") is None
+    message = control_character_error("Hello \u0000 world.")
+    assert message is not None and "U+0000" in message and "position 6" in message
