@@ -342,12 +342,16 @@ class SessionRunner:
                         self.outbox.put(data, text=False)
                 case StartUtterance(key, voice, speed):
                     self._start_utterance(key, voice, speed)
+                # An utterance that failed to open has none: its context has already ended.
                 case PushText(key, text):
-                    self._utterances[key].push_text(text)
+                    if (utterance := self._utterances.get(key)) is not None:
+                        utterance.push_text(text)
                 case FlushInput(key):
-                    self._utterances[key].flush()
+                    if (utterance := self._utterances.get(key)) is not None:
+                        utterance.flush()
                 case EndInput(key):
-                    self._utterances[key].end_input()
+                    if (utterance := self._utterances.get(key)) is not None:
+                        utterance.end_input()
                 case CancelUtterance(key):
                     self._stop_utterance(key)
                 case ContextFinished():
@@ -360,12 +364,15 @@ class SessionRunner:
             return
         data = orjson.dumps(frame)
         kind = frame["type"]
+        # Every frame counts against the send buffer, not audio only: a client that sends
+        # bad messages and reads none of the errors is as stuck as one that reads no audio.
+        # An audio header reserves room for its binary frame too: a pair is never split.
+        # An empty outbox always takes a frame (or pair), however large.
+        needed = len(data) + (frame["bytes"] if kind == GatewayMessage.AUDIO else 0)
+        if self.outbox.queued_bytes and not self.outbox.has_room(needed):
+            self._cut_off_slow_reader(pending)
+            return
         if kind == GatewayMessage.AUDIO:
-            # The header reserves room for its binary frame too: a pair is never split.
-            # An empty outbox always takes a pair, however large one chunk is.
-            if self.outbox.queued_bytes and not self.outbox.has_room(len(data) + frame["bytes"]):
-                self._cut_off_slow_reader(pending)
-                return
             self._last_activity = self._loop.time()
             self.gateway.metrics.audio(frame["duration_ms"] / 1000.0)
         elif kind == GatewayMessage.ERROR:
@@ -374,9 +381,9 @@ class SessionRunner:
 
     def _cut_off_slow_reader(self, pending: collections.deque) -> None:
         log.warning("session %s: client not reading, cutting it off", self.session.session_id)
-        pending.clear()  # the rest of this batch was audio for the client being cut off
+        pending.clear()  # the rest of this batch was for the client being cut off
         self.outbox.clear()
-        # Cancels every context, queues the error frame (not audio: it always fits)
+        # Cancels every context, queues the error frame (the outbox is empty: it fits)
         # and the close; nothing is sent after that.
         self.apply(self.session.client_not_reading())
         self._cut_off = True
@@ -387,12 +394,18 @@ class SessionRunner:
             self.connection.transport.abort()
 
     def _start_utterance(self, key: int, voice: str, speed: float) -> None:
+        # Counted first: the context finishes (and is counted out) whether or not it opens.
+        self.gateway.metrics.context_started()
         try:
             utterance = self.gateway.engine.open_utterance(UtteranceOptions(voice=voice, speed=speed))
         except EngineError as exc:
+            log.warning("session %s: engine refused an utterance: %s", self.session.session_id, exc)
             self.apply(self.session.utterance_failed(key, str(exc)))
             return
-        self.gateway.metrics.context_started()
+        except Exception:
+            log.exception("session %s: unexpected failure opening an utterance", self.session.session_id)
+            self.apply(self.session.utterance_failed(key, "unexpected engine failure"))
+            return
         self._utterances[key] = utterance
         self._pumps[key] = asyncio.create_task(self._pump(key, utterance))
 
