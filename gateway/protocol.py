@@ -12,6 +12,7 @@ Each context inside a session moves through explicit states::
         |                 |
         +--cancel---------+--> (cancelled, removed)
         +--engine failed--+--> (error internal, removed)
+        +--engine can serve no more--> (error engine_failed, removed; the session closes)
 
 A removed context's id may be reused for a new context. Engine events carry the
 context's ``key`` (unique per session), so late audio from a cancelled utterance can
@@ -253,6 +254,24 @@ class Session:
         return self._session_error(
             ErrorCode.OVERLOADED, "client is not reading its audio; send buffer full", "client not reading"
         )
+
+    def refuse_engine_failed(self, reason: str) -> list[Action]:
+        """The engine can serve no more: refuse the session (1011) instead of ``ready``."""
+        return self._refuse(
+            ErrorCode.ENGINE_FAILED, f"the speech engine failed: {reason}", CloseCode.INTERNAL_ERROR, "engine failed"
+        )
+
+    def engine_failed(self, reason: str) -> list[Action]:
+        """The engine can serve no more: every open context ends with ``engine_failed``, then the
+        session does (1011), so that its client reconnects (to another gateway, or to this one
+        once its supervisor has restarted it)."""
+        if self.closed:
+            return []
+        message = f"the speech engine failed: {reason}"
+        actions: list[Action] = []
+        for context in list(self.contexts.values()):
+            actions += self._context_error(context.context_id, ErrorCode.ENGINE_FAILED, message)
+        return actions + self._session_error(ErrorCode.ENGINE_FAILED, message, "engine failed")
 
     def start_drain(self) -> list[Action]:
         """Shutdown begins: running contexts may finish, new ones are refused, and the session

@@ -50,6 +50,8 @@ log = logging.getLogger("tts_gateway")
 # A cut-off client gets this long to take its error frame and close before the
 # connection is aborted.
 CUT_OFF_GRACE_S = 2.0
+# How often the gateway asks its engine whether it can still serve (Engine.failure()).
+ENGINE_CHECK_INTERVAL_S = 0.25
 # Pages served under a path of their own; any other path is a file under web/.
 STATIC_PAGES = {"": "index.html", "/": "index.html", "/dashboard": "dashboard.html"}
 
@@ -70,6 +72,10 @@ class Gateway:
         self.http = HttpApi(engine, config, self.metrics, lambda: self.ready)
         self._server: Server | None = None
         self._loop_lag: asyncio.Task | None = None
+        self._engine_watch: asyncio.Task | None = None
+        # Why the engine can serve no more (then the gateway ends its sessions and exits), or None.
+        self.engine_failure: str | None = None
+        self._engine_failed = asyncio.Event()
         self._web_root = config.server.web_path.resolve()
 
     # ------------------------------------------------------------ lifecycle
@@ -97,6 +103,7 @@ class Gateway:
             await self.engine.start()
         self.ready = True
         self.metrics.ready.set(1)
+        self._engine_watch = asyncio.create_task(self._watch_engine())
         log.info("engine %s ready (native %d Hz)", self.engine.name, self.engine.sample_rate)
 
     async def drain(self, timeout: float | None = None) -> None:
@@ -126,22 +133,43 @@ class Gateway:
             await self._server.wait_closed()
         await self.http.stop()
         await self.metrics.gpu.stop()
-        if self._loop_lag is not None:
-            self._loop_lag.cancel()
+        for task in (self._loop_lag, self._engine_watch):
+            if task is not None:
+                task.cancel()
         if self._owns_engine:
             await self.engine.close()
 
     async def serve_forever(self) -> None:
-        """Run until SIGTERM/SIGINT, then drain and stop."""
+        """Run until SIGTERM/SIGINT, then drain and stop; or until the engine fails, then drain,
+        stop and raise :class:`EngineError`, so that the process exits non-zero and its
+        supervisor restarts it."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await self.start()
-        await stop.wait()
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._engine_failed.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in waits:
+            task.cancel()
         log.info("draining (up to %.1f s)", self.config.server.drain_timeout_s)
         await self.drain()
         await self.stop()
+        if self.engine_failure is not None:
+            raise EngineError(f"the speech engine failed ({self.engine_failure}); exiting for a restart")
+
+    async def _watch_engine(self) -> None:
+        """An engine that can serve no more (a dead backend, a stage that stopped making
+        progress) ends every open context and session at once, turns /readyz to 503 and
+        stops the gateway (serve_forever exits non-zero)."""
+        while (failure := self.engine.failure()) is None:
+            await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
+        log.error("engine %s failed: %s; ending every session", self.engine.name, failure)
+        self.engine_failure = failure
+        self.metrics.ready.set(0)  # /readyz reads engine.failure(); a new session is refused (1011)
+        for runner in list(self.sessions):
+            runner.apply(runner.session.engine_failed(failure))
+        self._engine_failed.set()
 
     # ------------------------------------------------------------ HTTP
 
@@ -290,7 +318,9 @@ class SessionRunner:
         writer = asyncio.create_task(self._write())
         watchdog: asyncio.Task | None = None
         try:
-            if len(gateway.sessions) > gateway.config.limits.max_sessions or gateway.draining:
+            if gateway.engine_failure is not None:
+                self.apply(self.session.refuse_engine_failed(gateway.engine_failure))
+            elif len(gateway.sessions) > gateway.config.limits.max_sessions or gateway.draining:
                 self.apply(self.session.refuse_overloaded())
             else:
                 gateway.metrics.sessions.inc()

@@ -91,6 +91,7 @@ class ErrorCode(enum.StrEnum):
     OVERLOADED = "overloaded"
     IDLE_TIMEOUT = "idle_timeout"
     INTERNAL = "internal"
+    ENGINE_FAILED = "engine_failed"  # the speech engine can serve no more; the gateway restarts
 
 
 class CloseCode(enum.IntEnum):
@@ -101,7 +102,7 @@ class CloseCode(enum.IntEnum):
     PROTOCOL_ERROR = 1002  # the client's, when the gateway broke the framing rules
     POLICY = 1008  # bad session defaults, or a client cut off for not reading its audio
     MESSAGE_TOO_BIG = 1009  # a client frame over the gateway's size limit
-    INTERNAL_ERROR = 1011  # the client's, when its own reader failed
+    INTERNAL_ERROR = 1011  # the gateway's speech engine failed (engine_failed); the client's, when its reader failed
     TRY_AGAIN_LATER = 1013  # refused: the gateway is at its session limit or shutting down
 
 
@@ -114,6 +115,7 @@ class CloseCode(enum.IntEnum):
 SESSION_ENDING_CODES: Mapping[ErrorCode, CloseCode] = MappingProxyType({
     ErrorCode.IDLE_TIMEOUT: CloseCode.NORMAL,
     ErrorCode.OVERLOADED: CloseCode.POLICY,  # the client did not read its audio
+    ErrorCode.ENGINE_FAILED: CloseCode.INTERNAL_ERROR,  # every context has ended with it too
 })
 # - An error for a context whose code is in this set dropped only the offending message:
 #   a context that was open stays open. Any other code means the context was refused or

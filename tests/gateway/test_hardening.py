@@ -4,18 +4,21 @@ engines that refuse an utterance."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from types import SimpleNamespace
 
 import numpy as np
 import orjson
 import pytest
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from engine.base import AudioChunk, Engine, EngineError, Utterance, UtteranceOptions, Voice
 from gateway.server import SessionRunner
 
-from tests.conftest import make_config, running_gateway, ws_url
-from tests.gateway.test_server import read_context, recv_json
+from tests.conftest import make_config, running_gateway, until, ws_url
+from tests.gateway.test_server import http_get, read_context, recv_json
 
 
 class ScriptedEngine(Engine):
@@ -126,3 +129,76 @@ async def test_an_utterance_that_fails_to_open_ends_its_context_only(voice):
         metrics = gw.metrics.render().decode()
         assert "tts_active_contexts 0.0" in metrics
         assert 'tts_contexts_total{outcome="error"} 5.0' in metrics
+
+
+# ------------------------------------------------------------------ an engine that can serve no more
+
+
+class FailingScriptedEngine(ScriptedEngine):
+    """A ScriptedEngine whose backend dies when the test says: its utterances then hang, as
+    they do behind a dead or stuck stage, and ``failure()`` says why."""
+
+    def __init__(self) -> None:
+        self.dead: str | None = None
+
+    def failure(self) -> str | None:
+        return self.dead
+
+    def open_utterance(self, options: UtteranceOptions) -> Utterance:
+        return HangingUtterance()
+
+
+class HangingUtterance(ToneUtterance):
+    async def __aiter__(self):
+        await asyncio.Event().wait()
+        yield  # pragma: no cover
+
+
+async def test_a_failed_engine_ends_every_context_and_session_and_refuses_new_ones():
+    engine = FailingScriptedEngine()
+    async with running_gateway(make_config(), engine) as gw:
+        first, second = await connect(ws_url(gw)), await connect(ws_url(gw))
+        for ws, contexts in ((first, ("a", "b")), (second, ("c",))):
+            await recv_json(ws)
+            for context_id in contexts:
+                await ws.send(text(context_id, "Hello there."))
+        await asyncio.sleep(0.1)
+        engine.dead = "the backend process has died"
+        for ws, contexts in ((first, ("a", "b")), (second, ("c",))):
+            errors = [await recv_json(ws, timeout=2) for _ in range(len(contexts) + 1)]
+            assert {e["code"] for e in errors} == {"engine_failed"}
+            assert [e["context_id"] for e in errors] == [*contexts, None]
+            assert "the backend process has died" in errors[-1]["message"]
+            with pytest.raises(ConnectionClosed) as closed:
+                await until(ws.recv(), 2)
+            assert closed.value.rcvd.code == 1011
+        status, body, _ = await http_get(f"http://127.0.0.1:{gw.port}/readyz")
+        assert status == 503 and b"the backend process has died" in body
+        async with connect(ws_url(gw)) as late:
+            refusal = await recv_json(late)
+            assert refusal["code"] == "engine_failed" and refusal["context_id"] is None
+            with pytest.raises(ConnectionClosed) as closed:
+                await until(late.recv(), 2)
+            assert closed.value.rcvd.code == 1011
+        metrics = gw.metrics.render().decode()
+        assert "tts_active_contexts 0.0" in metrics and "tts_engine_ready 0.0" in metrics
+
+
+def test_serve_exits_non_zero_after_the_engine_fails(monkeypatch, tmp_path, capsys):
+    """`tts-gateway serve` on an engine that fails: it drains, stops and exits 1, so that its
+    supervisor restarts it."""
+    from engine import registry
+    from gateway import cli
+
+    class DyingEngine(FailingScriptedEngine):
+        async def start(self):
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.3, setattr, self, "dead", "the backend process has died")
+            # A gateway that did not notice is stopped as an operator would stop it (exit 0).
+            loop.call_later(10, os.kill, os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(registry, "create_engine", lambda name, settings: DyingEngine())
+    config = tmp_path / "config.toml"
+    config.write_text('[server]\nport = 0\nhttp_port = 0\n')
+    assert cli.main(["serve", "--config", str(config)]) == 1
+    assert "the backend process has died" in capsys.readouterr().err
