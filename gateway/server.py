@@ -361,12 +361,10 @@ class SessionRunner:
     # ------------------------------------------------------------ actions
 
     def apply(self, actions: Iterable[Action]) -> None:
-        pending = collections.deque(actions)
-        while pending:
-            action = pending.popleft()
+        for action in actions:
             match action:
                 case SendJson(frame):
-                    self._send_json(frame, pending)
+                    self._send_json(frame)
                 case SendBytes(data):
                     if not self._cut_off:
                         self.outbox.put(data, text=False)
@@ -389,7 +387,7 @@ class SessionRunner:
                 case CloseSession(code, reason):
                     self.outbox.put_close(code, reason)
 
-    def _send_json(self, frame: dict, pending: collections.deque) -> None:
+    def _send_json(self, frame: dict) -> None:
         if self._cut_off:
             return
         data = orjson.dumps(frame)
@@ -400,7 +398,7 @@ class SessionRunner:
         # An empty outbox always takes a frame (or pair), however large.
         needed = len(data) + (frame["bytes"] if kind == GatewayMessage.AUDIO else 0)
         if self.outbox.queued_bytes and not self.outbox.has_room(needed):
-            self._cut_off_slow_reader(pending)
+            self._cut_off_slow_reader()
             return
         if kind == GatewayMessage.AUDIO:
             self._last_activity = self._loop.time()
@@ -409,9 +407,10 @@ class SessionRunner:
             self.gateway.metrics.error(frame["code"])
         self.outbox.put(data, text=True)
 
-    def _cut_off_slow_reader(self, pending: collections.deque) -> None:
+    def _cut_off_slow_reader(self) -> None:
         log.warning("session %s: client not reading, cutting it off", self.session.session_id)
-        pending.clear()  # the rest of this batch was for the client being cut off
+        # The rest of this batch still runs (it may finish a context: its metrics must see
+        # that); its frames are dropped, since nothing is sent once the client is cut off.
         self.outbox.clear()
         # Cancels every context, queues the error frame (the outbox is empty: it fits)
         # and the close; nothing is sent after that.

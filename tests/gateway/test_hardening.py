@@ -202,3 +202,19 @@ def test_serve_exits_non_zero_after_the_engine_fails(monkeypatch, tmp_path, caps
     config.write_text('[server]\nport = 0\nhttp_port = 0\n')
     assert cli.main(["serve", "--config", str(config)]) == 1
     assert "the backend process has died" in capsys.readouterr().err
+
+
+async def test_a_client_cut_off_as_its_context_finishes_leaves_no_context_counted():
+    """The cut-off comes from the frames that finish a context (its last audio, its done):
+    the context is still counted out (found by bench/soak.py as tts_active_contexts > 0 after
+    the traffic stopped)."""
+    async with running_gateway(make_config(), ScriptedEngine()) as gw:
+        runner = SessionRunner(gw, NeverReadingConnection())
+        runner.apply(runner.session.open({}))
+        runner.apply(runner.session.receive_message(text("c", "Hello there."), 0.0))
+        (context,) = runner.session.contexts.values()
+        runner.apply(runner.session.audio_ready(context.key, np.full(1600, 0.1, np.float32), (), 0.0, 0.0))
+        runner.outbox._limit = runner.outbox.queued_bytes  # the send buffer is full to the byte
+        runner.apply(runner.session.utterance_finished(context.key, 0.0))
+        assert runner.session.closed  # cut off
+        assert "tts_active_contexts 0.0" in gw.metrics.render().decode()
