@@ -14,32 +14,19 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from engine.base import AudioChunk, Engine, EngineError, Utterance, UtteranceOptions, Voice
+from engine.base import AudioChunk, EngineError, Utterance, UtteranceOptions
 from gateway.server import SessionRunner
 
-from tests.conftest import make_config, running_gateway, until, ws_url
+from tests.conftest import StubEngine, make_config, running_gateway, until, ws_url
 from tests.gateway.test_server import http_get, read_context, recv_json
 
 
-class ScriptedEngine(Engine):
+class ScriptedEngine(StubEngine):
     """Voice ``ok`` speaks a short tone per utterance; ``refused`` fails to open with an
     EngineError (as CosyVoice2 does for a voice it cannot load), ``broken`` with a bug."""
 
     name = "scripted"
-    sample_rate = 16000
-
-    async def start(self):
-        pass
-
-    async def close(self):
-        pass
-
-    def voices(self):
-        return [Voice(v, v, "en", self.name) for v in ("ok", "refused", "broken")]
-
-    @property
-    def default_voice(self):
-        return "ok"
+    voice_ids = ("ok", "refused", "broken")
 
     def open_utterance(self, options: UtteranceOptions) -> Utterance:
         if options.voice == "refused":
