@@ -90,7 +90,6 @@ def write_config(path: Path, model_dir: Path, args) -> None:
 [server]
 host = "127.0.0.1"
 port = {args.port}
-http_port = {args.port + 1}
 log_level = "info"
 
 [limits]
@@ -170,16 +169,22 @@ def parse_metrics(text: str) -> dict[str, float]:
 SESSIONS_PER_CLIENT = 32  # one load-generator process per this many sessions: the client must not be the bottleneck
 
 
+def load_clients(sessions: int) -> list[tuple[int, int]]:
+    """(seed, sessions) of each load-generator process of a level. bench/official_baseline.py
+    seeds its agents the same way, so that both speak the same replies at the same moments."""
+    return [(sessions * 1000 + k, min(SESSIONS_PER_CLIENT, sessions - start))
+            for k, start in enumerate(range(0, sessions, SESSIONS_PER_CLIENT))]
+
+
 def run_load(url: str, workload: str, sessions: int, start_spread: float, args) -> dict:
     """One level, its sessions spread over load-generator processes; returns the merged summary."""
     procs = []
-    for k, start in enumerate(range(0, sessions, SESSIONS_PER_CLIENT)):
-        count = min(SESSIONS_PER_CLIENT, sessions - start)
+    for k, (seed, count) in enumerate(load_clients(sessions)):
         path = Path(f"/tmp/loadgen-{sessions}-{k}.json")
         path.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "gateway.loadgen", "--url", url, "--sessions", str(count), "--workload", workload,
                "--duration", str(args.duration), "--tokens-per-second", str(args.tokens_per_second),
-               "--seed", str(sessions * 1000 + k), "--start-spread", str(start_spread), "--json", str(path)]
+               "--seed", str(seed), "--start-spread", str(start_spread), "--json", str(path)]
         cmd += ["--back-to-back"] if args.back_to_back else ["--turn-gap", args.turn_gap]
         procs.append((path, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     records = []

@@ -224,7 +224,6 @@ def piper_gateway(send_buffer_bytes: int):
     port = free_port()
     env = os.environ | {
         "TTS_GATEWAY__ENGINE__NAME": "piper",
-        "TTS_GATEWAY__SERVER__HTTP_PORT": str(free_port()),
         "TTS_GATEWAY__LIMITS__SEND_BUFFER_BYTES": str(send_buffer_bytes),
         "TTS_GATEWAY__SERVER__LOG_LEVEL": "warning",
     }

@@ -77,7 +77,7 @@ async def main() -> None:
         from gateway.server import Gateway
 
         config = load_config("config.toml" if Path("config.toml").is_file() else None)
-        config = dataclasses.replace(config, server=dataclasses.replace(config.server, port=0, http_port=0))
+        config = dataclasses.replace(config, server=dataclasses.replace(config.server, port=0))
         gateway = Gateway(config, create_engine(config.engine.name, config.engine.selected))
         await gateway.start()
         url = f"ws://127.0.0.1:{gateway.port}{STREAM_PATH}"

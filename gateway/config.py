@@ -30,23 +30,32 @@ class ConfigError(Exception):
     pass
 
 
+# Keys that once existed: a config that still sets one is told where its setting went.
+REMOVED_KEYS = {
+    "server.http_port": "one port serves every route now: the POST routes moved to [server] port; remove http_port",
+}
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"
-    port: int = 8765  # WebSocket /v1/stream and the GET routes
-    http_port: int = 8766  # routes with a request body (POST /v1/voices); 0 = any free port
+    port: int = 8765  # every route: WebSocket /v1/stream and the HTTP routes; 0 = any free port
     # Static files served at "/". Empty: the web/ folder shipped with the gateway.
     web_dir: str = ""
     # On SIGTERM: stop accepting, let running contexts finish for this long, then close.
     drain_timeout_s: float = 10.0
+    # A new connection sends its whole request (head and body) or WebSocket handshake within
+    # this, else it is dropped: a silent or trickling client holds no connection for long.
+    request_timeout_s: float = 10.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        for name in ("port", "http_port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                raise ValueError(f"{name} must be between 0 and 65535")
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be between 0 and 65535")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be > 0")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError("log_level must be one of debug, info, warning, error")
 
@@ -83,7 +92,10 @@ class LimitSettings:
     max_contexts_per_session: int = 8
     max_text_chars: int = 20_000  # per context, all deltas together
     max_message_bytes: int = 65_536
+    # A session with no client frame (a WebSocket ping counts) and no audio for this long is
+    # closed. A client may choose its own (query parameter `inactivity_timeout`) up to the max.
     idle_timeout_s: float = 60.0
+    max_inactivity_timeout_s: float = 180.0
     # Audio waiting for a client that does not read. Past this the client is cut off.
     send_buffer_bytes: int = 4 * 1024 * 1024
 
@@ -93,8 +105,8 @@ class LimitSettings:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_message_bytes < 1024:
             raise ValueError("max_message_bytes must be >= 1024")
-        if self.idle_timeout_s <= 0:
-            raise ValueError("idle_timeout_s must be > 0")
+        if not 0 < self.idle_timeout_s <= self.max_inactivity_timeout_s:
+            raise ValueError("idle_timeout_s must be > 0 and at most max_inactivity_timeout_s")
         if self.send_buffer_bytes < 65_536:
             raise ValueError("send_buffer_bytes must be >= 65536")
 
@@ -180,6 +192,9 @@ def _parse_env_value(raw: str) -> Any:
 def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"[{where}] must be a table, got {type(data).__name__}")
+    for key in (_join(where, name) for name in data):
+        if key in REMOVED_KEYS:
+            raise ConfigError(f"{key}: {REMOVED_KEYS[key]}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(fields))

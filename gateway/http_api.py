@@ -1,24 +1,31 @@
-"""HTTP routes that need a request body, on their own port (aiohttp, same event loop).
+"""Every plain HTTP route of the gateway (aiohttp), beside the WebSocket endpoint on the one port.
 
-websockets' HTTP handling serves the GET routes beside ``/v1/stream``, but it reads no
-request body, so these go here:
+``gateway/one_port.py`` hands each connection that does not ask for ``/v1/stream`` to
+this app. The routes:
 
+- ``GET /healthz``, ``/readyz``: liveness and readiness (plain text, for probes).
+- ``GET /metrics``, ``/v1/stats``, ``/v1/voices``: Prometheus metrics, live statistics, voices.
 - ``POST /v1/voices`` registers a zero-shot voice from a prompt recording and its
   transcript (multipart form: ``name``, ``text``, ``audio``).
 - ``POST /v1/audio/speech`` is OpenAI's speech endpoint: JSON in, 24 kHz 16-bit mono
-  audio (``wav`` or ``pcm``) streamed out as the engine produces it.
+  audio (``wav`` or ``pcm``) streamed out as the engine produces it. Each request in
+  flight takes one of the gateway's ``max_sessions`` places, as a WebSocket session does.
+- Any other ``GET``: the static files of the web client and the dashboard.
 
-The same API keys, limits and metrics apply. Listening on a second port keeps each server on a well-kept
-library's ordinary path instead of splicing two HTTP stacks on one socket.
+The same API keys, limits and metrics apply as on the WebSocket. Errors of the API
+routes are JSON: ``{"error": {"code": "...", "message": "..."}}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import mimetypes
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
+import orjson
 from aiohttp import web
 
 from engine.base import AudioChunk, Engine, EngineError, UtteranceOptions, drive
@@ -27,6 +34,7 @@ from gateway.auth import authorized
 from gateway.config import Config
 from gateway.metrics import Metrics
 from gateway.protocol import ContextFinished
+from gateway.stats import parse_window
 from gateway.wire import SPEED_RANGE, ErrorCode
 
 log = logging.getLogger("tts_gateway.http")
@@ -41,36 +49,98 @@ OPENAI_SPEED_RANGE = (0.25, 4.0)  # accepted, then clamped to the engine's SPEED
 OPENAI_VOICES = frozenset(
     ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse")
 )
+# Pages served under a path of their own; any other GET path is a file under web/.
+STATIC_PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
+PLAIN_TEXT = "text/plain; charset=utf-8"
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
 
 
+def _text(status: int, line: str) -> web.Response:
+    """The probes' plain-text answers: one line."""
+    return _body(status, f"{line}\n".encode(), PLAIN_TEXT)
+
+
+def _body(status: int, body: bytes, content_type: str) -> web.Response:
+    return web.Response(status=status, body=body, headers={"Content-Type": content_type, "Cache-Control": "no-store"})
+
+
+class GatewayState(Protocol):
+    """What the routes read of the gateway that serves them (gateway/server.py)."""
+
+    ready: bool  # the engine is loaded and warm
+    draining: bool  # shutting down: running work finishes, no new work is taken
+
+    def readiness(self) -> str | None:
+        """None when the gateway takes new sessions, else why not (``/readyz`` says it)."""
+
+    @property
+    def at_capacity(self) -> bool:
+        """Every one of ``max_sessions`` places is taken (sessions and speech requests)."""
+
+
 class HttpApi:
-    def __init__(self, engine: Engine, config: Config, metrics: Metrics, ready: Callable[[], bool]) -> None:
+    def __init__(self, engine: Engine, config: Config, metrics: Metrics, gateway: GatewayState) -> None:
         self.engine = engine
-        self.ready = ready
+        self.gateway = gateway
         self.api_keys = config.auth.api_keys
         self.max_text_chars = config.limits.max_text_chars
+        self.request_timeout_s = config.server.request_timeout_s
         self.metrics = metrics
-        self.app = web.Application(client_max_size=MAX_UPLOAD_BYTES)
+        self.web_root = config.server.web_path.resolve()
+        # The speech requests in flight: each takes a session place; a drain waits for them.
+        self.speeches: set[asyncio.BaseTransport] = set()  # their connections
+        self.app = web.Application(client_max_size=MAX_UPLOAD_BYTES, middlewares=[self._one_request_per_connection])
+        self.app.router.add_get("/healthz", self.healthz)
+        self.app.router.add_get("/readyz", self.readyz)
+        self.app.router.add_get("/metrics", self.prometheus)
+        self.app.router.add_get("/v1/stats", self.stats)
+        self.app.router.add_get("/v1/voices", self.voices)
         self.app.router.add_post("/v1/voices", self.add_voice)
         self.app.router.add_post("/v1/audio/speech", self.speech)
+        self.app.router.add_get("/{path:.*}", self.static)
         self._runner: web.AppRunner | None = None
-        self.port = 0
 
-    async def start(self, host: str, port: int) -> None:
-        # A client that goes away cancels its handler at once (and so its utterance).
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+    async def start(self) -> Callable[[], asyncio.Protocol]:
+        """Ready the app; returns the factory of its per-connection protocol, for the one port."""
+        # A client that goes away cancels its handler at once (and so its utterance). By the
+        # time the runner is cleaned up the gateway has drained: what still runs is cancelled.
+        # After an answer sent before its request's body was read in full, the rest of the body
+        # is read and dropped for up to lingering_time, so that the client reads the answer
+        # rather than a reset; a client that sends no more is closed a second later.
+        self._runner = web.AppRunner(
+            self.app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5, lingering_time=1.0
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
+        assert self._runner.server is not None
+        return self._runner.server
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    def cut_speeches(self) -> None:
+        """The drain's time is up: speech requests still running end here, as when their client
+        goes away (the body is cut short, the utterance cancelled)."""
+        for transport in self.speeches:
+            transport.abort()
+
+    @web.middleware
+    async def _one_request_per_connection(self, request: web.Request, handler) -> web.StreamResponse:
+        """Each response closes its connection, so that every request on the port passes the
+        front door (gateway/one_port.py); aiohttp's own errors (404, 405) become JSON ones."""
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            log.info("%s %s from %s: %d %s", request.method, request.path, request.remote, exc.status, exc.reason)
+            response = _error(exc.status, "not_found" if exc.status == 404 else "bad_request",
+                              f"{exc.reason}: {request.method} {request.path}")
+        response.force_close()
+        return response
 
     def _refused(self, request: web.Request) -> web.Response | None:
         if authorized(self.api_keys, request.headers.get("Authorization", ""), request.query.get("api_key")):
@@ -81,13 +151,61 @@ class HttpApi:
         self.metrics.error(code)
         return _error(status, code, message)
 
+    # ------------------------------------------------------------ GET
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return _text(200, "ok")
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        reason = self.gateway.readiness()
+        return _text(200, "ready") if reason is None else _text(503, reason)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        if refused := self._refused(request):
+            return refused
+        return _body(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+
+    async def stats(self, request: web.Request) -> web.Response:
+        if refused := self._refused(request):
+            return refused
+        try:
+            window = parse_window(request.query.get("window"))
+        except ValueError as exc:
+            return _error(400, "bad_request", str(exc))
+        return _body(200, orjson.dumps(self.metrics.stats(window)), "application/json")
+
+    async def voices(self, request: web.Request) -> web.Response:
+        if refused := self._refused(request):
+            return refused
+        listing = {"voices": [v.as_json() for v in self.engine.voices()], "default": self.engine.default_voice}
+        return _body(200, orjson.dumps(listing), "application/json")
+
+    async def static(self, request: web.Request) -> web.Response:
+        relative = STATIC_PAGES.get(request.path) or request.path.lstrip("/")
+        target = (self.web_root / relative).resolve()
+        if not target.is_relative_to(self.web_root) or not target.is_file():
+            return _error(404, "not_found", f"no route or page {request.path}")
+        content_type = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+        if content_type.startswith("text/") or content_type.endswith("javascript"):
+            content_type += "; charset=utf-8"
+        return _body(200, target.read_bytes(), content_type)
+
+    # ------------------------------------------------------------ POST
+
+    async def _read_body(self, read: Callable[[], Awaitable]):
+        """A request body, read within the request timeout: a trickling client is refused."""
+        async with asyncio.timeout(self.request_timeout_s):
+            return await read()
+
     async def add_voice(self, request: web.Request) -> web.Response:
         if refused := self._refused(request):
             return refused
         try:
-            form = await request.post()  # multipart/form-data or urlencoded
+            form = await self._read_body(request.post)  # multipart/form-data or urlencoded
         except ValueError as exc:
             return _error(400, "bad_request", f"unreadable form: {exc}")
+        except TimeoutError:
+            return _error(408, "bad_request", f"the body did not arrive within {self.request_timeout_s:g} s")
         fields = {name: _field_bytes(form.get(name)) for name in ("name", "text", "audio")}
         missing = [name for name, value in fields.items() if not value]
         if missing:
@@ -114,15 +232,32 @@ class HttpApi:
         if refused := self._refused(request):
             return refused
         try:
-            body = await request.json()
+            body = await self._read_body(request.json)
         except ValueError:
             return self._error(400, ErrorCode.BAD_MESSAGE, "the body must be JSON")
+        except TimeoutError:
+            return self._error(408, ErrorCode.BAD_MESSAGE, f"the body did not arrive within {self.request_timeout_s:g} s")
         try:
             text, voice, fmt, speed = self._speech_request(body)
         except _BadRequest as exc:
             return self._error(400, exc.code, str(exc))
-        if not self.ready():
+        if self.gateway.draining:
+            return self._error(503, ErrorCode.OVERLOADED, "the gateway is shutting down; retry on another instance")
+        if not self.gateway.ready:
             return self._error(503, "not_ready", "the engine is not ready yet")
+        if self.gateway.at_capacity:
+            return self._error(503, ErrorCode.OVERLOADED, "the gateway is at its session limit; retry later")
+        transport = request.transport
+        if transport is None:  # the client has gone already
+            return self._error(400, ErrorCode.BAD_MESSAGE, "the client closed the connection")
+        self.speeches.add(transport)
+        try:
+            return await self._speak(request, body, text, voice, fmt, speed)
+        finally:
+            self.speeches.discard(transport)
+
+    async def _speak(self, request: web.Request, body: dict, text: str, voice: str, fmt: str,
+                     speed: float) -> web.StreamResponse:
         received_at = asyncio.get_running_loop().time()
         try:
             utterance = self.engine.open_utterance(UtteranceOptions(voice=voice, speed=speed))
@@ -198,6 +333,7 @@ class _SpeechDownload:
 
     async def start(self) -> None:
         """The status line and headers, and a WAV header whose sizes say "unknown"."""
+        self._response.force_close()  # one request per connection: see gateway/one_port.py
         await self._response.prepare(self._request)
         if self._fmt == "wav":
             await self._response.write(streaming_wav_header(SPEECH_RATE))

@@ -19,6 +19,12 @@ context's ``key`` (unique per session), so late audio from a cancelled utterance
 never leak into a new context that reuses its id.
 
 Times are plain floats from the caller's monotonic clock (``now``), in seconds.
+
+A session is active while its client sends anything (a message, a ``keepalive``, a
+WebSocket ping: :meth:`Session.heard`) or audio goes out to it. After its inactivity
+timeout without either, :meth:`Session.check_idle` closes it. The timeout is the
+gateway's default unless the client chose its own, within the gateway's bound, in the
+``inactivity_timeout`` query parameter.
 """
 
 from __future__ import annotations
@@ -186,6 +192,8 @@ class SessionSettings:
     default_encoding: str = "pcm_s16le"
     max_contexts: int = 8
     max_text_chars: int = 20_000
+    idle_timeout_s: float = 60.0  # a session's inactivity timeout unless it chooses one
+    max_inactivity_timeout_s: float = 180.0  # the longest a client may choose
 
 
 @dataclass
@@ -195,6 +203,8 @@ class Session:
     voice: str = ""
     sample_rate: int = 0
     encoding: str = ""
+    inactivity_timeout_s: float = 0.0
+    last_active_at: float = 0.0
     draining: bool = False
     closed: bool = False
     contexts: dict[str, Context] = field(default_factory=dict)
@@ -206,11 +216,13 @@ class Session:
         self.voice = self.voice or self.settings.default_voice
         self.sample_rate = self.sample_rate or self.settings.default_sample_rate
         self.encoding = self.encoding or self.settings.default_encoding
+        self.inactivity_timeout_s = self.inactivity_timeout_s or self.settings.idle_timeout_s
 
     # ------------------------------------------------------------ connection
 
-    def open(self, query: dict[str, str]) -> list[Action]:
+    def open(self, query: dict[str, str], now: float) -> list[Action]:
         """The connection is up. ``query`` holds the URL's session defaults."""
+        self.last_active_at = now
         try:
             unknown = set(query) - SESSION_QUERY_PARAMETERS
             if unknown:
@@ -223,6 +235,8 @@ class Session:
                 self.sample_rate = self._check_rate(_parse_int(query["sample_rate"]))
             if "encoding" in query:
                 self.encoding = self._check_encoding(query["encoding"])
+            if "inactivity_timeout" in query:
+                self.inactivity_timeout_s = self._check_inactivity_timeout(query["inactivity_timeout"])
         except ProtocolError as exc:
             return self._refuse(exc.code, exc.message, CloseCode.POLICY, exc.message)
         return [
@@ -246,8 +260,25 @@ class Session:
             CloseCode.TRY_AGAIN_LATER, "overloaded",
         )
 
-    def idle_timeout(self) -> list[Action]:
-        return self._session_error(ErrorCode.IDLE_TIMEOUT, "no message within the idle timeout", "idle timeout")
+    def heard(self, now: float) -> None:
+        """The client sent something: a message, or a WebSocket ping."""
+        self.last_active_at = now
+
+    @property
+    def idle_deadline(self) -> float:
+        """When the session times out if nothing happens before."""
+        return self.last_active_at + self.inactivity_timeout_s
+
+    def check_idle(self, now: float) -> list[Action]:
+        """Close the session once its inactivity timeout has passed."""
+        if self.closed or now < self.idle_deadline:
+            return []
+        return self._session_error(
+            ErrorCode.IDLE_TIMEOUT,
+            f"nothing from the client and no audio for {self.inactivity_timeout_s:g} s; send `keepalive` "
+            "messages or WebSocket pings to keep a quiet session open",
+            "idle timeout",
+        )
 
     def client_not_reading(self) -> list[Action]:
         """The client fell behind by more than its send buffer: cut it off."""
@@ -302,6 +333,7 @@ class Session:
     def receive_message(self, data: str | bytes, now: float) -> list[Action]:
         if self.closed:
             return []
+        self.heard(now)
         try:
             if isinstance(data, bytes):
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, "binary frames are not accepted; send JSON text")
@@ -314,7 +346,7 @@ class Session:
             kind = message.get("type")
             if not isinstance(kind, str) or kind not in CLIENT_FIELDS:  # a list or object is unhashable
                 raise ProtocolError(
-                    ErrorCode.BAD_MESSAGE, f"unknown message type {quoted(kind)}; expected text, flush, end or cancel"
+                    ErrorCode.BAD_MESSAGE, f"unknown message type {quoted(kind)}; expected text, flush, end, cancel or keepalive"
                 )
             context_id = message.get("context_id", DEFAULT_CONTEXT)
             if not isinstance(context_id, str) or not 0 < len(context_id) <= MAX_CONTEXT_ID_CHARS:
@@ -327,6 +359,8 @@ class Session:
             extra = set(message) - CLIENT_FIELDS[kind]
             if extra:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"unknown field(s) for {kind}: {quoted(', '.join(sorted(extra)))}")
+            if kind == ClientMessage.KEEPALIVE:
+                return []  # its arrival was the point
             if kind == ClientMessage.TEXT:
                 return self._on_text(context_id, message, now)
             context = self.contexts.get(context_id)
@@ -415,6 +449,18 @@ class Session:
             )
         return voice
 
+    def _check_inactivity_timeout(self, value: str) -> float:
+        longest = self.settings.max_inactivity_timeout_s
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = float("nan")
+        if not 0 < seconds <= longest:  # also refuses nan
+            raise ProtocolError(
+                ErrorCode.BAD_MESSAGE, f"inactivity_timeout must be a number of seconds above 0 and at most {longest:g}"
+            )
+        return seconds
+
     @staticmethod
     def _check_rate(rate: Any) -> int:
         if isinstance(rate, bool) or not isinstance(rate, int) or rate not in SAMPLE_RATES:
@@ -493,6 +539,7 @@ class Session:
         if n == 0:
             return []
         offset_s = context.audio_s
+        self.last_active_at = now
         if context.first_audio_at is None:
             context.first_audio_at = now
         else:

@@ -1,8 +1,9 @@
-"""The I/O shell: websockets server, HTTP routes, auth, limits, metrics, drain.
+"""The I/O shell: the one port, the WebSocket sessions, auth, limits, metrics, drain.
 
 Everything the protocol decides lives in :mod:`gateway.protocol`; this module only
 carries its actions out: it writes frames through a bounded per-session outbox, drives
-engine utterances (one pump task per context), and runs the timers.
+engine utterances (one pump task per context), and runs the timers. The plain HTTP
+routes are :mod:`gateway.http_api`'s; :mod:`gateway.one_port` puts both on one socket.
 """
 
 from __future__ import annotations
@@ -11,24 +12,26 @@ import asyncio
 import collections
 import contextlib
 import logging
-import mimetypes
 import signal
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 import orjson
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
+from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
+from websockets.server import ServerProtocol
 
 from engine.base import AudioChunk, Engine, EngineError, Utterance, UtteranceOptions, drive
 from gateway.auth import authorized
 from gateway.config import Config
 from gateway.http_api import HttpApi
 from gateway.metrics import Metrics
-from gateway.stats import parse_window
+from gateway.one_port import FrontDoor
 from gateway.protocol import (
     Action,
     CancelUtterance,
@@ -52,8 +55,6 @@ log = logging.getLogger("tts_gateway")
 CUT_OFF_GRACE_S = 2.0
 # How often the gateway asks its engine whether it can still serve (Engine.failure()).
 ENGINE_CHECK_INTERVAL_S = 0.25
-# Pages served under a path of their own; any other path is a file under web/.
-STATIC_PAGES = {"": "index.html", "/": "index.html", "/dashboard": "dashboard.html"}
 
 
 class Gateway:
@@ -69,20 +70,25 @@ class Gateway:
         self.draining = False
         self.sessions: set[SessionRunner] = set()
         self.port = config.server.port
-        self.http = HttpApi(engine, config, self.metrics, lambda: self.ready)
+        self.http = HttpApi(engine, config, self.metrics, self)
         self._server: Server | None = None
         self._loop_lag: asyncio.Task | None = None
         self._engine_watch: asyncio.Task | None = None
         # Why the engine can serve no more (then the gateway ends its sessions and exits), or None.
         self.engine_failure: str | None = None
         self._engine_failed = asyncio.Event()
-        self._web_root = config.server.web_path.resolve()
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Listen first (so /healthz and /readyz answer), then load and warm the engine."""
         limits = self.config.limits
+        http = await self.http.start()
+        request_timeout = self.config.server.request_timeout_s
+
+        def front_door(protocol: ServerProtocol, server: Server, **options: Any) -> FrontDoor:
+            return FrontDoor(SessionConnection(protocol, server, **options), http, request_timeout)
+
         self._server = await serve(
             self._handle_connection,
             self.config.server.host,
@@ -92,13 +98,13 @@ class Gateway:
             # Client messages are consumed at once; a short queue bounds memory.
             max_queue=16,
             compression=None,  # audio does not compress; deflate would cost CPU per frame
+            open_timeout=request_timeout,
+            create_connection=front_door,  # the one port: see gateway/one_port.py
         )
         self.port = self._server.sockets[0].getsockname()[1]  # the real one when config says 0
-        await self.http.start(self.config.server.host, self.config.server.http_port)
         await self.metrics.gpu.start()
         self._loop_lag = asyncio.create_task(self.metrics.watch_loop_lag())
-        log.info("listening on %s:%d (WebSocket, GET routes), %d (POST routes)",
-                 self.config.server.host, self.port, self.http.port)
+        log.info("listening on %s:%d (WebSocket %s and the HTTP routes)", self.config.server.host, self.port, STREAM_PATH)
         if self._owns_engine:
             await self.engine.start()
         self.ready = True
@@ -107,7 +113,8 @@ class Gateway:
         log.info("engine %s ready (native %d Hz)", self.engine.name, self.engine.sample_rate)
 
     async def drain(self, timeout: float | None = None) -> None:
-        """Refuse new sessions; let running contexts finish up to ``timeout``; then close all.
+        """Refuse new sessions and speech requests; let running contexts and speech requests
+        finish up to ``timeout``; then close all.
 
         The socket stays open until :meth:`stop`, so that a load balancer's health check reads
         503 on ``/readyz`` (and a new handshake gets 503, which it retries elsewhere) rather
@@ -120,18 +127,23 @@ class Gateway:
             runner.apply(runner.session.start_drain())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while any(not r.session.idle for r in self.sessions) and loop.time() < deadline:
+        while self._busy and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        self.http.cut_speeches()
         for runner in list(self.sessions):
             runner.apply(runner.session.shutdown())
         await asyncio.gather(*(r.closed.wait() for r in list(self.sessions)))
 
+    @property
+    def _busy(self) -> bool:
+        return bool(self.http.speeches) or any(not r.session.idle for r in self.sessions)
+
     async def stop(self) -> None:
         await self.drain(timeout=0)
+        await self.http.stop()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-        await self.http.stop()
         await self.metrics.gpu.stop()
         for task in (self._loop_lag, self._engine_watch):
             if task is not None:
@@ -171,67 +183,37 @@ class Gateway:
             runner.apply(runner.session.engine_failed(failure))
         self._engine_failed.set()
 
-    # ------------------------------------------------------------ HTTP
+    # ------------------------------------------------------------ admission
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        url = urlsplit(request.path)
-        query = dict(parse_qsl(url.query))
-        path = url.path
-        if path == "/healthz":
-            return _response(connection, 200, b"ok\n", "text/plain; charset=utf-8")
-        if path == "/readyz":
-            if self.draining:
-                return _response(connection, 503, b"draining\n", "text/plain; charset=utf-8")
-            if not self.ready:
-                return _response(connection, 503, b"not ready\n", "text/plain; charset=utf-8")
-            if self.at_capacity:
-                return _response(connection, 503, b"at capacity\n", "text/plain; charset=utf-8")
-            failure = self.engine.failure()
-            if failure is not None:
-                return _response(connection, 503, f"engine failed: {failure}\n".encode(), "text/plain; charset=utf-8")
-            return _response(connection, 200, b"ready\n", "text/plain; charset=utf-8")
-        if path in (STREAM_PATH, "/metrics", "/v1/stats", "/v1/voices") and not authorized(
-            self.config.auth.api_keys, request.headers.get("Authorization", ""), query.get("api_key")
-        ):
-            self.metrics.error("unauthorized")
-            return _response(connection, 401, b"missing or invalid API key\n", "text/plain; charset=utf-8")
-        if path == STREAM_PATH:
-            if self.draining:
-                return _response(connection, 503, b"shutting down\n", "text/plain; charset=utf-8")
-            if not self.ready:
-                return _response(connection, 503, b"engine not ready\n", "text/plain; charset=utf-8")
-            return None  # go on with the WebSocket handshake
-        if path == "/metrics":
-            return _response(connection, 200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
-        if path == "/v1/stats":
-            try:
-                window = parse_window(query.get("window"))
-            except ValueError as exc:
-                body = orjson.dumps({"error": {"code": "bad_request", "message": str(exc)}})
-                return _response(connection, 400, body, "application/json")
-            return _response(connection, 200, orjson.dumps(self.metrics.stats(window)), "application/json")
-        if path == "/v1/voices":
-            body = orjson.dumps(
-                {"voices": [v.as_json() for v in self.engine.voices()], "default": self.engine.default_voice}
-            )
-            return _response(connection, 200, body, "application/json")
-        return self._static(connection, path)
+    def readiness(self) -> str | None:
+        """None when new sessions are welcome, else why not: ``/readyz`` answers 503 with it."""
+        if self.draining:
+            return "draining"
+        if not self.ready:
+            return "not ready"
+        if self.at_capacity:
+            return "at capacity"
+        failure = self.engine.failure()
+        return None if failure is None else f"engine failed: {failure}"
 
     @property
     def at_capacity(self) -> bool:
-        """No room for another session: ``/readyz`` says so, so that a balancer sends new
-        sessions elsewhere (one that slips through is still refused with ``overloaded``)."""
-        return len(self.sessions) >= self.config.limits.max_sessions
+        """No room for another session or speech request (each takes one of ``max_sessions``):
+        ``/readyz`` says so, so that a balancer sends new work elsewhere (a session that slips
+        through is still refused with ``overloaded``)."""
+        return len(self.sessions) + len(self.http.speeches) >= self.config.limits.max_sessions
 
-    def _static(self, connection: ServerConnection, path: str) -> Response:
-        relative = STATIC_PAGES.get(path) or path.lstrip("/")
-        target = (self._web_root / relative).resolve()
-        if not target.is_relative_to(self._web_root) or not target.is_file():
-            return _response(connection, 404, b"not found\n", "text/plain; charset=utf-8")
-        content_type = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
-        if content_type.startswith("text/") or content_type.endswith("javascript"):
-            content_type += "; charset=utf-8"
-        return _response(connection, 200, target.read_bytes(), content_type)
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        """The WebSocket handshake's checks: the API key, then whether sessions are taken now."""
+        query = dict(parse_qsl(urlsplit(request.path).query))
+        if not authorized(self.config.auth.api_keys, request.headers.get("Authorization", ""), query.get("api_key")):
+            self.metrics.error("unauthorized")
+            return _response(connection, 401, b"missing or invalid API key\n")
+        if self.draining:
+            return _response(connection, 503, b"shutting down\n")
+        if not self.ready:
+            return _response(connection, 503, b"engine not ready\n")
+        return None  # go on with the WebSocket handshake
 
     # ------------------------------------------------------------ WebSocket
 
@@ -252,7 +234,22 @@ class Gateway:
             default_encoding=self.config.audio.default_encoding,
             max_contexts=self.config.limits.max_contexts_per_session,
             max_text_chars=self.config.limits.max_text_chars,
+            idle_timeout_s=self.config.limits.idle_timeout_s,
+            max_inactivity_timeout_s=self.config.limits.max_inactivity_timeout_s,
         )
+
+
+class SessionConnection(ServerConnection):
+    """A WebSocket connection that tells its session when the client pings: a ping keeps a
+    quiet session open, as any message does. (Pongs answer the gateway's own pings, which
+    websockets sends to find dead connections; they say nothing of the client's wishes.)"""
+
+    on_ping: Callable[[], None] | None = None
+
+    def process_event(self, event: Any) -> None:
+        if isinstance(event, Frame) and event.opcode is Opcode.PING and self.on_ping is not None:
+            self.on_ping()
+        super().process_event(event)
 
 
 class Outbox:
@@ -301,7 +298,7 @@ class Outbox:
 class SessionRunner:
     """Carries out one session's protocol actions on its connection."""
 
-    def __init__(self, gateway: Gateway, connection: ServerConnection) -> None:
+    def __init__(self, gateway: Gateway, connection: SessionConnection) -> None:
         self.gateway = gateway
         self.connection = connection
         self.session = Session(uuid.uuid4().hex, gateway.session_settings())
@@ -311,7 +308,7 @@ class SessionRunner:
         self._pumps: dict[int, asyncio.Task] = {}
         self._cut_off = False
         self._loop = asyncio.get_running_loop()
-        self._last_activity = self._loop.time()
+        connection.on_ping = lambda: self.session.heard(self._loop.time())
 
     async def run(self) -> None:
         gateway = self.gateway
@@ -320,17 +317,17 @@ class SessionRunner:
         try:
             if gateway.engine_failure is not None:
                 self.apply(self.session.refuse_engine_failed(gateway.engine_failure))
-            elif len(gateway.sessions) > gateway.config.limits.max_sessions or gateway.draining:
+            # The place this session took counts: more than the limit means one too many.
+            elif len(gateway.sessions) + len(gateway.http.speeches) > gateway.config.limits.max_sessions or gateway.draining:
                 self.apply(self.session.refuse_overloaded())
             else:
                 gateway.metrics.sessions.inc()
                 gateway.metrics.sessions_active.inc()
                 query = dict(parse_qsl(urlsplit(self.connection.request.path).query))
-                self.apply(self.session.open(query))
+                self.apply(self.session.open(query, self._loop.time()))
                 watchdog = asyncio.create_task(self._watch_idle())
                 try:
                     async for message in self.connection:
-                        self._last_activity = self._loop.time()
                         self.apply(self.session.receive_message(message, self._loop.time()))
                 finally:
                     gateway.metrics.sessions_active.dec()
@@ -349,14 +346,10 @@ class SessionRunner:
             await self.outbox.run()
 
     async def _watch_idle(self) -> None:
-        """No client frame and no audio for idle_timeout_s: the socket is idle."""
-        timeout = self.gateway.config.limits.idle_timeout_s
+        """Wake at the session's idle deadline; it moves on while the client is active."""
         while not self.session.closed:
-            remaining = self._last_activity + timeout - self._loop.time()
-            if remaining <= 0:
-                self.apply(self.session.idle_timeout())
-                return
-            await asyncio.sleep(remaining)
+            await asyncio.sleep(max(self.session.idle_deadline - self._loop.time(), 0.0))
+            self.apply(self.session.check_idle(self._loop.time()))
 
     # ------------------------------------------------------------ actions
 
@@ -401,7 +394,6 @@ class SessionRunner:
             self._cut_off_slow_reader()
             return
         if kind == GatewayMessage.AUDIO:
-            self._last_activity = self._loop.time()
             self.gateway.metrics.audio(frame["duration_ms"] / 1000.0)
         elif kind == GatewayMessage.ERROR:
             self.gateway.metrics.error(frame["code"])
@@ -467,12 +459,13 @@ class SessionRunner:
             self._pumps.pop(key, None)
 
 
-def _response(connection: ServerConnection, status: int, body: bytes, content_type: str) -> Response:
+def _response(connection: ServerConnection, status: int, body: bytes) -> Response:
+    """A refused handshake's plain-text answer."""
     response = connection.respond(status, "")
     headers = Headers(response.headers)
     del headers["Content-Type"]
     del headers["Content-Length"]
-    headers["Content-Type"] = content_type
+    headers["Content-Type"] = "text/plain; charset=utf-8"
     headers["Content-Length"] = str(len(body))
     headers["Cache-Control"] = "no-store"
     return Response(response.status_code, response.reason_phrase, headers, body)

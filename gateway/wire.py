@@ -18,9 +18,12 @@ from types import MappingProxyType
 PROTOCOL_VERSION = 1
 STREAM_PATH = "/v1/stream"
 
-# Query parameters of the WebSocket URL: the session's defaults, and the API key where
-# no Authorization header can be sent (browsers).
-SESSION_QUERY_PARAMETERS = frozenset({"voice", "sample_rate", "encoding", "api_key"})
+# Query parameters of the WebSocket URL: the session's defaults, its inactivity timeout in
+# seconds, and the API key where no Authorization header can be sent (browsers).
+SESSION_QUERY_PARAMETERS = frozenset({"voice", "sample_rate", "encoding", "inactivity_timeout", "api_key"})
+# How often the Python client pings an otherwise quiet session, so that the gateway's
+# inactivity timeout (60 s unless the session chose another) never closes it.
+CLIENT_PING_INTERVAL_S = 10.0
 
 DEFAULT_CONTEXT = "default"  # the context of messages that name none
 MAX_CONTEXT_ID_CHARS = 128
@@ -44,6 +47,7 @@ class ClientMessage(enum.StrEnum):
     FLUSH = "flush"  # speak what is buffered now; the context stays open
     END = "end"  # no more text: speak the rest, then `done`
     CANCEL = "cancel"  # stop at once, then `cancelled`
+    KEEPALIVE = "keepalive"  # nothing to say yet: keeps a quiet session open (as a WebSocket ping does)
 
 
 class GatewayMessage(enum.StrEnum):
@@ -64,6 +68,7 @@ CLIENT_FIELDS: Mapping[str, frozenset[str]] = MappingProxyType({
     ClientMessage.FLUSH: frozenset({"type", "context_id"}),
     ClientMessage.END: frozenset({"type", "context_id"}),
     ClientMessage.CANCEL: frozenset({"type", "context_id"}),
+    ClientMessage.KEEPALIVE: frozenset({"type"}),
 })
 # Options a context takes from its first `text` (or, for all but speed, from the session).
 CONTEXT_OPTIONS = ("voice", "sample_rate", "encoding", "speed")
@@ -89,7 +94,7 @@ class ErrorCode(enum.StrEnum):
     TOO_MANY_CONTEXTS = "too_many_contexts"
     UNKNOWN_CONTEXT = "unknown_context"
     OVERLOADED = "overloaded"
-    IDLE_TIMEOUT = "idle_timeout"
+    IDLE_TIMEOUT = "idle_timeout"  # nothing from the client and no audio for the inactivity timeout
     INTERNAL = "internal"
     ENGINE_FAILED = "engine_failed"  # the speech engine can serve no more; the gateway restarts
 

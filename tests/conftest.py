@@ -25,7 +25,7 @@ def make_config(**sections: dict) -> Config:
     config = load_config(None, env={})
     for section, values in sections.items():
         config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})
-    return dataclasses.replace(config, server=dataclasses.replace(config.server, port=0, http_port=0))
+    return dataclasses.replace(config, server=dataclasses.replace(config.server, port=0))
 
 
 class StubEngine(Engine):

@@ -17,11 +17,13 @@ from pathlib import Path
 from engine.registry import ENGINES
 from tests.paths import ROOT
 
-PACKAGES = ("gateway", "engine", "testkit")
+PACKAGES = ("gateway", "engine", "testkit", "integrations")
 # What a module the gateway reads on any machine must not pull in, through any of our modules.
 HEAVY = frozenset({"torch", "numpy", "transformers"})
 # The gateway's way into engine/: the engine interface, the registry, and the text leaf.
 GATEWAY_MAY_IMPORT = ("engine.base", "engine.registry", "engine.text")
+# Framework adapters speak only the public protocol, as any client does.
+INTEGRATIONS_MAY_IMPORT = ("gateway.client", "gateway.wire", "integrations")
 # Being rewritten elsewhere: their import cycles are reported apart (see the last cycle test).
 REWRITTEN_ELSEWHERE = ("engine.cosyvoice2.engine", "engine.cosyvoice2.serving")
 
@@ -204,6 +206,19 @@ def test_the_gateway_imports_engines_only_through_the_registry():
         for module, targets in read_imports().ours.items() if _within(module, "gateway")
         for target in targets
         if _within(target, "testkit") or (target.startswith("engine.") and not _in(target, GATEWAY_MAY_IMPORT))
+    )
+    assert wrong == []
+
+
+def test_integrations_are_clients_of_the_public_protocol():
+    imports = read_imports().ours
+    adapters = [module for module in imports if _within(module, "integrations")]
+    assert {"integrations.pipecat.tts", "integrations.livekit.tts"} <= set(adapters)  # so this cannot pass by checking nothing
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module in adapters
+        for target in imports[module]
+        if not _in(target, INTEGRATIONS_MAY_IMPORT) and target != "gateway"
     )
     assert wrong == []
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import queue
 import time
@@ -40,9 +41,11 @@ from engine.base import (
     UtteranceOptions,
     Voice,
 )
+from engine.piper.alignment import SourceTiming, WordJoiner, phoneme_times, time_words, with_durations
 from engine.scheduling import PlaybackClock
 from engine.piper.settings import PiperSettings
 from engine.text import Segmenter, TextNormalizer
+from engine.text.spoken_words import SpokenWord, SpokenWords
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +54,25 @@ _END = object()
 _WARMUP_TEXT = "Warming up the voice, one moment."
 
 
+@dataclass(frozen=True)
+class _Fragment:
+    text: str
+    words: list[SpokenWord]  # its spoken words and the agent words they speak
+
+
+@dataclass(frozen=True)
+class _Synthesized:
+    """One sentence's audio and its words' times, before the utterance joins words across chunks."""
+
+    audio: np.ndarray
+    words: list[SourceTiming]
+    compute_s: float
+
+
 @dataclass
 class _Job:
     utterance: PiperUtterance
-    text: str
+    fragment: _Fragment
     run_options: onnxruntime.RunOptions
 
 
@@ -71,6 +89,9 @@ class PiperEngine(Engine):
         self._running: dict[PiperUtterance, _Job] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._language = "en-US"
+        self._timed = False  # whether the model reports phoneme durations (word timings)
+        # A conversation repeats its words; espeak need not phonemize them again.
+        self._phonemize_word = functools.lru_cache(maxsize=4096)(self._phonemes_of_word)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -82,7 +103,7 @@ class PiperEngine(Engine):
         # session is several times slower than the rest.
         await asyncio.gather(
             *(
-                self._loop.run_in_executor(self._executor, self._synthesize, _WARMUP_TEXT, 1.0, None)
+                self._loop.run_in_executor(self._executor, self._synthesize, _Fragment(_WARMUP_TEXT, []), 1.0, None)
                 for _ in range(self.settings.workers)
             )
         )
@@ -100,10 +121,12 @@ class PiperEngine(Engine):
         self._voice = PiperVoice.load(model, config)
         self.sample_rate = self._voice.config.sample_rate
         self._language = self._voice.config.espeak_voice.replace("en-us", "en-US")
+        graph, durations = with_durations(model)
+        self._timed = durations is not None
         # One session per worker: each run gets its own threads, none wait on a shared pool.
         for _ in range(self.settings.workers):
             self._sessions.put(
-                onnxruntime.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
+                onnxruntime.InferenceSession(graph, sess_options=options, providers=["CPUExecutionProvider"])
             )
 
     def _model_paths(self) -> tuple[Path, Path]:
@@ -162,7 +185,7 @@ class PiperEngine(Engine):
             job = _Job(utterance, utterance.fragments.popleft(), onnxruntime.RunOptions())
             self._running[utterance] = job
             future = self._loop.run_in_executor(
-                self._executor, self._synthesize, job.text, utterance.speed, job.run_options
+                self._executor, self._synthesize, job.fragment, utterance.speed, job.run_options
             )
             future.add_done_callback(lambda f, job=job: self._job_done(job, f))
 
@@ -189,18 +212,30 @@ class PiperEngine(Engine):
 
     # ------------------------------------------------------------ synthesis (worker threads)
 
-    def _synthesize(self, text: str, speed: float, run_options: onnxruntime.RunOptions | None) -> list[AudioChunk]:
+    def _phonemize(self, text: str) -> list[list[str]]:
+        """espeak's phonemes of ``text``, sentence by sentence, only those the voice has ids for."""
+        voice = self._voice
+        assert voice is not None
+        # "[[ ... ]]" is Piper's raw-phoneme syntax; text from users is never phonemes.
+        text = text.replace("[[", "[ [").replace("]]", "] ]")
+        known = voice.config.phoneme_id_map
+        sentences = ([p for p in sentence if p in known] for sentence in voice.phonemize(text))
+        return [sentence for sentence in sentences if sentence]
+
+    def _phonemes_of_word(self, word: str) -> list[str]:
+        return [p for sentence in self._phonemize(word) for p in sentence]
+
+    def _synthesize(
+        self, fragment: _Fragment, speed: float, run_options: onnxruntime.RunOptions | None
+    ) -> list[_Synthesized]:
         voice = self._voice
         assert voice is not None
         config = voice.config
-        # "[[ ... ]]" is Piper's raw-phoneme syntax; text from users is never phonemes.
-        text = text.replace("[[", "[ [").replace("]]", "] ]")
+        sentences = self._phonemize(fragment.text)
         session = self._sessions.get()
         try:
-            chunks = []
-            for phonemes in voice.phonemize(text):
-                if not phonemes:
-                    continue
+            runs = []
+            for phonemes in sentences:
                 started = time.perf_counter()
                 ids = voice.phonemes_to_ids(phonemes)
                 inputs = {
@@ -212,11 +247,20 @@ class PiperEngine(Engine):
                 }
                 if config.num_speakers > 1:
                     inputs["sid"] = np.array([config.default_speaker_id], dtype=np.int64)
-                audio = session.run(None, inputs, run_options)[0].reshape(-1).astype(np.float32)
-                chunks.append(AudioChunk(_normalize_peak(audio), compute_s=time.perf_counter() - started))
-            return chunks
+                outputs = session.run(None, inputs, run_options)
+                audio = outputs[0].reshape(-1).astype(np.float32)
+                times = None
+                if self._timed:
+                    frames = outputs[1]
+                    seconds_per_frame = audio.size / max(float(frames.sum()), 1.0) / self.sample_rate
+                    times = phoneme_times(frames, len(phonemes), seconds_per_frame)
+                runs.append((_normalize_peak(audio), times, time.perf_counter() - started))
         finally:
             self._sessions.put(session)
+        words: list[list[SourceTiming]] = [[] for _ in runs]
+        if self._timed and fragment.words:
+            words = time_words(fragment.words, sentences, [times for _, times, _ in runs], self._phonemize_word)
+        return [_Synthesized(audio, timings, compute_s) for (audio, _, compute_s), timings in zip(runs, words)]
 
 
 def _normalize_peak(audio: np.ndarray, peak: float = 0.9) -> np.ndarray:
@@ -238,7 +282,9 @@ class PiperUtterance(Utterance):
             first_max_chars=settings.first_fragment_max_chars,
             max_chars=settings.fragment_max_chars,
         )
-        self.fragments: collections.deque[str] = collections.deque()
+        self._spoken_words = SpokenWords()
+        self._words = WordJoiner()
+        self.fragments: collections.deque[_Fragment] = collections.deque()
         self._output: asyncio.Queue = asyncio.Queue()
         self._pending_chunks = 0  # delivered but not yet taken by the consumer
         self._input_ended = False
@@ -250,11 +296,15 @@ class PiperUtterance(Utterance):
 
     def push_text(self, text: str) -> None:
         if self._open_for_input():
-            self._add(self._segmenter.push(self._normalizer.push(text)))
+            self._add(self._segmenter.push(self._normalized(self._normalizer.push(text))))
 
     def flush(self) -> None:
         if self._open_for_input():
-            self._add(self._segmenter.push(self._normalizer.flush()) + self._segmenter.flush())
+            self._add(self._segmenter.push(self._normalized(self._normalizer.flush())) + self._segmenter.flush())
+
+    def _normalized(self, text: str) -> str:
+        self._spoken_words.feed(text, self._normalizer.take_spans())
+        return text
 
     def end_input(self) -> None:
         if self._open_for_input():
@@ -276,7 +326,7 @@ class PiperUtterance(Utterance):
     def _add(self, fragments: list[str]) -> None:
         if not fragments:
             return
-        self.fragments.extend(fragments)
+        self.fragments.extend(_Fragment(text, self._spoken_words.words_of(text)) for text in fragments)
         self.clock.ready(time.monotonic())
         self._engine._dispatch()
 
@@ -286,11 +336,13 @@ class PiperUtterance(Utterance):
     def schedulable(self) -> bool:
         return bool(self.fragments) and not self.cancelled and self._pending_chunks < _OUTPUT_CHUNKS
 
-    def _deliver(self, chunks: list[AudioChunk]) -> None:
-        for chunk in chunks:
-            self.clock.produced(len(chunk.samples) / self._engine.sample_rate, time.monotonic())
+    def _deliver(self, results: list[_Synthesized]) -> None:
+        for result in results:
+            seconds = len(result.audio) / self._engine.sample_rate
+            words = self._words.chunk(result.words, seconds)
+            self.clock.produced(seconds, time.monotonic())
             self._pending_chunks += 1
-            self._output.put_nowait(chunk)
+            self._output.put_nowait(AudioChunk(result.audio, words=words, compute_s=result.compute_s))
         self._maybe_finish()
 
     def _fail(self, error: EngineError) -> None:

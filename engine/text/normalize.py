@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from .chars import CharCleaner
 from .markdown import MarkdownStripper
-from .words import WordNormalizer
+from .words import SourceSpan, WordNormalizer
 
 
 class TextNormalizer:
@@ -47,6 +47,14 @@ class TextNormalizer:
         """Commit everything held back.  The normaliser stays usable."""
         plain = self._markdown.flush(self._chars.flush())
         return self._words.flush(plain)
+
+    def take_spans(self) -> list[SourceSpan]:
+        """Which agent word each piece of the output so far speaks (output offsets), once each.
+
+        The agent word is as the agent wrote it, less Markdown ("$3.50," for "three dollars
+        and fifty cents,"). Word timings map the voice's words back to it through these.
+        """
+        return self._words.take_spans()
 
 
 def normalize(text: str, language: str = "auto") -> str:

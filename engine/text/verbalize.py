@@ -24,8 +24,12 @@ English readings (American style):
 - money "$3.50" -> "three dollars and fifty cents", "$1" -> "one dollar",
   "$1.2M"/"$5k" -> "one point two million dollars"/"five thousand dollars",
   "$5 million" -> "five million dollars"; € euros, £ pounds/pence, ¥ yen;
-- percentages, ranges ("5-10" -> "five to ten", "$5-10" -> "five to ten
-  dollars"), fractions (1/2 -> "one half"), ratios ("16:9" -> "sixteen to
+- digits joined by hyphens: digit groups ("555-1234" -> "five five five,
+  one two three four": phones, codes), dates ("12-25-2024"), and ranges only
+  where the words around say so ("pages 5-7", "5-10 people", "between 10-20",
+  two years in order "1999-2005");
+- percentages, ranges ("5–10" -> "five to ten", "$5-10" -> "five to ten
+  dollars", "10-15%"), fractions (1/2 -> "one half"), ratios ("16:9" -> "sixteen to
   nine"), units after numbers ("5 km" -> "five kilometers", "3x" -> "three
   times"), "#1" -> "number one", "~5" -> "about five";
 - abbreviations: Dr. Mr. Mrs. Ms. Prof. vs. etc. e.g. i.e. approx., No. before
@@ -191,6 +195,22 @@ _TRAIL = ".,;:!?…\"'”’)]}"
 _NUM = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)"
 _CUR = r"[$€£¥]"
 _SCALE = r"(?:bn|mn|tn|[kKmMbBtT])"
+# Words that make digits joined by a hyphen a range ("pages 5-7", "5-10 people"); without
+# them, "555-1234" is a phone number read in digit groups.
+_RANGE_BEFORE = frozenset(
+    "page pages pp p chapter chapters verse verses line lines step steps item items question questions "
+    "slide slides section sections row rows column columns from between ages aged grade grades level "
+    "levels room rooms floor floors seat seats size sizes day days week weeks month months year years "
+    "episode episodes season seasons issue issues volume volumes".split()
+)
+_RANGE_AFTER = (
+    frozenset(
+        "people persons person items times days weeks months years hours minutes seconds mins secs hrs "
+        "pages percent points players servings cups inches feet miles meters metres degrees dollars "
+        "euros words steps sets reps kids children students guests members".split()
+    )
+    | frozenset(unit.lower() for unit in _UNITS_EN)
+)
 _UNIT = "|".join(re.escape(u) for u in sorted(_UNITS_EN, key=len, reverse=True))
 _TIME = r"\d{1,2}:\d{2}"
 _RANGE_SIDE = rf"{_CUR}?(?:{_TIME}|{_NUM})(?:%|(?:{_UNIT})(?![A-Za-z]))?"
@@ -209,7 +229,7 @@ _PATTERN = re.compile(
     | (?P<isodate>(?<![\w.])(?P<iy>\d{{4}})[-/](?P<im>0?[1-9]|1[0-2])[-/](?P<id>0?[1-9]|[12]\d|3[01])(?!\d))
     | (?P<usdate>(?<![\w./])(?P<ua>\d{{1,2}})/(?P<ub>\d{{1,2}})/(?P<uy>\d{{4}}|\d{{2}})(?![\d/]))
     | (?P<yearmonth>(?<![\w.])(?P<ymy>\d{{4}})-(?P<ymm>0[1-9])(?![\d-]))
-    | (?P<phone>(?<![\w-])(?:1-)?\d{{3}}-\d{{3}}-\d{{4}}(?![\w-]))
+    | (?P<groups>(?<![\w.-])\d+(?:-\d+)+(?![\w%-]|[.,]\d))
     | (?P<range>(?<![\w.-])(?P<ra>{_RANGE_SIDE})[-–~](?P<rb>{_RANGE_SIDE})(?![\w-]|[.,]\d))
     | (?P<time>(?<![\w:.])(?P<th>\d{{1,2}}):(?P<tm>[0-5]\d)(?::(?P<ts>[0-5]\d))?
         (?:(?P<tap>[aApP])\.?[mM](?![A-Za-z]))?(?![\d:]))
@@ -467,34 +487,64 @@ def _isodate(match, core, ctx) -> str:
     return _date_words(match["iy"], int(match["im"]), int(match["id"]), ctx)
 
 
+def _month_and_day(first: int, second: int) -> tuple[int, int] | None:
+    """US month/day order unless the first cannot be a month; None when neither order is a date."""
+    if 1 <= first <= 12 and 1 <= second <= 31:
+        return first, second
+    if 1 <= second <= 12 and 1 <= first <= 31:
+        return second, first
+    return None
+
+
 def _usdate(match, core, ctx) -> str:
-    first, second, year = int(match["ua"]), int(match["ub"]), match["uy"]
+    year = match["uy"]
     if len(year) == 2:
         year = "20" + year
-    if first <= 12 and 1 <= second <= 31:
-        month, day = first, second
-    elif second <= 12 and 1 <= first <= 31:
-        month, day = second, first
-    else:
+    month_day = _month_and_day(int(match["ua"]), int(match["ub"]))
+    if month_day is None:
         return " slash ".join(en.number(part) for part in (match["ua"], match["ub"], match["uy"]))
-    if month < 1:
-        return " slash ".join(en.number(part) for part in (match["ua"], match["ub"], match["uy"]))
-    return _date_words(year, month, day, ctx)
+    return _date_words(year, *month_day, ctx)
 
 
 def _yearmonth(match, core, ctx) -> str:
     return _date_words(match["ymy"], int(match["ymm"]), None, ctx)
 
 
-def _phone(match, core, ctx) -> str:
+def _digit_groups(match, core, ctx) -> str:
+    """Digits joined by hyphens: phone numbers, codes, dates, and ranges where the words around say so.
+
+    "555-1234" -> "five five five, one two three four"; "12-25-2024" -> a date; "pages 5-7",
+    "5-10 people", "1999-2005" -> ranges.
+    """
     groups = match.group().split("-")
+    if len(groups) == 2 and _hyphen_is_range(groups, ctx):
+        if not ctx.zh and ctx.prev.lower() == "between":
+            return en.number(groups[0]) + " and " + en.number(groups[1])  # "between 10-20"
+        return _range_words(groups[0], groups[1], ctx)
+    if len(groups) == 3 and len(groups[2]) == 4 and max(len(groups[0]), len(groups[1])) <= 2:
+        month_day = _month_and_day(int(groups[0]), int(groups[1]))
+        if month_day is not None:
+            return _date_words(groups[2], *month_day, ctx)
     if ctx.zh:
         return "".join(zh.digits(g) for g in groups)
     return ", ".join(en.digits(g) for g in groups)
 
 
+def _hyphen_is_range(sides: list[str], ctx: Context) -> bool:
+    if ctx.zh:
+        return is_cjk(ctx.next_core[:1])  # "3-5天", "7-8小时": a measure word follows
+    if ctx.prev.lower() in _RANGE_BEFORE or ctx.next_core.lower() in _RANGE_AFTER:
+        return True
+    low, high = (int(side) for side in sides)
+    # "1999-2005": two years, in order
+    return all(len(side) == 4 and 1000 <= int(side) <= 2099 for side in sides) and low < high
+
+
 def _range(match, core, ctx) -> str:
-    low, high = match["ra"], match["rb"]
+    return _range_words(match["ra"], match["rb"], ctx)
+
+
+def _range_words(low: str, high: str, ctx: Context) -> str:
     low_cur = low[0] if low[0] in "$€£¥" else ""
     high_cur = high[0] if high[0] in "$€£¥" else ""
     currency = low_cur or high_cur
@@ -698,7 +748,7 @@ _HANDLERS = {
     "isodate": _isodate,
     "usdate": _usdate,
     "yearmonth": _yearmonth,
-    "phone": _phone,
+    "groups": _digit_groups,
     "range": _range,
     "time": _time,
     "ampm": _ampm,

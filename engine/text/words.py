@@ -20,6 +20,7 @@ held until more text follows (so output never ends in a space; after a
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from .script import BOUNDARY_CLASS, is_cjk, is_cjk_boundary
 from .verbalize import Context, needs_next, render, split_token
@@ -30,6 +31,15 @@ _PAUSES = frozenset(",.;:!?…，。；：！？、")
 # How many following tokens may be examined to find the next word when
 # deciding whether a number sits in Chinese context.
 _CONTEXT_REACH = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpan:
+    """Output characters ``start:end`` (counted from the stream's start) speak input ``token``."""
+
+    token: str
+    start: int
+    end: int
 
 
 class _NeedMore(Exception):
@@ -48,10 +58,17 @@ class WordNormalizer:
         self._prev_letter = ""  # last letter (Latin or CJK) seen before the current token
         self._last_out = ""  # last character emitted
         self._pending_space = False
+        self._emitted = 0  # characters of output so far, across push/flush calls
+        self._spans: list[SourceSpan] = []  # spoken spans not yet taken by take_spans()
 
     def push(self, text: str) -> str:
         self._buf += text
         return self._run(final=False)
+
+    def take_spans(self) -> list[SourceSpan]:
+        """Which input token each piece of the output so far speaks, oldest first, once each."""
+        spans, self._spans = self._spans, []
+        return spans
 
     def flush(self, text: str = "") -> str:
         self._buf += text
@@ -101,7 +118,7 @@ class WordNormalizer:
                 spoken = self._speak(token, end, final)
             except _NeedMore:
                 break
-            self._emit(spoken, out)
+            self._emit(spoken, out, token)
             self._remember(token)
             pos = end
         self._buf = buf[pos:]
@@ -153,7 +170,7 @@ class WordNormalizer:
                 self._prev_letter = ch
                 break
 
-    def _emit(self, spoken: str, out: list[str]) -> None:
+    def _emit(self, spoken: str, out: list[str], token: str) -> None:
         if spoken.startswith(",") and (not self._last_out or self._last_out in _PAUSES):
             spoken = spoken[1:].lstrip()  # "word, - next" must not say two commas
         if not spoken:
@@ -162,6 +179,9 @@ class WordNormalizer:
             joined_cjk = is_cjk_boundary(self._last_out) and is_cjk_boundary(spoken[0])
             if not joined_cjk and spoken[0] not in _NO_SPACE_BEFORE:
                 out.append(" ")
+                self._emitted += 1
         self._pending_space = False
         out.append(spoken)
+        self._spans.append(SourceSpan(token, self._emitted, self._emitted + len(spoken)))
+        self._emitted += len(spoken)
         self._last_out = spoken[-1]

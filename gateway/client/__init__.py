@@ -25,7 +25,8 @@ How frames reach a context
 One reader task owns the receiving side of the socket. It pairs every
 ``audio`` header with the binary frame that follows it and puts the resulting
 :class:`AudioChunk` on its context's queue. Word timings (``alignment``) are
-appended to ``Context.alignments`` as they arrive; ``done`` / ``cancelled``
+appended to ``Context.alignments`` as they arrive, and queued as :class:`Alignment`
+for ``Context.events()``, which yields them among the audio in wire order; ``done`` / ``cancelled``
 set ``Context.done`` / ``Context.cancelled`` and end the context's iteration
 once its queued audio has been consumed.
 
@@ -54,11 +55,12 @@ from :meth:`TTSClient.connect`.
 """
 
 from gateway.client.context import Context
-from gateway.client.frames import AudioChunk, Done, GatewayError, Word
+from gateway.client.frames import Alignment, AudioChunk, Done, GatewayError, Word
 from gateway.client.session import TTSClient
 from gateway.client.wav import write_wav
 
 __all__ = [
+    "Alignment",
     "AudioChunk",
     "Context",
     "Done",

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any, Protocol
 
-from gateway.client.frames import AudioChunk, Done, GatewayError, Word
+from gateway.client.frames import Alignment, AudioChunk, Done, GatewayError, Word
 from gateway.wire import ClientMessage
 
 # Queued to wake a consumer blocked on an empty queue so it re-checks the end state.
@@ -131,9 +131,14 @@ class Context:
     # -- gateway -> client ---------------------------------------------------
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
-        return self._iterate()
+        return self._iterate(with_words=False)
 
-    async def _iterate(self) -> AsyncIterator[AudioChunk]:
+    def events(self) -> AsyncIterator[AudioChunk | Alignment]:
+        """Like iterating the context, and with each :class:`Alignment` where it came on the wire:
+        after the audio it times. For captions, or players that show words as they play."""
+        return self._iterate(with_words=True)
+
+    async def _iterate(self, with_words: bool) -> AsyncIterator[AudioChunk | Alignment]:
         while True:
             if self._queue.empty():
                 if self._fatal is not None:
@@ -141,12 +146,12 @@ class Context:
                 if self._ended:
                     return
             item = await self._queue.get()
-            if isinstance(item, AudioChunk):
+            if isinstance(item, AudioChunk) or (with_words and isinstance(item, Alignment)):
                 if not self._cancel_requested:  # a put already under way when cancel() ran
                     yield item
             elif isinstance(item, GatewayError):
                 raise item
-            # else _WAKE: loop round and re-check the end state
+            # else _WAKE or an alignment nobody asked for: loop round and re-check the end state
 
     async def speak(self, text: str | Iterable[str] | AsyncIterable[str]) -> bytes:
         """Send ``text`` (a string or an (async) iterable of deltas), end, return all audio.
@@ -221,11 +226,11 @@ class Context:
         except asyncio.QueueFull:
             pass
 
-    def _discard_queued_audio(self) -> None:
+    def _discard_queued_audio(self) -> None:  # and its word timings
         kept = []
         while not self._queue.empty():
             item = self._queue.get_nowait()
-            if not isinstance(item, AudioChunk):
+            if not isinstance(item, (AudioChunk, Alignment)):
                 kept.append(item)
         for item in kept:
             self._queue.put_nowait(item)

@@ -50,6 +50,14 @@ class Word:
 
 
 @dataclass(frozen=True, slots=True)
+class Alignment:
+    """One ``alignment`` frame: timings of words in audio the context already received."""
+
+    context_id: str
+    words: tuple[Word, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Done:
     """The gateway finished speaking a context.
 

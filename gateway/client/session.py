@@ -17,8 +17,9 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway.client.context import Context
-from gateway.client.frames import AudioChunk, Done, GatewayError, Word
+from gateway.client.frames import Alignment, AudioChunk, Done, GatewayError, Word
 from gateway.wire import (
+    CLIENT_PING_INTERVAL_S,
     CONTEXT_SURVIVING_CODES,
     PROTOCOL_VERSION,
     SESSION_ENDING_CODES,
@@ -75,6 +76,7 @@ class TTSClient:
         voice: str | None = None,
         sample_rate: int | None = None,
         encoding: str | None = None,
+        inactivity_timeout: float | None = None,
         use_header: bool = True,
         ready_timeout: float = 10.0,
         max_queued_chunks: int = 1024,
@@ -86,7 +88,12 @@ class TTSClient:
         ``async with TTSClient.connect(...) as tts: ...``.
 
         ``voice``, ``sample_rate`` and ``encoding`` set the session defaults
-        (sent as query parameters). ``api_key`` travels in an
+        (sent as query parameters). ``inactivity_timeout`` (seconds) asks the
+        gateway to close the session after this long without a message, a ping or
+        audio instead of after its own default; the client pings a quiet session
+        on its own (every ``CLIENT_PING_INTERVAL_S`` seconds, or twice per
+        inactivity timeout if that is shorter; ``ping_interval=None`` turns it
+        off), so a session lives as long as its client does. ``api_key`` travels in an
         ``Authorization: Bearer`` header, or in the ``api_key`` query
         parameter when ``use_header`` is False. Other keyword arguments go to
         ``websockets.asyncio.client.connect``; compression is off by default
@@ -98,13 +105,18 @@ class TTSClient:
         for bad defaults) or does not speak protocol v1; ``OSError`` or
         ``TimeoutError`` when it cannot be reached.
         """
-        query = {"voice": voice, "sample_rate": sample_rate, "encoding": encoding}
+        query = {"voice": voice, "sample_rate": sample_rate, "encoding": encoding,
+                 "inactivity_timeout": inactivity_timeout}
         if api_key is not None and not use_header:
             query["api_key"] = api_key
         headers = dict(ws_kwargs.pop("additional_headers", None) or {})
         if api_key is not None and use_header:
             headers["Authorization"] = f"Bearer {api_key}"
         ws_kwargs.setdefault("compression", None)
+        ping_interval = CLIENT_PING_INTERVAL_S if inactivity_timeout is None else min(
+            CLIENT_PING_INTERVAL_S, inactivity_timeout / 2
+        )
+        ws_kwargs.setdefault("ping_interval", ping_interval)
         return _Connecting(
             cls._open(_with_query(url, query), headers or None, ready_timeout, max_queued_chunks, ws_kwargs)
         )
@@ -259,9 +271,9 @@ class TTSClient:
             elif kind == GatewayMessage.ALIGNMENT:
                 ctx = self._contexts.get(message.get("context_id"))
                 if ctx is not None and not ctx._cancel_requested:
-                    ctx.alignments.extend(
-                        Word(word["text"], word["start_ms"], word["end_ms"]) for word in message.get("words", ())
-                    )
+                    words = tuple(Word(w["text"], w["start_ms"], w["end_ms"]) for w in message.get("words", ()))
+                    ctx.alignments.extend(words)
+                    await ctx._queue.put(Alignment(ctx.context_id, words))
             elif kind == GatewayMessage.DONE:
                 ctx = self._contexts.pop(message.get("context_id"), None)
                 if ctx is not None:

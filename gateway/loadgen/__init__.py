@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 from pathlib import Path
 
@@ -49,14 +48,17 @@ from gateway.loadgen.agents import (
     WORKLOADS,
     Playback,
     Record,
+    agent_rng,
     check_start_spread,
     check_turn_gap,
     parse_turn_gap,
     run_agent,
+    turn_pause,
 )
 from gateway.loadgen.corpus import LANGUAGES, load_corpus
 from gateway.loadgen.report import (
     markdown_table,
+    ramp_result,
     slack_ms_by_chunk,
     stall_free,
     stalls_by_audio_s,
@@ -72,17 +74,20 @@ __all__ = [
     "WORKLOADS",
     "Playback",
     "Record",
+    "agent_rng",
     "check_start_spread",
     "check_turn_gap",
     "load_corpus",
     "main",
     "markdown_table",
     "parse_turn_gap",
+    "ramp_result",
     "run",
     "slack_ms_by_chunk",
     "stall_free",
     "stalls_by_audio_s",
     "summarize",
+    "turn_pause",
     "write_plots",
 ]
 
@@ -110,25 +115,18 @@ async def run(url: str, *, sessions: int = 1, workload: str = "llm", duration: f
                               turn_gap=turn_gap)
     replies = load_corpus(lang, corpus)
     loop = asyncio.get_running_loop()
-    levels, records = [], []
+    levels: list[tuple[int, list[Record]]] = []
     for level in ramp or [sessions]:
         level_records: list[Record] = []
         deadline = loop.time() + duration
         await asyncio.gather(*(run_agent(i, level, args, replies, deadline, level_records) for i in range(level)))
-        records += level_records
-        levels.append({"sessions": level, "summary": summarize(level_records)})
-    passing = [lv["sessions"] for lv in levels if stall_free(lv["summary"], ttfa_p95_ms)]
-    result = {
-        "config": {"url": url, "sessions": ramp or [sessions], "workload": workload, "duration_s": duration,
-                   "tokens_per_second": tokens_per_second, "sample_rate": sample_rate, "lang": lang, "seed": seed,
-                   "corpus": str(corpus) if corpus else f"built-in ({lang})", "replies": len(replies),
-                   "ttfa_p95_ms_limit": ttfa_p95_ms, "start_spread_s": start_spread,
-                   "turn_gap_s": None if turn_gap is None else list(turn_gap)},
-        "summary": levels[-1]["summary"],
-        "levels": levels,
-        "stall_free_capacity": max(passing) if passing else None,
-        "records": [dataclasses.asdict(r) for r in records],
-    }
+        levels.append((level, level_records))
+    config = {"url": url, "sessions": ramp or [sessions], "workload": workload, "duration_s": duration,
+              "tokens_per_second": tokens_per_second, "sample_rate": sample_rate, "lang": lang, "seed": seed,
+              "corpus": str(corpus) if corpus else f"built-in ({lang})", "replies": len(replies),
+              "ttfa_p95_ms_limit": ttfa_p95_ms, "start_spread_s": start_spread,
+              "turn_gap_s": None if turn_gap is None else list(turn_gap)}
+    result = ramp_result(config, levels, ttfa_p95_ms)
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
     if markdown:

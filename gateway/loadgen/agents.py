@@ -43,6 +43,18 @@ def parse_turn_gap(text: str) -> tuple[float, float]:
     return check_turn_gap(tuple(parts * 2 if len(parts) == 1 else parts))
 
 
+def agent_rng(seed: int, sessions: int, index: int) -> random.Random:
+    """The agent's own seeded draws: its start, its replies, its users' turns, its barge-ins.
+    Agents driven some other way (bench/official_baseline.py's threads) draw the same."""
+    return random.Random(f"{seed}-{sessions}-{index}")
+
+
+def turn_pause(heard_at: float | None, now: float, rng: random.Random, turn_gap: tuple[float, float]) -> float:
+    """Seconds from ``now`` (``time.perf_counter``) to the next reply after a done one: the
+    listener hears the reply out (``heard_at``: when its audio runs out, None without audio),
+    then the user speaks for a seeded draw within ``turn_gap``."""
+    return max(0.0, (heard_at or 0.0) - now) + rng.uniform(*turn_gap)
+
 
 @dataclass
 class Record:
@@ -170,7 +182,7 @@ async def run_agent(index: int, sessions: int, args: argparse.Namespace, replies
     """One agent until ``deadline``: its contexts' records go to ``records``; a lost session is
     reconnected, a refused or unreachable one is recorded as an error and retried."""
     loop = asyncio.get_running_loop()
-    rng = random.Random(f"{args.seed}-{sessions}-{index}")
+    rng = agent_rng(args.seed, sessions, index)
     level_start = deadline - args.duration
     await asyncio.sleep(rng.uniform(0, args.start_spread))  # each agent's first turn starts at its own moment
     while loop.time() < deadline:
@@ -187,8 +199,7 @@ async def run_agent(index: int, sessions: int, args: argparse.Namespace, replies
                         if error.context_id is None:
                             break  # the session is gone: reconnect
                     if args.turn_gap is not None and record.outcome == "done":
-                        # The listener hears the reply out, then the user speaks.
-                        pause = max(0.0, (heard_at or 0.0) - time.perf_counter()) + rng.uniform(*args.turn_gap)
+                        pause = turn_pause(heard_at, time.perf_counter(), rng, args.turn_gap)
                         await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
         except (GatewayError, OSError, TimeoutError) as error:  # refused or unreachable
             records.append(Record(sessions, index, args.workload, 0, "error",

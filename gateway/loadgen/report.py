@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from gateway.loadgen.agents import WHOLE_REPLY_WORKLOADS, Record
@@ -63,6 +64,8 @@ def summarize(records: list[Record]) -> dict:
     return {
         "contexts": len(records),
         "outcomes": outcomes,
+        "no_audio": len(records) - len(spoken),  # contexts whose listener heard nothing (errors included)
+        "truncated": outcomes.get("truncated", 0),  # still running when the level's time was up
         "ttfa_ms": {"p50": _percentile(ttfa, 50), "p95": _percentile(ttfa, 95), "p99": _percentile(ttfa, 99),
                     "n": len(ttfa)},
         "stall_free_fraction": round(sum(r.stalls == 0 for r in spoken) / len(spoken), 3) if spoken else None,
@@ -74,6 +77,21 @@ def summarize(records: list[Record]) -> dict:
         "audio_s": round(sum(r.audio_ms for r in records) / 1000, 2),
         "errors": sum(errors.values()),
         "errors_by_code": errors,
+    }
+
+
+def ramp_result(config: dict, levels: list[tuple[int, list[Record]]], ttfa_p95_ms: float) -> dict:
+    """The result of a run: ``config``, each level's summary (``levels``: (sessions, its
+    records) in the order run), the last level's summary, the stall-free capacity and every
+    record. The one shape `tts-gateway bench` and bench/official_baseline.py write."""
+    summaries = [{"sessions": sessions, "summary": summarize(records)} for sessions, records in levels]
+    passing = [level["sessions"] for level in summaries if stall_free(level["summary"], ttfa_p95_ms)]
+    return {
+        "config": config,
+        "summary": summaries[-1]["summary"],
+        "levels": summaries,
+        "stall_free_capacity": max(passing) if passing else None,
+        "records": [dataclasses.asdict(record) for _, records in levels for record in records],
     }
 
 

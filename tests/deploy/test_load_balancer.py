@@ -124,7 +124,6 @@ async def test_rolling_restart_behind_haproxy_loses_no_reply(tmp_path: Path) -> 
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # tts-gateway
-        "TTS_GATEWAY__SERVER__HTTP_PORT": "0",
         "TTS_GATEWAY__SERVER__DRAIN_TIMEOUT_S": "20",
         "TTS_GATEWAY__LIMITS__MAX_SESSIONS": "64",
     }
@@ -136,6 +135,7 @@ async def test_rolling_restart_behind_haproxy_loses_no_reply(tmp_path: Path) -> 
     stop = asyncio.Event()
     traffic = Traffic()
     agents: list[asyncio.Task] = []
+    restarted: list[subprocess.Popen] = []  # replicas started again: the launcher does not know them
     try:
         for port in ports:
             await until_status(f"http://127.0.0.1:{port}/readyz", 200, 120)
@@ -157,8 +157,8 @@ async def test_rolling_restart_behind_haproxy_loses_no_reply(tmp_path: Path) -> 
                 await asyncio.sleep(0.2)
             command = shlex.split((logs / f"gateway-{replica}.cmd").read_text())
             with open(logs / f"gateway-{replica}-restarted.log", "w") as log:
-                subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+                restarted.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log,
+                                                  stderr=subprocess.STDOUT, start_new_session=True))
             await until_status(f"http://127.0.0.1:{port}/readyz", 200, 120)
             await asyncio.sleep(3)  # sessions speak on the restarted replica before the next goes
         await asyncio.sleep(3)
@@ -171,6 +171,13 @@ async def test_rolling_restart_behind_haproxy_loses_no_reply(tmp_path: Path) -> 
             launcher.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(launcher.pid, signal.SIGKILL)
+        for replica in restarted:
+            replica.terminate()
+        for replica in restarted:
+            try:
+                replica.wait(30)
+            except subprocess.TimeoutExpired:
+                replica.kill()
         for pidfile in logs.glob("*.pid"):
             with_pid = int(pidfile.read_text())
             if Path(f"/proc/{with_pid}").exists():

@@ -133,6 +133,17 @@ ENGLISH = [
         "Call five five five, one two three, four five six seven or use PIN zero zero four two",
     ),
     ("A -> B, 2 + 2 = 4", "A to B, two plus two equals four"),
+    # Digits joined by hyphens: digit groups (phones, codes), dates, ranges only where words say so.
+    ("Call 555-1234 today.", "Call five five five, one two three four today."),
+    ("Dial 1-800-555-1234.", "Dial one, eight zero zero, five five five, one two three four."),
+    ("Code 4521-8890 works", "Code four five two one, eight eight nine zero works"),
+    ("The score was 3-2.", "The score was three, two."),
+    ("Due 12-25-2024 at noon", "Due December twenty-fifth, twenty twenty-four at noon"),
+    ("Read pages 5-7.", "Read pages five to seven."),
+    ("It takes 3-4 days", "It takes three to four days"),
+    ("aged 18-25", "aged eighteen to twenty-five"),
+    ("between 10-20 minutes", "between ten and twenty minutes"),
+    ("5–7", "five to seven"),
     ("I live on Main St. It is nice.", "I live on Main Street. It is nice."),
     ("Visit St. Louis, then St. Patrick's", "Visit Saint Louis, then Saint Patrick's"),
     ("Cost: ~$50 at 20℃", "Cost: about fifty dollars at twenty degrees Celsius"),
@@ -339,6 +350,7 @@ TRICKY_TEXTS = [
     "Text with [a link [nests](u) and ![img](i \"t\") ok] **_mixed_** ***all***\n***\nEnd - 5 - 10 — dash",
     "St. Louis, Main St. now; No. 5, 5 kg, 3x, 16:9, 5/6/2024, 24/7, R&D, C#, A -> B.",
     "Mixed 中文 and English 123 then 中文456 and 7 个 and 2024年.",
+    "Call 555-1234 or 1-800-555-1234 by 12-25-2024; read pages 5-7, between 10-20 minutes, 3-2.",
 ]
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import json
 import os
 import signal
 import socket
@@ -11,6 +14,11 @@ import time
 import urllib.request
 import wave
 from pathlib import Path
+
+import pytest
+from websockets.sync.client import connect as websocket_connect
+
+from tests.gateway.test_server import LONG_TEXT
 from tests.paths import ROOT
 
 
@@ -40,32 +48,45 @@ def test_say_writes_a_wav(tmp_path):
     assert 1.5 < wav_seconds(out) < 6.0
 
 
-def test_bad_config_stops_with_a_clear_message(tmp_path):
-    (tmp_path / "config.toml").write_text("[server]\nprot = 1\n")
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ("[server]\nprot = 1\n", "config error: unknown key(s) server.prot"),
+        ("[server]\nhttp_port = 8766\n", "config error: server.http_port: one port serves every route now: "
+         "the POST routes moved to [server] port"),
+    ],
+)
+def test_bad_config_stops_with_a_clear_message(tmp_path, config, message):
+    (tmp_path / "config.toml").write_text(config)
     result = subprocess.run([*CLI, "serve"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "config error: unknown key(s) server.prot" in result.stderr
+    assert message in result.stderr
+
+
+def start_serving(cwd: Path, port: int, drain_timeout_s: float) -> subprocess.Popen:
+    """`tts-gateway serve --port PORT`, once its /readyz says 200."""
+    env = {**os.environ, "TTS_GATEWAY__SERVER__DRAIN_TIMEOUT_S": str(drain_timeout_s)}
+    server = subprocess.Popen(
+        [*CLI, "serve", "--port", str(port)], cwd=cwd, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.monotonic() + 90
+    while True:
+        assert server.poll() is None, server.stdout.read()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as response:
+                if response.status == 200:
+                    return server
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "gateway never became ready"
+        time.sleep(0.2)
 
 
 def test_serve_speaks_to_the_example_agent_and_drains_on_sigterm(tmp_path):
     port = free_port()
-    env = {**os.environ, "TTS_GATEWAY__SERVER__DRAIN_TIMEOUT_S": "5", "TTS_GATEWAY__SERVER__HTTP_PORT": "0"}
-    server = subprocess.Popen(
-        [*CLI, "serve", "--port", str(port)], cwd=tmp_path, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    server = start_serving(tmp_path, port, drain_timeout_s=5)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert server.poll() is None, server.stdout.read()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "gateway never became ready"
-            time.sleep(0.2)
         out = tmp_path / "reply.wav"
         agent = subprocess.run(
             [
@@ -86,6 +107,42 @@ def test_serve_speaks_to_the_example_agent_and_drains_on_sigterm(tmp_path):
             server.wait()
     log = server.stdout.read()
     assert "draining" in log
+
+
+def test_port_moves_every_route_and_sigterm_cuts_a_long_download_at_the_drain_timeout(tmp_path):
+    port = free_port()
+    server = start_serving(tmp_path, port, drain_timeout_s=1)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for route in ("/healthz", "/v1/voices", "/metrics", "/"):
+            with urllib.request.urlopen(base + route, timeout=5) as response:
+                assert response.status == 200, route
+        with TTSClient_session(port) as heard:
+            assert heard == "ready"
+        long_post = urllib.request.Request(
+            base + "/v1/audio/speech", data=json.dumps({"input": LONG_TEXT, "response_format": "pcm"}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(long_post, timeout=30) as response:
+            assert response.status == 200 and response.read(4800)  # audio is streaming
+            server.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            with pytest.raises(http.client.IncompleteRead):  # cut at the drain timeout, not finished
+                response.read()
+            assert server.wait(timeout=30) == 0
+            # A minute of speech in flight; the process is gone after the 1 s drain and a margin.
+            assert time.monotonic() - signalled < 1 + 3
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+@contextlib.contextmanager
+def TTSClient_session(port: int):
+    """A WebSocket session on ``port`` (the sync client: this test has no event loop); yields the first frame's type."""
+    with websocket_connect(f"ws://127.0.0.1:{port}/v1/stream") as ws:
+        yield json.loads(ws.recv(timeout=10))["type"]
 
 
 def test_voice_commands_say_to_set_the_model_dir(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import InvalidStatus
 
-from gateway.client import AudioChunk, Context, GatewayError, TTSClient, Word, write_wav
+from gateway.client import Alignment, AudioChunk, Context, GatewayError, TTSClient, Word, write_wav
 from gateway.wire import CONTEXT_SURVIVING_CODES, SESSION_ENDING_CODES, ErrorCode
 from tests.paths import ROOT
 
@@ -203,6 +203,28 @@ async def test_two_interleaved_contexts_are_demultiplexed():
     assert texts[0] == {"type": "text", "context_id": "a", "text": "Hi ", "voice": "joe", "speed": 1.25}
     assert texts[1] == {"type": "text", "context_id": "a", "text": "there"}
     assert texts[2] == {"type": "text", "context_id": "b", "text": "Hi ", "sample_rate": 8000}
+
+
+@pytest.mark.asyncio
+async def test_events_yield_word_timings_among_the_audio_in_wire_order():
+    async def timed(ws):
+        await send_json(ws, **READY)
+        while (await receive_json(ws))["type"] != "end":
+            pass
+        await send_audio(ws, "a", 0, b"a0")
+        await send_json(ws, type="alignment", context_id="a", words=[{"text": "Hi", "start_ms": 0, "end_ms": 9.5}])
+        await send_audio(ws, "a", 1, b"a1")
+        await send_json(ws, type="done", context_id="a", audio_ms=20.0, ttfa_ms=1.0)
+        await ws.wait_closed()
+
+    async with fake_gateway(timed) as url:
+        async with TTSClient.connect(url) as tts:
+            reply = tts.context("a")
+            await reply.send_text("Hi")
+            await reply.end()
+            events = [event async for event in reply.events()]
+    assert [type(e).__name__ for e in events] == ["AudioChunk", "Alignment", "AudioChunk"]
+    assert events[1] == Alignment("a", (Word("Hi", 0, 9.5),))
 
 
 @pytest.mark.asyncio

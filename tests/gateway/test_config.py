@@ -70,6 +70,11 @@ def test_env_overrides_follow_one_rule(tmp_path):
         ("[engine.cosyvoice2.vllm]\nmax_num_seqs = 8\n", {}, "warmup_batch_sizes must lie between 1 and max_num_seqs"),
         ("[engine.cosyvoice2.vllm]\ndtype = 'int8'\n", {}, "dtype must be float32, bfloat16 or float16"),
         ("", {"TTS_GATEWAY__ENGINE__COSYVOICE2__VLLM__ENFORCE_EAGER": "maybe"}, "enforce_eager must be bool"),
+        # The POST routes moved to the one port: a config from before says so, not "unknown key".
+        ("[server]\nhttp_port = 8766\n", {}, "server.http_port: one port serves every route now"),
+        ("", {"TTS_GATEWAY__SERVER__HTTP_PORT": "0"}, "the POST routes moved to [server] port"),
+        ("[limits]\nidle_timeout_s = 200.0\n", {}, "idle_timeout_s must be > 0 and at most max_inactivity_timeout_s"),
+        ("[server]\nrequest_timeout_s = 0\n", {}, "request_timeout_s must be > 0"),
     ],
 )
 def test_bad_config_fails_with_a_message_naming_the_key(tmp_path, text, env, message):

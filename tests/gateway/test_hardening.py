@@ -82,7 +82,7 @@ async def test_error_frames_count_against_the_send_buffer():
     limit = 65536
     async with running_gateway(make_config(limits={"send_buffer_bytes": limit}), ScriptedEngine()) as gw:
         runner = SessionRunner(gw, NeverReadingConnection())
-        runner.apply(runner.session.open({}))
+        runner.apply(runner.session.open({}, 0.0))
         hostile = orjson.dumps({"type": "x" * 60_000}).decode()
         peak = 0
         for _ in range(1500):
@@ -186,7 +186,7 @@ def test_serve_exits_non_zero_after_the_engine_fails(monkeypatch, tmp_path, caps
 
     monkeypatch.setattr(registry, "create_engine", lambda name, settings: DyingEngine())
     config = tmp_path / "config.toml"
-    config.write_text('[server]\nport = 0\nhttp_port = 0\n')
+    config.write_text('[server]\nport = 0\n')
     assert cli.main(["serve", "--config", str(config)]) == 1
     assert "the backend process has died" in capsys.readouterr().err
 
@@ -197,7 +197,7 @@ async def test_a_client_cut_off_as_its_context_finishes_leaves_no_context_counte
     the traffic stopped)."""
     async with running_gateway(make_config(), ScriptedEngine()) as gw:
         runner = SessionRunner(gw, NeverReadingConnection())
-        runner.apply(runner.session.open({}))
+        runner.apply(runner.session.open({}, 0.0))
         runner.apply(runner.session.receive_message(text("c", "Hello there."), 0.0))
         (context,) = runner.session.contexts.values()
         runner.apply(runner.session.audio_ready(context.key, np.full(1600, 0.1, np.float32), (), 0.0, 0.0))

@@ -1,23 +1,30 @@
-"""POST /v1/audio/speech (OpenAI-compatible) on the real Piper gateway's HTTP port."""
+"""The HTTP routes on the one port of the real Piper gateway: POST /v1/audio/speech (OpenAI-compatible,
+also through the OpenAI SDK), the port's limits, and HTTP beside WebSocket sessions."""
 
 from __future__ import annotations
 
 import struct
 import time
 
+import asyncio
+import socket
+
 import aiohttp
 import numpy as np
+import openai
 import orjson
 import pytest
+from websockets.asyncio.client import connect
 
 from tests.conftest import eventually, make_config, running_gateway
-from tests.gateway.test_server import LONG_TEXT, SENTENCE, rms
+from tests.conftest import until, ws_url
+from tests.gateway.test_server import LONG_TEXT, SENTENCE, read_context, recv_json, rms
 
 RATE = 24000
 
 
 def speech_url(gw, query: str = "") -> str:
-    return f"http://127.0.0.1:{gw.http.port}/v1/audio/speech" + (f"?{query}" if query else "")
+    return f"http://127.0.0.1:{gw.port}/v1/audio/speech" + (f"?{query}" if query else "")
 
 
 async def post(gw, body, headers: dict | None = None, query: str = ""):
@@ -125,3 +132,122 @@ async def test_speech_needs_the_api_key(piper_engine):
         status, data, _ = await post(gw, hi, {"Authorization": "Bearer k-secret"})
         assert status == 200 and data
         assert (await post(gw, hi, query="api_key=k-secret"))[0] == 200
+
+
+# ------------------------------------------------------------------ the OpenAI SDK
+
+
+def openai_client(gw, api_key: str = "unused") -> openai.AsyncOpenAI:
+    """The SDK as users point it at the gateway: the one port's base URL."""
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key=api_key, max_retries=0)
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm"])
+async def test_the_openai_sdk_speaks_through_the_one_port(piper_engine, fmt):
+    async with running_gateway(make_config(auth={"api_keys": ("k-secret",)}), piper_engine) as gw:
+        async with openai_client(gw, "k-secret") as client:
+            whole = await client.audio.speech.create(
+                model="tts-1", voice="alloy", input=SENTENCE, response_format=fmt
+            )
+            data = whole.content
+            async with client.audio.speech.with_streaming_response.create(
+                model="gpt-4o-mini-tts", voice="nova", input=SENTENCE, response_format=fmt
+            ) as response:
+                assert response.headers["X-Model"] == "gpt-4o-mini-tts"
+                parts = [part async for part in response.iter_bytes()]
+        with pytest.raises(openai.AuthenticationError):
+            async with openai_client(gw, "wrong") as client:
+                await client.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format=fmt)
+    streamed = b"".join(parts)
+    samples = parse_streaming_wav(data)[1] if fmt == "wav" else np.frombuffer(data, "<i2") / 32767.0
+    assert 2.5 < len(samples) / RATE < 7.0 and rms(samples) > 0.03
+    assert data.startswith(b"RIFF") == streamed.startswith(b"RIFF") == (fmt == "wav")
+    assert len(streamed) == pytest.approx(len(data), rel=0.3)  # Piper durations vary a little
+
+
+async def test_the_openai_sdk_reads_a_refusal_as_its_error(gateway):
+    async with openai_client(gateway) as client:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="mp3")
+    assert refused.value.body["code"] == "unsupported_format"
+
+
+# ------------------------------------------------------------------ one port
+
+
+async def test_speech_and_a_websocket_session_share_the_port_and_its_session_limit(piper_engine):
+    async with running_gateway(make_config(limits={"max_sessions": 2}), piper_engine) as gw:
+        base = f"http://127.0.0.1:{gw.port}"
+        async with connect(ws_url(gw)) as ws, aiohttp.ClientSession() as http:
+            await recv_json(ws)
+            async with http.post(speech_url(gw), json={"input": LONG_TEXT, "response_format": "pcm"}) as speaking:
+                assert speaking.status == 200 and await speaking.content.readany()
+                # The session and the download take both places: no room for a third of either.
+                async with http.get(base + "/readyz") as ready:
+                    assert ready.status == 503 and await ready.text() == "at capacity\n"
+                status, body, _ = await post(gw, {"input": "Hi."})
+                assert status == 503 and orjson.loads(body)["error"]["code"] == "overloaded"
+                async with connect(ws_url(gw)) as third:
+                    assert (await recv_json(third))["code"] == "overloaded"
+                # The WebSocket session speaks meanwhile, on the same port.
+                await ws.send('{"type":"text","text":"Both at once."}')
+                await ws.send('{"type":"end"}')
+                _, audio, done = await read_context(ws)
+                assert done["type"] == "done" and audio
+            await eventually(lambda: not gw.http.speeches)
+            assert (await post(gw, {"input": "Hi.", "response_format": "pcm"}))[0] == 200
+
+
+async def test_every_http_answer_is_a_clear_one(gateway):
+    async with aiohttp.ClientSession() as http:
+        base = f"http://127.0.0.1:{gateway.port}"
+        async with http.post(base + "/v1/stream", json={}) as response:  # neither empty nor silent
+            assert response.status == 405 and response.headers["Connection"] == "close"
+            assert "POST /v1/stream" in (await response.json())["error"]["message"]
+        async with http.get(base + "/v1/nothing") as response:
+            assert response.status == 404
+            assert (await response.json())["error"]["code"] == "not_found"
+        async with http.post(base + "/v1/nothing", json={}) as response:
+            assert response.status == 405
+        async with http.put(base + "/v1/audio/speech", json={}) as response:
+            assert response.status == 405
+            assert (await response.json())["error"]["code"] == "bad_request"
+
+
+async def _raw_exchange(gw, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(data)
+    answer = await until(reader.read(), 5)  # to the end: the gateway closes the connection
+    writer.close()
+    return answer
+
+
+async def test_silent_trickling_or_huge_requests_are_refused(piper_engine):
+    config = make_config(server={"request_timeout_s": 0.3})
+    async with running_gateway(config, piper_engine) as gw:
+        silent = await _raw_exchange(gw, b"")
+        trickling = await _raw_exchange(gw, b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        for answer in (silent, trickling):
+            assert answer.startswith(b"HTTP/1.1 408 ") and b'"code":"bad_request"' in answer
+        huge = await _raw_exchange(gw, b"GET /healthz HTTP/1.1\r\nX-Big: " + b"x" * 70_000 + b"\r\n\r\n")
+        assert huge.startswith(b"HTTP/1.1 431 ")
+        # A body that never arrives in full.
+        body_missing = await _raw_exchange(
+            gw, b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n{\"input\""
+        )
+        assert body_missing.startswith(b"HTTP/1.1 408 ") and b"did not arrive" in body_missing
+        assert (await _raw_exchange(gw, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")).endswith(b"\r\n\r\nok\n")
+
+
+async def test_drain_waits_for_a_download_then_cuts_it(piper_engine):
+    async with running_gateway(make_config(), piper_engine) as gw:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(speech_url(gw), json={"input": LONG_TEXT, "response_format": "pcm"}) as response:
+                assert response.status == 200 and await response.content.readany()
+                drain = asyncio.create_task(gw.drain(timeout=0.5))
+                assert (await post(gw, {"input": "Hi."}))[0] == 503  # no new download meanwhile
+                with pytest.raises(aiohttp.ClientPayloadError):  # the body is cut short
+                    await until(response.read())
+                await until(drain)
+        await eventually(lambda: piper_engine.stats().utterances == 0)

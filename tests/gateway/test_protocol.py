@@ -61,7 +61,7 @@ def tone(seconds: float, rate: int = 22050) -> np.ndarray:
 
 def test_open_sends_ready_with_defaults():
     session = make_session()
-    [ready] = frames(session.open({}))
+    [ready] = frames(session.open({}, 0.0))
     assert ready == {
         "type": "ready",
         "protocol": 1,
@@ -75,7 +75,7 @@ def test_open_sends_ready_with_defaults():
 
 def test_query_sets_session_defaults():
     session = make_session()
-    [ready] = frames(session.open({"voice": "amy", "sample_rate": "16000", "encoding": "mulaw"}))
+    [ready] = frames(session.open({"voice": "amy", "sample_rate": "16000", "encoding": "mulaw"}, 0.0))
     assert (ready["voice"], ready["sample_rate"], ready["encoding"]) == ("amy", 16000, "mulaw")
 
 
@@ -90,14 +90,14 @@ def test_query_sets_session_defaults():
     ],
 )
 def test_bad_query_is_refused_with_error_then_close(query, code):
-    actions = make_session().open(query)
+    actions = make_session().open(query, 0.0)
     assert only_error(actions)["code"] == code
     assert isinstance(actions[-1], CloseSession) and actions[-1].code == 1008
 
 
 def test_text_flush_end_drive_the_engine_in_order():
     session = make_session()
-    session.open({})
+    session.open({}, 0.0)
     a1 = session.receive_message(msg(type="text", context_id="c1", text="Hel", speed=1.5), now=1.0)
     assert a1 == [StartUtterance(0, "joe", 1.5), PushText(0, "Hel")]
     assert session.receive_message(msg(type="text", context_id="c1", text="lo"), now=1.1) == [PushText(0, "lo")]
@@ -113,7 +113,7 @@ def test_context_id_defaults_to_default():
 
 def test_audio_frames_header_then_bytes_with_seq_and_offsets():
     session = make_session(default_sample_rate=22050)
-    session.open({})
+    session.open({}, 0.0)
     session.receive_message(msg(type="text", context_id="c1", text="Hello"), now=10.0)
     a = session.audio_ready(0, tone(0.25), [], 0.05, now=10.08)
     b = session.audio_ready(0, tone(0.5), [], 0.05, now=10.1)
@@ -140,7 +140,7 @@ def test_audio_frames_header_then_bytes_with_seq_and_offsets():
 
 def test_resampled_context_flushes_resampler_tail_at_done():
     session = make_session()
-    session.open({})
+    session.open({}, 0.0)
     session.receive_message(msg(type="text", text="Hi", sample_rate=48000, encoding="pcm_f32le"), now=0.0)
     sent = []
     for _ in range(5):
@@ -286,7 +286,8 @@ def test_stall_estimate_counts_late_chunks_after_the_first():
 def test_idle_timeout_cancels_and_closes():
     session = make_session()
     session.receive_message(msg(type="text", text="Hi"), now=0.0)
-    actions = session.idle_timeout()
+    assert session.check_idle(now=59.9) == []
+    actions = session.check_idle(now=60.0)
     assert only_error(actions)["code"] == "idle_timeout"
     assert CancelUtterance(0) in actions and isinstance(actions[-1], CloseSession)
 
@@ -340,20 +341,20 @@ def test_connection_lost_cancels_everything():
 def test_errors_quote_client_input_short(message):
     """An error never echoes a client's input at length: quoted values end in an ellipsis."""
     session = make_session()
-    session.open({})
+    session.open({}, 0.0)
     error = only_error(session.receive_message(message, 0.0))
     assert len(error["message"]) < 200 and "…" in error["message"]
 
 
 def test_bad_query_parameter_names_are_quoted_short():
-    error = only_error(make_session().open({"p" * 60_000: "1"}))
+    error = only_error(make_session().open({"p" * 60_000: "1"}, 0.0))
     assert len(error["message"]) < 200
 
 
 @pytest.mark.parametrize("text", ["Hello \u0000 world.", "bell\u0007", "escape \u001b[31m", "del\u007f", "c1 \u0085"])
 def test_control_characters_in_text_are_refused(text):
     session = make_session()
-    session.open({})
+    session.open({}, 0.0)
     actions = session.receive_message(msg(type="text", context_id="c", text=text), 0.0)
     error = only_error(actions)
     assert error["code"] == "bad_message" and error["context_id"] == "c" and "control character" in error["message"]
@@ -363,6 +364,42 @@ def test_control_characters_in_text_are_refused(text):
 
 def test_tabs_and_line_breaks_are_ordinary_text():
     session = make_session(max_text_chars=100)
-    session.open({})
+    session.open({}, 0.0)
     actions = session.receive_message(msg(type="text", text="One\ttwo\nthree\r\nfour."), 0.0)
     assert [a for a in actions if isinstance(a, PushText)] == [PushText(0, "One\ttwo\nthree\r\nfour.")]
+
+
+def test_a_keepalive_keeps_a_quiet_session_open_and_nothing_else():
+    session = make_session()
+    session.open({}, 0.0)
+    assert session.receive_message(msg(type="keepalive"), now=50.0) == []
+    assert session.check_idle(now=100.0) == []  # 50 s after the keepalive
+    session.heard(now=105.0)  # a WebSocket ping
+    assert session.check_idle(now=164.9) == []
+    assert only_error(session.check_idle(now=165.0))["code"] == "idle_timeout"
+    other = make_session()
+    other.open({}, 0.0)
+    error = only_error(other.receive_message(msg(type="keepalive", context_id="c"), now=1.0))
+    assert error["code"] == "bad_message" and "context_id" in error["message"]
+
+
+def test_audio_going_out_counts_as_activity():
+    session = make_session()
+    session.open({}, 0.0)
+    session.receive_message(msg(type="text", text="Hi"), now=0.0)
+    session.audio_ready(0, np.zeros(1600, np.float32), [], 0.0, now=59.0)
+    assert session.check_idle(now=100.0) == []
+
+
+def test_a_session_chooses_its_inactivity_timeout_within_the_bound():
+    session = make_session()
+    session.open({"inactivity_timeout": "5"}, 0.0)
+    assert session.check_idle(now=4.9) == [] and only_error(session.check_idle(now=5.0))["code"] == "idle_timeout"
+    longest = make_session()
+    longest.open({"inactivity_timeout": "180"}, 0.0)
+    assert longest.check_idle(now=179.0) == []
+    for value in ("181", "0", "-1", "soon", "nan", "inf"):
+        actions = make_session().open({"inactivity_timeout": value}, 0.0)
+        error = only_error(actions)
+        assert error["code"] == "bad_message" and "inactivity_timeout" in error["message"], value
+        assert actions[-1] == CloseSession(1008, error["message"])

@@ -144,7 +144,7 @@ async def test_contexts_interleave_on_one_socket(gateway):
         for cid in ("a", "b"):
             await ws.send(orjson.dumps({"type": "text", "context_id": cid, "text": LONG_TEXT[:400]}).decode())
             await ws.send(orjson.dumps({"type": "end", "context_id": cid}).decode())
-        order, seqs, done = [], {"a": [], "b": []}, set()
+        order, seqs, words, done = [], {"a": [], "b": []}, {"a": [], "b": []}, set()
         while done != {"a", "b"}:
             frame = orjson.loads(await until(ws.recv(), 30))
             if frame["type"] == "audio":
@@ -153,9 +153,13 @@ async def test_contexts_interleave_on_one_socket(gateway):
                 seqs[frame["context_id"]].append(frame["seq"])
             elif frame["type"] == "done":
                 done.add(frame["context_id"])
+            elif frame["type"] == "alignment":
+                words[frame["context_id"]] += [word["text"] for word in frame["words"]]
             else:
                 pytest.fail(f"unexpected frame {frame}")
     assert seqs["a"] == list(range(len(seqs["a"]))) and seqs["b"] == list(range(len(seqs["b"])))
+    # Each context's word timings are its own words, whatever the interleaving.
+    assert words["a"] == words["b"] == LONG_TEXT[:400].split()
     # Both are spoken at once: b's audio starts before a's has all been sent.
     assert order.index("b") < len(order) - 1 - order[::-1].index("a")
 
@@ -263,6 +267,62 @@ async def test_idle_socket_is_closed(piper_engine):
             assert frame["type"] == "error" and frame["code"] == "idle_timeout"
             with pytest.raises(ConnectionClosed):
                 await until(ws.recv())
+
+
+async def _keep_alive(ws, how: str, seconds: float) -> None:
+    """Nothing but pings, or nothing but `keepalive` messages, every 0.1 s for ``seconds``."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while loop.time() < end:
+        if how == "ping":
+            await ws.ping()
+        else:
+            await ws.send('{"type":"keepalive"}')
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", ["ping", "keepalive"])
+async def test_pings_or_keepalives_alone_keep_a_quiet_session_open(piper_engine, how):
+    async with running_gateway(make_config(limits={"idle_timeout_s": 0.4}), piper_engine) as gw:
+        async with connect(ws_url(gw), ping_interval=None) as ws:  # no pings of the library's own
+            await recv_json(ws)
+            keeping = asyncio.create_task(_keep_alive(ws, how, 1.2))  # three idle timeouts
+            with pytest.raises(TimeoutError):  # nothing comes: no idle_timeout
+                await asyncio.wait_for(ws.recv(), 1.3)
+            await keeping
+            assert len(gw.sessions) == 1
+            # Still a working session.
+            await ws.send('{"type":"text","text":"Still here."}')
+            await ws.send('{"type":"end"}')
+            _, _, done = await read_context(ws)
+            assert done["type"] == "done"
+            # Once the client falls silent, the timeout closes it.
+            frame = await recv_json(ws, timeout=5)
+            assert frame["type"] == "error" and frame["code"] == "idle_timeout"
+            assert "keepalive" in frame["message"]
+            with pytest.raises(ConnectionClosed) as closed:
+                await until(ws.recv())
+            assert closed.value.rcvd.code == 1000
+
+
+async def test_the_client_chooses_its_inactivity_timeout_within_the_bound(gateway):
+    async with connect(ws_url(gateway, "inactivity_timeout=0.3"), ping_interval=None) as ws:
+        await recv_json(ws)
+        frame = await recv_json(ws, timeout=5)  # long before the gateway's own 60 s
+        assert frame["type"] == "error" and frame["code"] == "idle_timeout"
+    async with connect(ws_url(gateway, "inactivity_timeout=181")) as ws:
+        frame = await recv_json(ws)
+        assert frame["code"] == "bad_message" and "at most 180" in frame["message"]
+        with pytest.raises(ConnectionClosed) as closed:
+            await until(ws.recv())
+        assert closed.value.rcvd.code == 1008
+
+
+async def test_the_python_client_pings_a_quiet_session_open(gateway):
+    async with TTSClient.connect(ws_url(gateway), inactivity_timeout=0.4) as tts:
+        await asyncio.sleep(1.2)  # three of its inactivity timeouts, without a message
+        audio = await until(tts.context().speak("Still here."), 30)
+        assert audio and not tts.closed
 
 
 class _FailingEngine(StubEngine):
@@ -506,6 +566,6 @@ async def test_fixed_voice_engine_refuses_voice_registration(gateway):
     form.add_field("name", "x"), form.add_field("text", "words")
     form.add_field("audio", b"RIFF....", filename="p.wav", content_type="audio/wav")
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"http://127.0.0.1:{gateway.http.port}/v1/voices", data=form) as response:
+        async with http.post(f"http://127.0.0.1:{gateway.port}/v1/voices", data=form) as response:
             assert response.status == 501
             assert (await response.json())["error"]["code"] == "not_supported"

@@ -21,7 +21,7 @@ from tests.gateway.test_protocol import Word, frames, make_session, msg, only_er
 
 def test_every_frame_the_gateway_sends_has_exactly_the_wire_fields():
     session = make_session(default_sample_rate=22050)
-    sent = [*session.open({})]
+    sent = [*session.open({}, 0.0)]
     sent += session.receive_message(msg(type="text", context_id="a", text="Hello"), now=0.0)
     sent += session.audio_ready(0, tone(0.1), [Word("Hello", 0.0, 0.1)], 0.01, now=0.1)
     sent += session.receive_message(msg(type="end", context_id="a"), now=0.2)
@@ -116,7 +116,7 @@ def test_engine_failure_ends_every_context_then_the_session_as_the_wire_says():
 
 SESSION_ERRORS = [
     (ErrorCode.BAD_MESSAGE, lambda s: s.receive_message("not json", now=1.0)),
-    (ErrorCode.IDLE_TIMEOUT, lambda s: s.idle_timeout()),
+    (ErrorCode.IDLE_TIMEOUT, lambda s: s.check_idle(now=1e6)),
     (ErrorCode.OVERLOADED, lambda s: s.client_not_reading()),
     (ErrorCode.ENGINE_FAILED, lambda s: s.engine_failed("the backend died")),
 ]
@@ -125,7 +125,7 @@ SESSION_ERRORS = [
 @pytest.mark.parametrize("code, step", SESSION_ERRORS, ids=[str(case[0]) for case in SESSION_ERRORS])
 def test_a_session_error_after_ready_ends_the_session_exactly_when_the_wire_says(code, step):
     session = make_session()
-    session.open({})
+    session.open({}, 0.0)
     _open(session)
     actions = step(session)
     # engine_failed first ends each open context with an error of its own.

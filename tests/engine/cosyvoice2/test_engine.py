@@ -158,7 +158,7 @@ async def post_voice(gw, fields: dict, headers: dict | None = None):
         else:
             form.add_field(name, value)
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"http://127.0.0.1:{gw.http.port}/v1/voices", data=form, headers=headers) as response:
+        async with http.post(f"http://127.0.0.1:{gw.port}/v1/voices", data=form, headers=headers) as response:
             return response.status, await response.json()
 
 
