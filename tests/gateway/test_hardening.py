@@ -4,8 +4,10 @@ engines that refuse an utterance."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import socket
 from types import SimpleNamespace
 
 import numpy as np
@@ -205,3 +207,21 @@ async def test_a_client_cut_off_as_its_context_finishes_leaves_no_context_counte
         runner.apply(runner.session.utterance_finished(context.key, 0.0))
         assert runner.session.closed  # cut off
         assert "tts_active_contexts 0.0" in gw.metrics.render().decode()
+
+
+async def test_hostile_frames_from_a_socket_that_never_reads_stay_within_the_send_buffer():
+    """The issue's reproduction over a real socket, shortened: a client that never reads sends
+    frames of an unknown 60,000-character type. The gateway never holds more than its send
+    buffer for it (before: every error echoed the type; 1,500 frames grew the gateway by 120 MB)."""
+    limit = 65536
+    async with running_gateway(make_config(limits={"send_buffer_bytes": limit}), ScriptedEngine()) as gw:
+        stuck = await connect(ws_url(gw), max_queue=1)
+        stuck.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        hostile = orjson.dumps({"type": "x" * 60_000}).decode()
+        peak = 0
+        with contextlib.suppress(ConnectionClosed):
+            for _ in range(100):
+                await stuck.send(hostile)
+                peak = max([peak, *(runner.outbox.queued_bytes for runner in gw.sessions)])
+        assert peak <= limit
+        stuck.transport.abort()
