@@ -31,6 +31,7 @@ RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 STALL_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LOOP_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 LOOP_LAG_PERIOD_S = 0.05
+LOOP_TASKS_EVERY = 20  # loop-lag ticks between two counts of the loop's tasks (once a second)
 
 
 class Metrics:
@@ -74,6 +75,9 @@ class Metrics:
             buckets=LOOP_LAG_BUCKETS,
             registry=r,
         )
+        self.loop_tasks = Gauge(
+            "tts_event_loop_tasks", "Tasks alive on the gateway's event loop (a leak shows as growth).", registry=r
+        )
         r.register(_EngineCollector(engine_name, engine_stats))
         self._engine_stats = engine_stats
         self.rolling = RollingStats()
@@ -116,10 +120,14 @@ class Metrics:
         lag here is a delay for all of them at once (and on a GPU host, often a CPU-bound
         thread holding the GIL)."""
         loop = asyncio.get_running_loop()
+        tick = 0
         while True:
             due = loop.time() + LOOP_LAG_PERIOD_S
             await asyncio.sleep(LOOP_LAG_PERIOD_S)
             self.loop_lag.observe(max(0.0, loop.time() - due))
+            if tick % LOOP_TASKS_EVERY == 0:
+                self.loop_tasks.set(len(asyncio.all_tasks(loop)))
+            tick += 1
 
     # ------------------------------------------------------------ reading
 

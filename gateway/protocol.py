@@ -12,6 +12,7 @@ Each context inside a session moves through explicit states::
         |                 |
         +--cancel---------+--> (cancelled, removed)
         +--engine failed--+--> (error internal, removed)
+        +--engine can serve no more--> (error engine_failed, removed; the session closes)
 
 A removed context's id may be reused for a new context. Engine events carry the
 context's ``key`` (unique per session), so late audio from a cancelled utterance can
@@ -53,7 +54,12 @@ from gateway.wire import (
     CloseCode,
     ErrorCode,
     GatewayMessage,
+    control_character_error,
 )
+
+# Values a client sent are quoted in error messages up to this many characters: an error
+# frame must never be an echo that makes a client's garbage cost the gateway memory twice.
+MAX_QUOTED_CHARS = 64
 
 
 # ---------------------------------------------------------------- actions
@@ -221,7 +227,7 @@ class Session:
             unknown = set(query) - SESSION_QUERY_PARAMETERS
             if unknown:
                 raise ProtocolError(
-                    ErrorCode.BAD_MESSAGE, f"unknown query parameter(s): {', '.join(sorted(unknown))}"
+                    ErrorCode.BAD_MESSAGE, f"unknown query parameter(s): {quoted(', '.join(sorted(unknown)))}"
                 )
             if "voice" in query:
                 self.voice = self._check_voice(query["voice"])
@@ -280,6 +286,24 @@ class Session:
             ErrorCode.OVERLOADED, "client is not reading its audio; send buffer full", "client not reading"
         )
 
+    def refuse_engine_failed(self, reason: str) -> list[Action]:
+        """The engine can serve no more: refuse the session (1011) instead of ``ready``."""
+        return self._refuse(
+            ErrorCode.ENGINE_FAILED, f"the speech engine failed: {reason}", CloseCode.INTERNAL_ERROR, "engine failed"
+        )
+
+    def engine_failed(self, reason: str) -> list[Action]:
+        """The engine can serve no more: every open context ends with ``engine_failed``, then the
+        session does (1011), so that its client reconnects (to another gateway, or to this one
+        once its supervisor has restarted it)."""
+        if self.closed:
+            return []
+        message = f"the speech engine failed: {reason}"
+        actions: list[Action] = []
+        for context in list(self.contexts.values()):
+            actions += self._context_error(context.context_id, ErrorCode.ENGINE_FAILED, message)
+        return actions + self._session_error(ErrorCode.ENGINE_FAILED, message, "engine failed")
+
     def start_drain(self) -> list[Action]:
         """Shutdown begins: running contexts may finish, new ones are refused, and the session
         closes (1001) as soon as it has none, so that its client reconnects to another gateway
@@ -322,7 +346,7 @@ class Session:
             kind = message.get("type")
             if not isinstance(kind, str) or kind not in CLIENT_FIELDS:  # a list or object is unhashable
                 raise ProtocolError(
-                    ErrorCode.BAD_MESSAGE, f"unknown message type {kind!r}; expected text, flush, end, cancel or keepalive"
+                    ErrorCode.BAD_MESSAGE, f"unknown message type {quoted(kind)}; expected text, flush, end, cancel or keepalive"
                 )
             context_id = message.get("context_id", DEFAULT_CONTEXT)
             if not isinstance(context_id, str) or not 0 < len(context_id) <= MAX_CONTEXT_ID_CHARS:
@@ -334,7 +358,7 @@ class Session:
         try:
             extra = set(message) - CLIENT_FIELDS[kind]
             if extra:
-                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"unknown field(s) for {kind}: {', '.join(sorted(extra))}")
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"unknown field(s) for {kind}: {quoted(', '.join(sorted(extra)))}")
             if kind == ClientMessage.KEEPALIVE:
                 return []  # its arrival was the point
             if kind == ClientMessage.TEXT:
@@ -357,6 +381,9 @@ class Session:
         text = message.get("text")
         if not isinstance(text, str):
             raise ProtocolError(ErrorCode.BAD_MESSAGE, "text must be a string")
+        refused = control_character_error(text)
+        if refused is not None:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, refused)
         context = self.contexts.get(context_id)
         if context is not None:
             self._check_same_options(context, message)
@@ -418,7 +445,7 @@ class Session:
     def _check_voice(self, voice: Any) -> str:
         if not isinstance(voice, str) or voice not in self._voice_ids:
             raise ProtocolError(
-                ErrorCode.UNKNOWN_VOICE, f"unknown voice {voice!r}; available: {', '.join(sorted(self._voice_ids))}"
+                ErrorCode.UNKNOWN_VOICE, f"unknown voice {quoted(voice)}; available: {', '.join(sorted(self._voice_ids))}"
             )
         return voice
 
@@ -439,7 +466,7 @@ class Session:
         if isinstance(rate, bool) or not isinstance(rate, int) or rate not in SAMPLE_RATES:
             raise ProtocolError(
                 ErrorCode.UNSUPPORTED_FORMAT,
-                f"unsupported sample_rate {rate!r}; supported: {', '.join(map(str, sorted(SAMPLE_RATES)))}",
+                f"unsupported sample_rate {quoted(rate)}; supported: {', '.join(map(str, sorted(SAMPLE_RATES)))}",
             )
         return rate
 
@@ -448,7 +475,7 @@ class Session:
         if encoding not in ENCODINGS:
             raise ProtocolError(
                 ErrorCode.UNSUPPORTED_FORMAT,
-                f"unsupported encoding {encoding!r}; supported: {', '.join(sorted(ENCODINGS))}",
+                f"unsupported encoding {quoted(encoding)}; supported: {', '.join(sorted(ENCODINGS))}",
             )
         return encoding
 
@@ -586,6 +613,12 @@ class Session:
 
 def _error(code: ErrorCode, message: str, context_id: str | None) -> SendJson:
     return SendJson({"type": GatewayMessage.ERROR, "code": str(code), "message": message, "context_id": context_id})
+
+
+def quoted(value: Any) -> str:
+    """``repr(value)`` for an error message, cut to MAX_QUOTED_CHARS with an ellipsis."""
+    text = repr(value)
+    return text if len(text) <= MAX_QUOTED_CHARS else text[: MAX_QUOTED_CHARS - 1] + "…"
 
 
 def _parse_int(value: str) -> int | str:

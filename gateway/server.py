@@ -53,6 +53,8 @@ log = logging.getLogger("tts_gateway")
 # A cut-off client gets this long to take its error frame and close before the
 # connection is aborted.
 CUT_OFF_GRACE_S = 2.0
+# How often the gateway asks its engine whether it can still serve (Engine.failure()).
+ENGINE_CHECK_INTERVAL_S = 0.25
 
 
 class Gateway:
@@ -71,6 +73,10 @@ class Gateway:
         self.http = HttpApi(engine, config, self.metrics, self)
         self._server: Server | None = None
         self._loop_lag: asyncio.Task | None = None
+        self._engine_watch: asyncio.Task | None = None
+        # Why the engine can serve no more (then the gateway ends its sessions and exits), or None.
+        self.engine_failure: str | None = None
+        self._engine_failed = asyncio.Event()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -103,6 +109,7 @@ class Gateway:
             await self.engine.start()
         self.ready = True
         self.metrics.ready.set(1)
+        self._engine_watch = asyncio.create_task(self._watch_engine())
         log.info("engine %s ready (native %d Hz)", self.engine.name, self.engine.sample_rate)
 
     async def drain(self, timeout: float | None = None) -> None:
@@ -138,22 +145,43 @@ class Gateway:
             self._server.close()
             await self._server.wait_closed()
         await self.metrics.gpu.stop()
-        if self._loop_lag is not None:
-            self._loop_lag.cancel()
+        for task in (self._loop_lag, self._engine_watch):
+            if task is not None:
+                task.cancel()
         if self._owns_engine:
             await self.engine.close()
 
     async def serve_forever(self) -> None:
-        """Run until SIGTERM/SIGINT, then drain and stop."""
+        """Run until SIGTERM/SIGINT, then drain and stop; or until the engine fails, then drain,
+        stop and raise :class:`EngineError`, so that the process exits non-zero and its
+        supervisor restarts it."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await self.start()
-        await stop.wait()
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._engine_failed.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in waits:
+            task.cancel()
         log.info("draining (up to %.1f s)", self.config.server.drain_timeout_s)
         await self.drain()
         await self.stop()
+        if self.engine_failure is not None:
+            raise EngineError(f"the speech engine failed ({self.engine_failure}); exiting for a restart")
+
+    async def _watch_engine(self) -> None:
+        """An engine that can serve no more (a dead backend, a stage that stopped making
+        progress) ends every open context and session at once, turns /readyz to 503 and
+        stops the gateway (serve_forever exits non-zero)."""
+        while (failure := self.engine.failure()) is None:
+            await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
+        log.error("engine %s failed: %s; ending every session", self.engine.name, failure)
+        self.engine_failure = failure
+        self.metrics.ready.set(0)  # /readyz reads engine.failure(); a new session is refused (1011)
+        for runner in list(self.sessions):
+            runner.apply(runner.session.engine_failed(failure))
+        self._engine_failed.set()
 
     # ------------------------------------------------------------ admission
 
@@ -287,8 +315,10 @@ class SessionRunner:
         writer = asyncio.create_task(self._write())
         watchdog: asyncio.Task | None = None
         try:
+            if gateway.engine_failure is not None:
+                self.apply(self.session.refuse_engine_failed(gateway.engine_failure))
             # The place this session took counts: more than the limit means one too many.
-            if len(gateway.sessions) + len(gateway.http.speeches) > gateway.config.limits.max_sessions or gateway.draining:
+            elif len(gateway.sessions) + len(gateway.http.speeches) > gateway.config.limits.max_sessions or gateway.draining:
                 self.apply(self.session.refuse_overloaded())
             else:
                 gateway.metrics.sessions.inc()
@@ -324,23 +354,25 @@ class SessionRunner:
     # ------------------------------------------------------------ actions
 
     def apply(self, actions: Iterable[Action]) -> None:
-        pending = collections.deque(actions)
-        while pending:
-            action = pending.popleft()
+        for action in actions:
             match action:
                 case SendJson(frame):
-                    self._send_json(frame, pending)
+                    self._send_json(frame)
                 case SendBytes(data):
                     if not self._cut_off:
                         self.outbox.put(data, text=False)
                 case StartUtterance(key, voice, speed):
                     self._start_utterance(key, voice, speed)
+                # An utterance that failed to open has none: its context has already ended.
                 case PushText(key, text):
-                    self._utterances[key].push_text(text)
+                    if (utterance := self._utterances.get(key)) is not None:
+                        utterance.push_text(text)
                 case FlushInput(key):
-                    self._utterances[key].flush()
+                    if (utterance := self._utterances.get(key)) is not None:
+                        utterance.flush()
                 case EndInput(key):
-                    self._utterances[key].end_input()
+                    if (utterance := self._utterances.get(key)) is not None:
+                        utterance.end_input()
                 case CancelUtterance(key):
                     self._stop_utterance(key)
                 case ContextFinished():
@@ -348,27 +380,31 @@ class SessionRunner:
                 case CloseSession(code, reason):
                     self.outbox.put_close(code, reason)
 
-    def _send_json(self, frame: dict, pending: collections.deque) -> None:
+    def _send_json(self, frame: dict) -> None:
         if self._cut_off:
             return
         data = orjson.dumps(frame)
         kind = frame["type"]
+        # Every frame counts against the send buffer, not audio only: a client that sends
+        # bad messages and reads none of the errors is as stuck as one that reads no audio.
+        # An audio header reserves room for its binary frame too: a pair is never split.
+        # An empty outbox always takes a frame (or pair), however large.
+        needed = len(data) + (frame["bytes"] if kind == GatewayMessage.AUDIO else 0)
+        if self.outbox.queued_bytes and not self.outbox.has_room(needed):
+            self._cut_off_slow_reader()
+            return
         if kind == GatewayMessage.AUDIO:
-            # The header reserves room for its binary frame too: a pair is never split.
-            # An empty outbox always takes a pair, however large one chunk is.
-            if self.outbox.queued_bytes and not self.outbox.has_room(len(data) + frame["bytes"]):
-                self._cut_off_slow_reader(pending)
-                return
             self.gateway.metrics.audio(frame["duration_ms"] / 1000.0)
         elif kind == GatewayMessage.ERROR:
             self.gateway.metrics.error(frame["code"])
         self.outbox.put(data, text=True)
 
-    def _cut_off_slow_reader(self, pending: collections.deque) -> None:
+    def _cut_off_slow_reader(self) -> None:
         log.warning("session %s: client not reading, cutting it off", self.session.session_id)
-        pending.clear()  # the rest of this batch was audio for the client being cut off
+        # The rest of this batch still runs (it may finish a context: its metrics must see
+        # that); its frames are dropped, since nothing is sent once the client is cut off.
         self.outbox.clear()
-        # Cancels every context, queues the error frame (not audio: it always fits)
+        # Cancels every context, queues the error frame (the outbox is empty: it fits)
         # and the close; nothing is sent after that.
         self.apply(self.session.client_not_reading())
         self._cut_off = True
@@ -379,12 +415,18 @@ class SessionRunner:
             self.connection.transport.abort()
 
     def _start_utterance(self, key: int, voice: str, speed: float) -> None:
+        # Counted first: the context finishes (and is counted out) whether or not it opens.
+        self.gateway.metrics.context_started()
         try:
             utterance = self.gateway.engine.open_utterance(UtteranceOptions(voice=voice, speed=speed))
         except EngineError as exc:
+            log.warning("session %s: engine refused an utterance: %s", self.session.session_id, exc)
             self.apply(self.session.utterance_failed(key, str(exc)))
             return
-        self.gateway.metrics.context_started()
+        except Exception:
+            log.exception("session %s: unexpected failure opening an utterance", self.session.session_id)
+            self.apply(self.session.utterance_failed(key, "unexpected engine failure"))
+            return
         self._utterances[key] = utterance
         self._pumps[key] = asyncio.create_task(self._pump(key, utterance))
 

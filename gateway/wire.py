@@ -11,6 +11,7 @@ Standard library only: the client installs without the gateway's dependencies.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -27,6 +28,11 @@ CLIENT_PING_INTERVAL_S = 10.0
 DEFAULT_CONTEXT = "default"  # the context of messages that name none
 MAX_CONTEXT_ID_CHARS = 128
 SPEED_RANGE = (0.5, 2.0)  # speaking rate, 1.0 is normal
+# Text to speak may hold these control characters (ordinary whitespace); any other
+# (U+0000-U+001F, U+007F-U+009F) is refused: it has no sound, and engines' text
+# front ends are not written for it (a NUL broke one).
+ALLOWED_CONTROL_CHARACTERS = "\t\n\r"
+_REFUSED_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 SAMPLE_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
 # Every encoding is mono; each sample takes this many bytes on the wire.
@@ -90,6 +96,7 @@ class ErrorCode(enum.StrEnum):
     OVERLOADED = "overloaded"
     IDLE_TIMEOUT = "idle_timeout"  # nothing from the client and no audio for the inactivity timeout
     INTERNAL = "internal"
+    ENGINE_FAILED = "engine_failed"  # the speech engine can serve no more; the gateway restarts
 
 
 class CloseCode(enum.IntEnum):
@@ -100,7 +107,7 @@ class CloseCode(enum.IntEnum):
     PROTOCOL_ERROR = 1002  # the client's, when the gateway broke the framing rules
     POLICY = 1008  # bad session defaults, or a client cut off for not reading its audio
     MESSAGE_TOO_BIG = 1009  # a client frame over the gateway's size limit
-    INTERNAL_ERROR = 1011  # the client's, when its own reader failed
+    INTERNAL_ERROR = 1011  # the gateway's speech engine failed (engine_failed); the client's, when its reader failed
     TRY_AGAIN_LATER = 1013  # refused: the gateway is at its session limit or shutting down
 
 
@@ -113,8 +120,23 @@ class CloseCode(enum.IntEnum):
 SESSION_ENDING_CODES: Mapping[ErrorCode, CloseCode] = MappingProxyType({
     ErrorCode.IDLE_TIMEOUT: CloseCode.NORMAL,
     ErrorCode.OVERLOADED: CloseCode.POLICY,  # the client did not read its audio
+    ErrorCode.ENGINE_FAILED: CloseCode.INTERNAL_ERROR,  # every context has ended with it too
 })
 # - An error for a context whose code is in this set dropped only the offending message:
 #   a context that was open stays open. Any other code means the context was refused or
 #   has ended (no `done` follows).
 CONTEXT_SURVIVING_CODES = frozenset({ErrorCode.BAD_MESSAGE, ErrorCode.TEXT_TOO_LONG})
+
+
+def control_character_error(text: str) -> str | None:
+    """Why ``text`` may not be spoken (it holds a refused control character), or None.
+
+    One rule for every route that takes text (the WebSocket's ``text`` frames, the HTTP
+    speech route's ``input``), so that they refuse the same input with the same words."""
+    found = _REFUSED_CONTROL.search(text)
+    if found is None:
+        return None
+    return (
+        f"text holds control character U+{ord(found.group()):04X} at position {found.start()}; "
+        "only tab, newline and carriage return are allowed"
+    )

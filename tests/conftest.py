@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 import pytest
 import pytest_asyncio
 
+from engine.base import Engine, Voice
 from engine.piper.engine import PiperEngine
 from engine.piper.settings import PiperSettings
 from gateway.config import Config, load_config
@@ -25,6 +26,28 @@ def make_config(**sections: dict) -> Config:
     for section, values in sections.items():
         config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})
     return dataclasses.replace(config, server=dataclasses.replace(config.server, port=0))
+
+
+class StubEngine(Engine):
+    """An engine with nothing to load, speaking the voices named in ``voice_ids`` (the first
+    is the default); subclasses say what an utterance does."""
+
+    name = "stub"
+    sample_rate = 16000
+    voice_ids: tuple[str, ...] = ("x",)
+
+    async def start(self):
+        pass
+
+    async def close(self):
+        pass
+
+    def voices(self):
+        return [Voice(v, v, "en", self.name) for v in self.voice_ids]
+
+    @property
+    def default_voice(self):
+        return self.voice_ids[0]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -60,6 +60,7 @@ class CosyVoice2Engine(Engine):
         self.scheduler: Scheduler | None = None
         self._utterances: set[CosyVoice2Utterance] = set()
         self._prompts: dict[str, VoicePrompt] = {}
+        self._watchdog: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -133,6 +134,20 @@ class CosyVoice2Engine(Engine):
             first_chunk_lane=lane, first_chunk_by_load=settings.first_chunk_by_load,
         )
         await self._warm_up()
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """The watchdog: a stage that stopped making progress (Scheduler.stalled) or an LM
+        backend that died fails every utterance at once, and the engine reports itself failed
+        (failure()), instead of leaving its listeners waiting forever."""
+        timeout = self.settings.stall_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            reason = self.scheduler.stalled(timeout) or self.lm.failure()
+            if reason is not None:
+                log.error("the engine can serve no more: %s", reason)
+                self.scheduler.fail_all(reason)  # each utterance raises it, and cancels its LM stream
+                return
 
     def _runner(self, device: torch.device) -> Token2WavRunner:
         settings = self.settings
@@ -161,6 +176,8 @@ class CosyVoice2Engine(Engine):
         await drive(self.open_utterance(UtteranceOptions(self.default_voice)), discard, text="Hello.")
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for utterance in list(self._utterances):
             utterance.cancel()
         if self.scheduler is not None:
@@ -237,12 +254,17 @@ class CosyVoice2Engine(Engine):
     def open_utterance(self, options: UtteranceOptions) -> CosyVoice2Utterance:
         if self.scheduler is None or self.lm is None or self.models is None:
             raise EngineError("engine is not started")
+        failure = self.failure()
+        if failure is not None:
+            raise EngineError(f"the engine can serve no more: {failure}")
         prompt, prompt_text, prompt_speech = self._prompt(options.voice)
         utterance = CosyVoice2Utterance(self, prompt, prompt_text, prompt_speech, options.speed)
         self._utterances.add(utterance)
         return utterance
 
     def failure(self) -> str | None:
+        if self.scheduler is not None and self.scheduler.failure is not None:
+            return self.scheduler.failure
         return self.lm.failure() if self.lm is not None else None
 
     def stats(self) -> EngineStats:

@@ -148,6 +148,11 @@ class CosyVoice2Settings:
     # vLLM's own model runs in its engine core process, so true turns it back on in the
     # gateway's: on the H200 later-chunk calls took 20-37% less time (docs/cosyvoice2.md).
     flow_cudnn_attention: bool = True
+    # The watchdog: a token2wav call running this long, or an utterance whose text has all
+    # been sent waiting this long for its next speech token, means a stage has hung; the engine
+    # then fails every utterance and reports itself failed (the gateway ends its sessions and
+    # exits for a restart). Well above any healthy call or token gap, which take well under a second.
+    stall_timeout_s: float = 30.0
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
 
     def __post_init__(self) -> None:
@@ -179,6 +184,8 @@ class CosyVoice2Settings:
             raise ValueError("need 0 <= graph_max_batch <= max_batch")
         if not 1 <= self.graph_frame_step <= self.graph_max_frames:
             raise ValueError("need 1 <= graph_frame_step <= graph_max_frames")
+        if not self.stall_timeout_s > 0:
+            raise ValueError("stall_timeout_s must be > 0")
         if not 1 <= self.max_batch <= 1024:
             raise ValueError("max_batch must be between 1 and 1024")
 

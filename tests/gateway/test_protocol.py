@@ -328,6 +328,47 @@ def test_connection_lost_cancels_everything():
     assert session.contexts == {}
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        msg(type="x" * 60_000),
+        msg(type="text", text="Hi", voice="v" * 60_000),
+        msg(type="text", text="Hi", encoding="e" * 60_000),
+        msg(type="text", text="Hi", sample_rate=list(range(20_000))),
+        msg(type="end", **{f"field{i}": 1 for i in range(5_000)}),
+    ],
+)
+def test_errors_quote_client_input_short(message):
+    """An error never echoes a client's input at length: quoted values end in an ellipsis."""
+    session = make_session()
+    session.open({}, 0.0)
+    error = only_error(session.receive_message(message, 0.0))
+    assert len(error["message"]) < 200 and "…" in error["message"]
+
+
+def test_bad_query_parameter_names_are_quoted_short():
+    error = only_error(make_session().open({"p" * 60_000: "1"}, 0.0))
+    assert len(error["message"]) < 200
+
+
+@pytest.mark.parametrize("text", ["Hello \u0000 world.", "bell\u0007", "escape \u001b[31m", "del\u007f", "c1 \u0085"])
+def test_control_characters_in_text_are_refused(text):
+    session = make_session()
+    session.open({}, 0.0)
+    actions = session.receive_message(msg(type="text", context_id="c", text=text), 0.0)
+    error = only_error(actions)
+    assert error["code"] == "bad_message" and error["context_id"] == "c" and "control character" in error["message"]
+    assert not any(isinstance(a, (StartUtterance, PushText)) for a in actions)
+    assert session.idle  # the context was not opened
+
+
+def test_tabs_and_line_breaks_are_ordinary_text():
+    session = make_session(max_text_chars=100)
+    session.open({}, 0.0)
+    actions = session.receive_message(msg(type="text", text="One\ttwo\nthree\r\nfour."), 0.0)
+    assert [a for a in actions if isinstance(a, PushText)] == [PushText(0, "One\ttwo\nthree\r\nfour.")]
+
+
 def test_a_keepalive_keeps_a_quiet_session_open_and_nothing_else():
     session = make_session()
     session.open({}, 0.0)

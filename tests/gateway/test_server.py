@@ -14,13 +14,13 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from engine.base import AudioChunk, Engine, EngineError, Utterance, UtteranceOptions, Voice
+from engine.base import AudioChunk, EngineError, Utterance, UtteranceOptions
 from gateway.audio import decode
 from gateway.client import TTSClient
 from gateway.server import Gateway
 from gateway.wire import BYTES_PER_SAMPLE
 
-from tests.conftest import eventually, make_config, running_gateway, until, ws_url
+from tests.conftest import StubEngine, eventually, make_config, running_gateway, until, ws_url
 
 
 SENTENCE = "Hello there! The total is $3.50, due May 5th."
@@ -325,24 +325,10 @@ async def test_the_python_client_pings_a_quiet_session_open(gateway):
         assert audio and not tts.closed
 
 
-class _FailingEngine(Engine):
+class _FailingEngine(StubEngine):
     """Speaks nothing: every utterance fails once text arrives."""
 
     name = "failing"
-    sample_rate = 16000
-
-    async def start(self):
-        pass
-
-    async def close(self):
-        pass
-
-    def voices(self):
-        return [Voice("x", "x", "en", self.name)]
-
-    @property
-    def default_voice(self):
-        return "x"
 
     def open_utterance(self, options: UtteranceOptions) -> Utterance:
         return _FailingUtterance()

@@ -97,13 +97,28 @@ def test_a_context_outlives_an_error_exactly_when_the_wire_says(code, before, st
 
 
 def test_every_code_a_context_can_get_has_a_case_above():
-    assert {case[0] for case in CONTEXT_ERRORS} == set(ErrorCode) - {ErrorCode.IDLE_TIMEOUT}
+    # engine_failed ends every context and then the session: test_engine_failure_ends_... below.
+    assert {case[0] for case in CONTEXT_ERRORS} == set(ErrorCode) - {ErrorCode.IDLE_TIMEOUT, ErrorCode.ENGINE_FAILED}
+
+
+def test_engine_failure_ends_every_context_then_the_session_as_the_wire_says():
+    session = make_session()
+    _open_two(session)
+    actions = session.engine_failed("the backend died")
+    errors = frames(actions, "error")
+    assert [(e["code"], e["context_id"]) for e in errors] == [
+        (ErrorCode.ENGINE_FAILED, "c"), (ErrorCode.ENGINE_FAILED, "d"), (ErrorCode.ENGINE_FAILED, None)
+    ]
+    assert ErrorCode.ENGINE_FAILED not in CONTEXT_SURVIVING_CODES and session.contexts == {}
+    closes = [action.code for action in actions if isinstance(action, CloseSession)]
+    assert closes == [SESSION_ENDING_CODES[ErrorCode.ENGINE_FAILED]] and session.closed
 
 
 SESSION_ERRORS = [
     (ErrorCode.BAD_MESSAGE, lambda s: s.receive_message("not json", now=1.0)),
     (ErrorCode.IDLE_TIMEOUT, lambda s: s.check_idle(now=1e6)),
     (ErrorCode.OVERLOADED, lambda s: s.client_not_reading()),
+    (ErrorCode.ENGINE_FAILED, lambda s: s.engine_failed("the backend died")),
 ]
 
 
@@ -113,7 +128,8 @@ def test_a_session_error_after_ready_ends_the_session_exactly_when_the_wire_says
     session.open({}, 0.0)
     _open(session)
     actions = step(session)
-    error = only_error(actions)
+    # engine_failed first ends each open context with an error of its own.
+    error = only_error([a for a in actions if not (hasattr(a, "frame") and a.frame.get("context_id"))])
     assert (error["code"], error["context_id"]) == (code, None)
     closes = [action.code for action in actions if isinstance(action, CloseSession)]
     if code in SESSION_ENDING_CODES:
@@ -124,3 +140,11 @@ def test_a_session_error_after_ready_ends_the_session_exactly_when_the_wire_says
 
 def test_every_session_ending_code_has_a_case_above():
     assert set(SESSION_ENDING_CODES) <= {case[0] for case in SESSION_ERRORS}
+
+
+def test_control_character_rule_is_one_function_for_every_route():
+    from gateway.wire import control_character_error
+
+    assert control_character_error("Tabs\tand\nline\r\nbreaks are text.") is None
+    message = control_character_error("Hello \u0000 world.")
+    assert message is not None and "U+0000" in message and "position 6" in message

@@ -106,6 +106,9 @@ class Request:
     text_at: float | None = None
     first_token_at: float | None = None
     ready_at: float | None = None
+    # The LM stage's last sign of life for this request: its latest speech token or the end of
+    # its input, whichever came later (the watchdog's view; Scheduler.stalled()).
+    lm_progress_at: float | None = None
 
     def advance(self, status: RequestStatus) -> None:
         """Move to ``status``; ValueError for a move the state machine does not have. Any

@@ -39,6 +39,9 @@ EARLY_MAX_BATCH_S = 0.3
 # First chunks the first-chunk lane runs in one call (its graphs' largest batch).
 FIRST_LANE_MAX_BATCH = 8
 END = object()  # the last item of a request's output
+# How long stop() waits for each worker thread: a thread stuck in a call (the watchdog's
+# case) is left behind, a daemon, rather than holding the process up.
+STOP_JOIN_S = 5.0
 
 
 def short_first_chunk_fits(playable_s: float, next_tokens: int, token_s: float, call_s: float, busy: bool) -> bool:
@@ -81,11 +84,14 @@ class Scheduler:
         self.running = 0
         self.latency = LatencyBook()
         self._stopping = False
-        self._threads = [threading.Thread(target=self._run, name="cosyvoice2-token2wav", daemon=True)]
+        # Why the scheduler can serve no more (a worker thread died, the watchdog saw a stall).
+        self.failure: str | None = None
+        self._calls_since: dict[int, float] = {}  # worker thread ident -> start of its call in flight
+        self._threads = [threading.Thread(target=self._guarded(self._run), name="cosyvoice2-token2wav", daemon=True)]
         if first_chunk_lane is not None:
-            self._threads.append(
-                threading.Thread(target=self._run_first_chunk_lane, name="cosyvoice2-token2wav-first", daemon=True)
-            )
+            self._threads.append(threading.Thread(
+                target=self._guarded(self._run_first_chunk_lane), name="cosyvoice2-token2wav-first", daemon=True
+            ))
         for thread in self._threads:
             thread.start()
 
@@ -94,6 +100,9 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Schedule a new request (it runs once its first chunk's tokens are there)."""
         with self.lock:
+            if self.failure is not None:
+                self._fail(request, EngineError(self.failure))
+                return
             self.requests.add(request)
 
     def text_sent(self, request: Request) -> None:
@@ -107,6 +116,7 @@ class Scheduler:
                 return
             if request.first_token_at is None:
                 request.first_token_at = now
+            request.lm_progress_at = now
             request.tokens.extend(tokens)
             self._mark_ready(request, now)
             self.wake.notify_all()
@@ -116,6 +126,7 @@ class Scheduler:
         with self.lock:
             if request.status is RequestStatus.OPEN:
                 request.advance(RequestStatus.INPUT_ENDED)
+                request.lm_progress_at = time.monotonic()
 
     def tokens_done(self, request: Request) -> None:
         """The LM stage has produced the request's last speech token (before the input ended, if
@@ -182,7 +193,47 @@ class Scheduler:
             self._stopping = True
             self.wake.notify_all()
         for thread in self._threads:
-            thread.join()
+            thread.join(STOP_JOIN_S)
+            if thread.is_alive():
+                log.warning("%s is still in a call; leaving it behind", thread.name)
+
+    # ------------------------------------------------------------ failure (any thread)
+
+    def fail_all(self, reason: str) -> None:
+        """The scheduler can serve no more: every request ends with an error, and so does any
+        request added later."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = reason
+            for request in list(self.requests):
+                self._fail(request, EngineError(reason))
+
+    def stalled(self, timeout_s: float) -> str | None:
+        """Why work has made no progress for ``timeout_s`` (a hung stage), or None: a token2wav
+        call running that long, or a request whose text has all been sent waiting that long
+        for its next speech token. Reads without the lock: a hung worker may hold it."""
+        now = time.monotonic()
+        for started in tuple(self._calls_since.values()):
+            if now - started > timeout_s:
+                return f"a token2wav call has run for more than {timeout_s:g} s"
+        for request in tuple(self.requests):
+            waiting_since = request.lm_progress_at
+            if request.status is RequestStatus.INPUT_ENDED and waiting_since is not None and now - waiting_since > timeout_s:
+                return f"the LM stage has produced no speech token for more than {timeout_s:g} s"
+        return None
+
+    def _guarded(self, work):
+        """A worker thread's loop; if it raises (outside a request's call, which fails only that
+        call's requests), the scheduler has lost a worker and fails everything."""
+
+        def run() -> None:
+            try:
+                work()
+            except Exception as exc:
+                log.exception("token2wav worker thread failed")
+                self.fail_all(f"the token2wav worker failed: {exc}")
+
+        return run
 
     # ------------------------------------------------------------ picking work (under the lock)
 
@@ -360,12 +411,15 @@ class Scheduler:
         jobs = [job for _, job in batch]
         call = call_kind(jobs)  # before the run: it moves the streams on
         started = time.monotonic()
+        self._calls_since[threading.get_ident()] = started  # the watchdog's view (stalled())
         try:
             audio = self.runner.run(jobs, lane)
             error = None
         except Exception as exc:  # delivered to each request of the call
             log.exception("token2wav failed")
             error = EngineError(f"audio generation failed: {exc}")
+        finally:
+            del self._calls_since[threading.get_ident()]
         now = time.monotonic()
         compute_s = (now - started) / max(len(batch), 1)
         with self.lock:

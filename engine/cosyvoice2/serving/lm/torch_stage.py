@@ -191,6 +191,7 @@ class TorchLMBackend:
 
 
 _END = object()
+CLOSE_JOIN_S = 5.0  # how long close() waits for each utterance's thread
 
 
 class TorchLMStage(LMStage):
@@ -213,7 +214,8 @@ class TorchLMStage(LMStage):
         streams = list(self._streams)
         for stream in streams:
             stream.cancel()
-        await asyncio.gather(*(asyncio.to_thread(s.thread.join) for s in streams))
+        # Bounded: a thread stuck in the model (the engine's watchdog's case) is left behind, a daemon.
+        await asyncio.gather(*(asyncio.to_thread(s.thread.join, CLOSE_JOIN_S) for s in streams))
 
 
 class _TorchStream(LMStream):
