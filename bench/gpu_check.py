@@ -95,6 +95,7 @@ log_level = "info"
 [limits]
 max_sessions = 1024
 idle_timeout_s = 600
+max_inactivity_timeout_s = 600
 
 [engine]
 name = "cosyvoice2"

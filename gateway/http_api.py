@@ -37,7 +37,7 @@ from gateway.config import Config
 from gateway.metrics import Metrics
 from gateway.protocol import ContextFinished
 from gateway.stats import parse_window
-from gateway.wire import SPEED_RANGE, ErrorCode
+from gateway.wire import SPEED_RANGE, ErrorCode, control_character_error
 
 log = logging.getLogger("tts_gateway.http")
 
@@ -315,6 +315,8 @@ class HttpApi:
         text = body.get("input")
         if not isinstance(text, str) or not text.strip():
             raise _BadRequest(ErrorCode.BAD_MESSAGE, "input must be a non-empty string")
+        if (refused := control_character_error(text)) is not None:
+            raise _BadRequest(ErrorCode.BAD_MESSAGE, refused)
         if len(text) > self.max_text_chars:
             raise _BadRequest(ErrorCode.TEXT_TOO_LONG, f"input holds at most {self.max_text_chars} characters")
         voice = body.get("voice") or "default"

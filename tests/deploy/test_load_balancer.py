@@ -58,6 +58,28 @@ async def until_status(url: str, status: int, timeout: float) -> None:
         await asyncio.sleep(0.2)
 
 
+def served_by(url: str) -> str | None:
+    """The replica the balancer sent a request to (its X-Served-By header)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.headers.get("X-Served-By")
+    except OSError:
+        return None
+
+
+async def until_in_rotation(url: str, replicas: int, timeout: float) -> None:
+    """Until the balancer's health checks have every replica up: with no load, leastconn
+    takes turns, so a few requests reach them all."""
+    deadline = time.monotonic() + timeout
+    seen: set[str] = set()
+    while len(seen) < replicas:
+        assert time.monotonic() < deadline, f"the balancer only sends to {sorted(seen)}"
+        name = await asyncio.to_thread(served_by, url)
+        if name is not None:
+            seen.add(name)
+        await asyncio.sleep(0.1)
+
+
 def active_sessions(port: int) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
@@ -140,7 +162,7 @@ async def test_rolling_restart_behind_haproxy_loses_no_reply(tmp_path: Path) -> 
         for port in ports:
             await until_status(f"http://127.0.0.1:{port}/readyz", 200, 120)
         url = f"ws://127.0.0.1:{listen}{STREAM_PATH}"
-        await until_status(f"http://127.0.0.1:{listen}/readyz", 200, 30)
+        await until_in_rotation(f"http://127.0.0.1:{listen}/healthz", REPLICAS, 30)
         for session in range(SESSIONS):
             agents.append(asyncio.create_task(speak_until(url, session, stop, traffic)))
             await asyncio.sleep(0.05)

@@ -108,6 +108,7 @@ async def test_disconnect_cancels_the_utterance(gateway):
         ({"voice": "joe"}, "bad_message"),
         ({"input": ""}, "bad_message"),
         ({"input": 5}, "bad_message"),
+        ({"input": "Hello \u0000 world."}, "bad_message"),
         ({"input": "x" * 20_001}, "text_too_long"),
         ({"input": "Hi.", "voice": "nobody"}, "unknown_voice"),
         ({"input": "Hi.", "voice": ["joe"]}, "unknown_voice"),
