@@ -221,6 +221,8 @@ class HttpApi:
             return refused
         try:
             form = await self._read_body(request.post)  # multipart/form-data or urlencoded
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, "too_large", f"the form holds at most {MAX_UPLOAD_BYTES // 2**20} MiB")
         except ValueError as exc:
             return _error(400, "bad_request", f"unreadable form: {exc}")
         except TimeoutError:
@@ -290,13 +292,19 @@ class HttpApi:
         download = _SpeechDownload(request, response, encoder, speech.sse, self.metrics)
         outcome = "cancelled"
         try:
-            await drive(utterance, download.write, text=speech.text, start=download.start)
+            await drive(utterance, download.write, text=speech.text)
             await download.finish()
             outcome = "done"
-        except EngineError as exc:  # the status line is gone: the client sees a cut-short body
+        except EngineError as exc:
             log.warning("speech request failed: %s", exc)
-            self.metrics.error(ErrorCode.INTERNAL)
             outcome = "error"
+            if not response.prepared:  # nothing sent yet: an error the client can read
+                return self._error(500, ErrorCode.INTERNAL, f"speech generation failed: {exc}")
+            # The status line is gone. A body that ended properly would look complete, so the
+            # connection is cut before the chunked body's last chunk: the client sees a failure.
+            self.metrics.error(ErrorCode.INTERNAL)
+            if request.transport is not None:
+                request.transport.abort()
         except ConnectionError:  # the client went away between two chunks
             pass
         finally:  # also on cancellation: the client went away
@@ -317,6 +325,10 @@ class HttpApi:
             raise _BadRequest(ErrorCode.BAD_MESSAGE, "input must be a non-empty string")
         if (refused := control_character_error(text)) is not None:
             raise _BadRequest(ErrorCode.BAD_MESSAGE, refused)
+        model = body.get("model")
+        if model is not None and (not isinstance(model, str) or not model.isprintable()):
+            # Echoed in the X-Model header, where a line break would end the header.
+            raise _BadRequest(ErrorCode.BAD_MESSAGE, "model must be a string of printable characters")
         if len(text) > self.max_text_chars:
             raise _BadRequest(ErrorCode.TEXT_TOO_LONG, f"input holds at most {self.max_text_chars} characters")
         voice = body.get("voice") or "default"
@@ -368,13 +380,16 @@ class _SpeechDownload:
         self.samples = 0
         self.compute_s = 0.0
 
-    async def start(self) -> None:
-        """The status line and headers, and what the format starts with (a WAV header)."""
+    async def _start(self) -> None:
+        """The status line and headers, and what the format starts with (a WAV header): sent
+        with the first audio, so that a request that fails before it still gets an error status."""
         self._response.force_close()  # one request per connection: see gateway/one_port.py
         await self._response.prepare(self._request)
         await self._write(self._encoder.header())
 
     async def write(self, chunk: AudioChunk) -> None:
+        if not self._response.prepared:
+            await self._start()
         self.compute_s += chunk.compute_s
         data, n = self._encoder.encode(chunk.samples)
         if n:
@@ -383,6 +398,8 @@ class _SpeechDownload:
 
     async def finish(self) -> None:
         """The encoder's held-back audio, then the end of the body."""
+        if not self._response.prepared:
+            await self._start()
         await self._send(*self._encoder.finish())
         if self._sse:
             # OpenAI's done event also reports tokens used; the gateway counts none, so it has no usage.

@@ -28,14 +28,15 @@ class ScriptedEngine(StubEngine):
     EngineError (as CosyVoice2 does for a voice it cannot load), ``broken`` with a bug."""
 
     name = "scripted"
-    voice_ids = ("ok", "refused", "broken")
+    voice_ids = ("ok", "refused", "broken", "fails-mid-reply", "fails-at-once")
 
     def open_utterance(self, options: UtteranceOptions) -> Utterance:
         if options.voice == "refused":
             raise EngineError("cannot load voice 'refused'")
         if options.voice == "broken":
             raise RuntimeError("a bug in the engine")
-        return ToneUtterance()
+        failing = {"fails-mid-reply": 1, "fails-at-once": 0}.get(options.voice)
+        return ToneUtterance() if failing is None else FailingUtterance(failing)
 
 
 class ToneUtterance(Utterance):
@@ -57,6 +58,20 @@ class ToneUtterance(Utterance):
     async def __aiter__(self):
         await self._ended.wait()
         yield AudioChunk(np.full(1600, 0.1, np.float32))
+
+
+class FailingUtterance(ToneUtterance):
+    """Speaks ``chunks`` tone chunks, then its engine fails."""
+
+    def __init__(self, chunks: int):
+        super().__init__()
+        self.chunks = chunks
+
+    async def __aiter__(self):
+        await self._ended.wait()
+        for _ in range(self.chunks):
+            yield AudioChunk(np.full(1600, 0.1, np.float32))
+        raise EngineError("the engine failed mid-reply")
 
 
 def text(context_id: str, body: str, **options) -> str:
@@ -225,3 +240,28 @@ async def test_hostile_frames_from_a_socket_that_never_reads_stay_within_the_sen
                 peak = max([peak, *(runner.outbox.queued_bytes for runner in gw.sessions)])
         assert peak <= limit
         stuck.transport.abort()
+
+
+# ------------------------------------------------------------------ the speech route
+
+
+async def test_a_speech_request_that_fails_never_looks_complete():
+    """Before any audio a failure is a 500 with the JSON error; after audio has gone out, the
+    body is cut before its last chunk, so the client reads an error, not a short success."""
+    import aiohttp
+
+    async with running_gateway(make_config(), ScriptedEngine()) as gw:
+        url = f"http://127.0.0.1:{gw.port}/v1/audio/speech"
+        async with aiohttp.ClientSession() as http:
+            body = {"input": "Hello.", "voice": "fails-at-once", "response_format": "pcm"}
+            async with http.post(url, json=body) as response:
+                assert response.status == 500
+                assert (await response.json())["error"]["code"] == "internal"
+            body = {"input": "Hello.", "voice": "fails-mid-reply", "response_format": "pcm"}
+            async with http.post(url, json=body) as response:
+                assert response.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await response.read()
+            body = {"input": "Hello.", "voice": "ok", "response_format": "pcm"}
+            async with http.post(url, json=body) as response:  # the gateway serves on
+                assert response.status == 200 and len(await response.read()) > 0

@@ -109,6 +109,8 @@ async def test_disconnect_cancels_the_utterance(gateway):
         ({"input": ""}, "bad_message"),
         ({"input": 5}, "bad_message"),
         ({"input": "Hello \u0000 world."}, "bad_message"),
+        ({"input": "Hi.", "model": "a\r\nX-Evil: 1"}, "bad_message"),
+        ({"input": "Hi.", "model": 5}, "bad_message"),
         ({"input": "x" * 20_001}, "text_too_long"),
         ({"input": "Hi.", "voice": "nobody"}, "unknown_voice"),
         ({"input": "Hi.", "voice": ["joe"]}, "unknown_voice"),
@@ -257,3 +259,15 @@ async def test_drain_waits_for_a_download_then_cuts_it(piper_engine):
                     await until(response.read())
                 await until(drain)
         await eventually(lambda: piper_engine.stats().utterances == 0)
+
+
+async def test_an_oversized_voice_upload_gets_a_json_413(gateway):
+    """An hour of WAV is refused before it is read in full, with the documented JSON error."""
+    form = aiohttp.FormData()
+    form.add_field("name", "long")
+    form.add_field("text", "words")
+    form.add_field("audio", b"\0" * (17 * 2**20), filename="long.wav", content_type="audio/wav")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{gateway.port}/v1/voices", data=form) as response:
+            assert response.status == 413
+            assert (await response.json())["error"]["code"] == "too_large"
