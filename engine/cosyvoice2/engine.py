@@ -154,7 +154,7 @@ class CosyVoice2Engine(Engine):
         # auto: incremental on CPU, where the flow is compute-bound and runs one row at a time;
         # recompute on GPU, where rows batch across sessions. Paged stays opt-in until its
         # attention reads pages in place: measured on the H200 it serves fewer sessions
-        # (docs/benchmarks.md, "Turn state on the H200").
+        # (docs/benchmarks.md, "2026-12-05: turn state in a paged pool").
         mode = settings.flow_mode if settings.flow_mode != "auto" else "incremental" if device.type == "cpu" else "recompute"
         if mode == "paged" and not settings.prefix_voices:
             raise EngineError("flow_mode 'paged' needs prefix_voices >= 1 (turns continue from their voice's prefix)")

@@ -96,7 +96,7 @@ class CosyVoice2Settings:
     # incremental: each utterance keeps its own state, unbatched (~4.9 MB per mel frame at
     # full size in float32). recompute: the official way, re-run the flow over everything so
     # far for every chunk (no state). auto: incremental on CPU, recompute on GPU (paged is
-    # opt-in for now: docs/benchmarks.md, "Turn state on the H200").
+    # opt-in for now: docs/benchmarks.md, "2026-12-05: turn state in a paged pool").
     # A listener about to run out of audio gets the tokens there are (at least
     # token_first_hop_len) as an early chunk instead of waiting for a whole hop, while the
     # token2wav worker has time for it. Keeps text streamed at LLM speed from stalling

@@ -28,6 +28,17 @@ from torch import Tensor
 CAPTURE_LOCK = threading.RLock()
 
 
+def holding_capture_lock(capture):
+    """A graph-capturing method that runs under ``CAPTURE_LOCK``."""
+
+    @functools.wraps(capture)
+    def locked(*args, **kwargs):
+        with CAPTURE_LOCK:
+            return capture(*args, **kwargs)
+
+    return locked
+
+
 @dataclass(frozen=True)
 class GraphKey:
     batch: int  # rows of the padded solve (before CFG doubling)

@@ -62,7 +62,9 @@ import torch
 from torch import Tensor
 
 from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from engine.cosyvoice2.serving.buckets import CAPTURE_LOCK, FlowBuckets, GraphKey, bucket_order, pad_inputs, pad_rows
+from engine.cosyvoice2.serving.buckets import (
+    FlowBuckets, GraphKey, bucket_order, holding_capture_lock, pad_inputs, pad_rows,
+)
 from engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView, noise_after, solve_after_prefix
 from engine.cosyvoice2.serving.turn_pool import (
     PagedView, TurnRows, TurnStatePool, pad_turn_rows, paged_noise, solve_paged,
@@ -284,11 +286,8 @@ class FlowGraphs:
             )
         return inputs, view(self._static_x, key.batch, channels, key.frames)
 
+    @holding_capture_lock
     def _capture(self, key: GraphKey) -> _CapturedSolve:
-        with CAPTURE_LOCK:
-            return self._capture_unlocked(key)
-
-    def _capture_unlocked(self, key: GraphKey) -> _CapturedSolve:
         inputs, x = self._static_views(key)
         mu, mask, spks, cond = inputs[:4]
         # Any valid inputs will do: the graph records kernels, not values.

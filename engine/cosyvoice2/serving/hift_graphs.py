@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.cosyvoice2.serving.buckets import CAPTURE_LOCK, batch_buckets, pad_rows
+from engine.cosyvoice2.serving.buckets import batch_buckets, holding_capture_lock, pad_rows
 from engine.cosyvoice2.model.hift import HiFT
 
 log = logging.getLogger(__name__)
@@ -111,11 +111,8 @@ class HiftGraphs:
                 if key not in self.graphs:
                     self._capture(key)
 
+    @holding_capture_lock
     def _capture(self, key: HiftKey) -> _CapturedVocoder:
-        with CAPTURE_LOCK:
-            return self._capture_unlocked(key)
-
-    def _capture_unlocked(self, key: HiftKey) -> _CapturedVocoder:
         started = time.perf_counter()
         mel = torch.randn(key.batch, self.hift.config.in_channels, key.frames, device=self.device, dtype=self.dtype)
         cache = 0.1 * torch.randn(key.batch, 1, key.cached, device=self.device, dtype=self.dtype)
