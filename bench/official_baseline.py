@@ -274,16 +274,14 @@ def prepare_imports(upstream: Path, patches: list[str]) -> None:
 
 
 class _Qwen2FromConfig:
-    """Stands in for transformers.Qwen2ForCausalLM in upstream's llm module: a directory without
-    weights gives the model built from its config (llm.pt overwrites every weight anyway)."""
+    """Stands in for transformers.Qwen2ForCausalLM in upstream's llm module when the checkpoint's
+    CosyVoice-BlankEN holds no weights (load_official checks): the model built from its config
+    (llm.pt overwrites every weight anyway)."""
 
     @staticmethod
     def from_pretrained(path, *args, **kwargs):
         from transformers import AutoConfig, Qwen2ForCausalLM
 
-        weights = [p for p in Path(path).iterdir() if p.suffix in (".safetensors", ".bin")]
-        if weights:
-            return Qwen2ForCausalLM.from_pretrained(path, *args, **kwargs)
         return Qwen2ForCausalLM(AutoConfig.from_pretrained(path))
 
 
@@ -425,7 +423,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     if args.max_speech_per_text_token is None:
         args.max_speech_per_text_token = gateway_speech_cap()
-    args.sample_rate = 24000
     args.upstream = args.upstream.resolve()  # also for the vLLM arm's spawned processes
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"official_{args.arm}.json"

@@ -42,6 +42,8 @@ from pathlib import Path
 import orjson
 from websockets.asyncio.client import connect
 
+from gateway.wire import STREAM_PATH
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Allowed growth, last third's median over the first third's: (share of the first, constant).
@@ -253,7 +255,7 @@ def piper_gateway(send_buffer_bytes: int):
 
 
 async def soak(ws_base: str, http_base: str, pid: int, args: argparse.Namespace) -> dict:
-    url = f"{ws_base}/v1/stream"
+    url = f"{ws_base}{STREAM_PATH}"
     counts = {name: {"ok": 0, "failed": 0, "reasons": []} for name in SCENARIOS}
     loop = asyncio.get_running_loop()
     stop_at = time.monotonic() + args.warmup + args.duration
