@@ -55,8 +55,11 @@ class FrontDoor(asyncio.Protocol):
         self._timer = asyncio.get_running_loop().call_later(self._head_timeout, self._head_timed_out)
 
     def data_received(self, data: bytes) -> None:
+        # Only the new bytes (and the three before them) can complete the head's end: a head
+        # trickled in byte by byte is not searched again from its start each time.
+        searched = max(0, len(self._head) - len(END_OF_HEAD) + 1)
         self._head += data
-        end = self._head.find(END_OF_HEAD)
+        end = self._head.find(END_OF_HEAD, searched)
         if not 0 <= end <= MAX_HEAD_BYTES:
             if len(self._head) > MAX_HEAD_BYTES:
                 self._refuse(431, "Request Header Fields Too Large", f"the request head exceeds {MAX_HEAD_BYTES} bytes")
@@ -101,5 +104,5 @@ def _opens_a_websocket(head: bytes) -> bool:
     """Whether the request line is ``GET /v1/stream[?query] HTTP/1.1``. Anything else goes to
     the HTTP routes, which answer every request (a POST to the stream's path gets 405, a
     malformed request 400)."""
-    parts = bytes(head).split(b"\r\n", 1)[0].split(b" ")
+    parts = head[: head.find(b"\r\n")].split(b" ")
     return len(parts) == 3 and parts[0] == b"GET" and urlsplit(parts[1].decode("latin-1")).path == STREAM_PATH

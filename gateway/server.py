@@ -197,11 +197,16 @@ class Gateway:
         return None if failure is None else f"engine failed: {failure}"
 
     @property
+    def places_taken(self) -> int:
+        """Sessions and speech requests open: each takes one of ``max_sessions``."""
+        return len(self.sessions) + len(self.http.speeches)
+
+    @property
     def at_capacity(self) -> bool:
-        """No room for another session or speech request (each takes one of ``max_sessions``):
-        ``/readyz`` says so, so that a balancer sends new work elsewhere (a session that slips
-        through is still refused with ``overloaded``)."""
-        return len(self.sessions) + len(self.http.speeches) >= self.config.limits.max_sessions
+        """No room for another session or speech request: ``/readyz`` says so, so that a
+        balancer sends new work elsewhere (a session that slips through is still refused with
+        ``overloaded``)."""
+        return self.places_taken >= self.config.limits.max_sessions
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         """The WebSocket handshake's checks: the API key, then whether sessions are taken now."""
@@ -318,7 +323,7 @@ class SessionRunner:
             if gateway.engine_failure is not None:
                 self.apply(self.session.refuse_engine_failed(gateway.engine_failure))
             # The place this session took counts: more than the limit means one too many.
-            elif len(gateway.sessions) + len(gateway.http.speeches) > gateway.config.limits.max_sessions or gateway.draining:
+            elif gateway.places_taken > gateway.config.limits.max_sessions or gateway.draining:
                 self.apply(self.session.refuse_overloaded())
             else:
                 gateway.metrics.sessions.inc()
