@@ -284,8 +284,133 @@ def wait_idle(metrics_url: str, timeout: float = 10.0) -> float:
     return round(time.perf_counter() - started, 1)
 
 
-def take_profile(pid: int, path: Path) -> dict | None:
-    """The gateway's thread profile since the last call (bench/stack_sampler.py)."""
+class GatewayUnderTest:
+    """The gateway the levels drive: ``tts-gateway serve`` under the stack sampler, or with
+    ``--through-balancer`` one replica per GPU behind HAProxy as deploy/launch-replicas.sh starts
+    them in production (its own MPS daemon, ``CUDA_VISIBLE_DEVICES``), sessions through the
+    balancer. Metrics are read from the replica itself."""
+
+    def __init__(self, args, config: Path, log, profile_path: Path) -> None:
+        self.args = args
+        self.replicas = args.out / "replicas"
+        if args.through_balancer:
+            self.proc = subprocess.Popen(
+                ["bash", str(ROOT / "deploy" / "launch-replicas.sh"), "--mps", "--base-port", str(args.port),
+                 "--listen", f"127.0.0.1:{args.balancer_port}", "--logs", str(self.replicas), "--", "--config", str(config)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            self.stream_url = f"ws://127.0.0.1:{args.balancer_port}{STREAM_PATH}"
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "bench" / "stack_sampler.py"), str(profile_path), "serve", "--config", str(config)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            self.stream_url = f"ws://127.0.0.1:{args.port}{STREAM_PATH}"
+
+    @property
+    def pid(self) -> int:
+        """The gateway process itself (under the balancer, the replica's, not the launcher's)."""
+        if not self.args.through_balancer:
+            return self.proc.pid
+        return int((self.replicas / "gateway-0.pid").read_text())
+
+    @property
+    def sampled_pid(self) -> int | None:
+        return None if self.args.through_balancer else self.proc.pid
+
+    def wait_ready(self, timeout: float) -> dict:
+        ready = {"seconds": round(wait_ready(f"http://127.0.0.1:{self.args.port}/readyz", self.proc, timeout), 1)}
+        if self.args.through_balancer:  # ready behind the balancer too (its checks need two passes)
+            started = time.perf_counter()
+            url = f"http://127.0.0.1:{self.args.balancer_port}/readyz"
+            ready["balancer_seconds"] = round(wait_ready(url, self.proc, 30) + time.perf_counter() - started, 1)
+            with urllib.request.urlopen(url, timeout=2) as response:
+                ready["served_by"] = response.headers.get("X-Served-By")
+            ready["replica_env"] = (self.replicas / "gateway-0.cmd").read_text().split(" serve ")[0]
+        return ready
+
+    def exit_status(self, timeout: float) -> int | None:
+        """The gateway's own exit status once it has exited (None if it has not within ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.args.through_balancer:
+                status = self.replicas / "gateway-0.status"
+                if status.exists() and status.read_text().strip():
+                    return int(status.read_text())
+            elif self.proc.poll() is not None:
+                return self.proc.returncode
+            time.sleep(0.2)
+        return None
+
+    def stop(self) -> None:
+        self.proc.terminate()  # the launcher drains its replicas, then stops the balancer
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def engine_core_pid(gateway_pid: int) -> tuple[int, str]:
+    """vLLM's engine core: the gateway's child process that vLLM names EngineCore (else the one
+    spawned child that is not multiprocessing's resource tracker)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != gateway_pid:
+                continue
+            pid = int(stat.parent.name)
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            name = (stat.parent / "comm").read_text().strip()
+        except (OSError, IndexError, ValueError):
+            continue  # it exited while being read
+        children.append((pid, name, cmdline))
+    named = [c for c in children if "EngineCore" in c[1] or "EngineCore" in c[2]]
+    spawned = [c for c in children if "resource_tracker" not in c[2]]
+    chosen = named or spawned
+    if len(chosen) != 1:
+        raise RuntimeError(f"cannot tell vLLM's engine core among the gateway's children: {children}")
+    pid, name, cmdline = chosen[0]
+    return pid, f"{name}: {cmdline[:200]}"
+
+
+def kill_engine_core(args, report: Report, gateway: GatewayUnderTest) -> bool:
+    """Kill vLLM's engine core while ``args.kill_engine_core`` sessions speak whole replies: each
+    must get an error frame (``engine_failed``) for the reply it had open, and the gateway must
+    exit non-zero. Returns whether it did."""
+    sessions = args.kill_engine_core
+    path = Path("/tmp/loadgen-kill.json")
+    path.unlink(missing_ok=True)
+    spread = loadgen.DEFAULT_START_SPREAD_S
+    load = subprocess.Popen(
+        [sys.executable, "-m", "gateway.loadgen", "--url", gateway.stream_url, "--sessions", str(sessions),
+         "--workload", "full", "--duration", "25", "--seed", "7", "--start-spread", str(spread),
+         "--back-to-back", "--json", str(path)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(spread + 5.0)  # every session has started and is mid-reply
+    active = scrape(f"http://127.0.0.1:{args.port}/metrics").get("tts_engine_running", None)
+    pid, what = engine_core_pid(gateway.pid)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.perf_counter()
+    status = gateway.exit_status(timeout=90)
+    exit_s = time.perf_counter() - killed
+    _, err = load.communicate(timeout=120)
+    records = [loadgen.Record(**raw) for raw in json.loads(path.read_text())["records"]] if path.exists() else []
+    failed = {r.agent for r in records if r.error_code == "engine_failed"}
+    result = {
+        "sessions": sessions, "killed": what, "engine_running_before": active,
+        "gateway_exit_status": status, "seconds_to_exit": round(exit_s, 1),
+        "sessions_with_engine_failed": len(failed),
+        "outcomes": loadgen.summarize(records) if records else {"load_generator": err.decode()[-2000:]},
+    }
+    ok = status not in (None, 0) and len(failed) == sessions
+    report.put("engine_core_killed", {**result, "passed": ok})
+    return ok
+
+
+def take_profile(pid: int | None, path: Path) -> dict | None:
+    """The gateway's thread profile since the last call (bench/stack_sampler.py; None when the
+    gateway runs without it)."""
+    if pid is None:
+        return None
     path.unlink(missing_ok=True)
     os.kill(pid, signal.SIGUSR1)
     for _ in range(50):
@@ -310,11 +435,12 @@ async def profile_kernels(pid: int, path: Path, after_s: float, seconds: float) 
     return None
 
 
-async def drive(args, report: Report, gateway_pid: int, profile_path: Path) -> None:
+async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: Path) -> None:
     """First audio of the system itself (whole replies, each cut off after its first audio, so
     that a level holds many), then whole replies, then the ramp with replies streamed as deltas."""
     http = f"http://127.0.0.1:{args.port}"
-    url = f"ws://127.0.0.1:{args.port}{STREAM_PATH}"
+    url = gateway.stream_url
+    gateway_pid = gateway.sampled_pid
     levels = []
     plan = [("full-barge-in", n) for n in args.first_audio_sessions] + [("full", n) for n in args.full_sessions]
     plan += [(args.workload, n) for n in args.sessions]
@@ -433,6 +559,13 @@ def argument_parser() -> argparse.ArgumentParser:
                         "results are not reported: stopping the profiler holds the gateway for seconds)")
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's pipelined scheduling on")
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--through-balancer", action="store_true",
+                        help="start the gateway with deploy/launch-replicas.sh (one replica per GPU, its own MPS "
+                        "daemon, HAProxy in front) and send the sessions through the balancer")
+    parser.add_argument("--balancer-port", type=int, default=8080)
+    parser.add_argument("--kill-engine-core", type=int, default=0, metavar="SESSIONS",
+                        help="after the levels, kill vLLM's engine core while this many sessions speak: each must "
+                        "get engine_failed and the gateway must exit non-zero")
     parser.add_argument("--skip-equality", action="store_true")
     parser.add_argument("--only-equality", action="store_true",
                         help="stop after the equality check (then a second call on the warm machine runs the ramp)")
@@ -486,23 +619,19 @@ def main() -> int:
     write_config(config, args.model_dir, args)
     with open(args.out / "gateway.log", "w") as log:
         profile_path = Path("/tmp/gateway-profile.json")
-        proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "stack_sampler.py"), str(profile_path),
-                                 "serve", "--config", str(config)],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        gateway = GatewayUnderTest(args, config, log, profile_path)
         try:
-            ready_s = wait_ready(f"http://127.0.0.1:{args.port}/readyz", proc, args.ready_timeout)
+            ready = gateway.wait_ready(args.ready_timeout)
             log.flush()
-            startup = [line.strip() for line in (args.out / "gateway.log").read_text().splitlines()
+            gateway_log = gateway.replicas / "gateway-0.log" if args.through_balancer else args.out / "gateway.log"
+            startup = [line.strip() for line in gateway_log.read_text().splitlines()
                        if "CUDA graph" in line or "vLLM warm-up" in line or "WARNING" in line][:40]
-            report.put("gateway_ready", {"seconds": round(ready_s, 1), "gpu": gpu_memory(), "mps_clients": mps_clients(),
-                                         "log": startup})
-            asyncio.run(drive(args, report, proc.pid, profile_path))
+            report.put("gateway_ready", {**ready, "gpu": gpu_memory(), "mps_clients": mps_clients(), "log": startup})
+            asyncio.run(drive(args, report, gateway, profile_path))
+            if args.kill_engine_core and not kill_engine_core(args, report, gateway):
+                status = 1
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            gateway.stop()
     return status
 
 

@@ -19,6 +19,17 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+if [ -d .gpu/balancer ]; then
+    # HAProxy for --through-balancer, unpacked beside the system (not over it); a wrapper on
+    # PATH points it at the libraries it brought.
+    root=/tmp/balancer
+    for deb in .gpu/balancer/*.deb; do dpkg -x "$deb" "$root"; done
+    mkdir -p "$root/bin"
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$root/usr/lib/x86_64-linux-gnu" "$root/usr/sbin/haproxy" > "$root/bin/haproxy"
+    chmod +x "$root/bin/haproxy"
+    export PATH=$root/bin:$PATH
+    haproxy -v | head -1 || echo "gpu_check: the bundled HAProxy does not run here" >&2
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv > "$OUT/gpu.txt"
 timeout 570 python3 bench/gpu_check.py --out "$OUT" "$@" 2>&1 | tail -c 200000 > "$OUT/check.log"
 status=${PIPESTATUS[0]}

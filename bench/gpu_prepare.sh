@@ -3,10 +3,13 @@
 # that the device call carries.
 #   .whl/  wheels of websockets, orjson, soxr for the GPU machine's Python 3.12
 #   .gpu/prompt.wav  a real speech prompt (the embedded Piper voice) for the test voice
+#   .gpu/balancer/   Debian's HAProxy and the libraries GPU images lack (gpu_check.py
+#                    --through-balancer starts the gateway with deploy/launch-replicas.sh)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 for dir in /.whl/ /.gpu/; do grep -qx "$dir" .git/info/exclude || echo "$dir" >> .git/info/exclude; done
 mkdir -p .whl .gpu
+rm -f .whl/*.whl  # wheels of versions the dev venv no longer has would be installed too
 PY=${PYTHON:-.venv/bin/python}
 version() { "$PY" -m pip show "$1" | sed -n 's/^Version: //p'; }
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -25,4 +28,6 @@ with wave.open(".gpu/prompt.wav", "wb") as wav:
     voice.synthesize_wav("This is the voice of the prompt, spoken clearly and slowly.", wav,
                          syn_config=SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0))
 PY
-ls -la .whl .gpu
+mkdir -p .gpu/balancer
+(cd .gpu/balancer && apt-get download haproxy liblua5.3-0 libopentracing-c-wrapper0 libopentracing1)
+ls -la .whl .gpu .gpu/balancer
