@@ -132,11 +132,14 @@ async_scheduling = {str(args.async_scheduling).lower()}
 """)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, exited=lambda: None) -> float:
+    """Seconds until ``url`` answers 200; fails as soon as ``proc`` exits or ``exited()`` gives a status."""
     started = time.perf_counter()
     while time.perf_counter() - started < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"the gateway exited with {proc.returncode} while starting")
+        if (status := exited()) is not None:
+            raise RuntimeError(f"the gateway replica exited with {status} while starting")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -317,11 +320,14 @@ class GatewayUnderTest:
         return None if self.args.through_balancer else self.proc.pid
 
     def wait_ready(self, timeout: float) -> dict:
-        ready = {"seconds": round(wait_ready(f"http://127.0.0.1:{self.args.port}/readyz", self.proc, timeout), 1)}
+        replica_exit = lambda: self.exit_status(timeout=0)  # noqa: E731
+        ready = {"seconds": round(wait_ready(f"http://127.0.0.1:{self.args.port}/readyz", self.proc, timeout,
+                                             replica_exit), 1)}
         if self.args.through_balancer:  # ready behind the balancer too (its checks need two passes)
             started = time.perf_counter()
             url = f"http://127.0.0.1:{self.args.balancer_port}/readyz"
-            ready["balancer_seconds"] = round(wait_ready(url, self.proc, 30) + time.perf_counter() - started, 1)
+            ready["balancer_seconds"] = round(wait_ready(url, self.proc, 30, replica_exit)
+                                              + time.perf_counter() - started, 1)
             with urllib.request.urlopen(url, timeout=2) as response:
                 ready["served_by"] = response.headers.get("X-Served-By")
             ready["replica_env"] = (self.replicas / "gateway-0.cmd").read_text().split(" serve ")[0]
@@ -330,15 +336,16 @@ class GatewayUnderTest:
     def exit_status(self, timeout: float) -> int | None:
         """The gateway's own exit status once it has exited (None if it has not within ``timeout``)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
             if self.args.through_balancer:
                 status = self.replicas / "gateway-0.status"
                 if status.exists() and status.read_text().strip():
                     return int(status.read_text())
             elif self.proc.poll() is not None:
                 return self.proc.returncode
+            if time.monotonic() >= deadline:
+                return None
             time.sleep(0.2)
-        return None
 
     def stop(self) -> None:
         self.proc.terminate()  # the launcher drains its replicas, then stops the balancer
