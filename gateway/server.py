@@ -426,14 +426,24 @@ class SessionRunner:
             utterance = self.gateway.engine.open_utterance(UtteranceOptions(voice=voice, speed=speed))
         except EngineError as exc:
             log.warning("session %s: engine refused an utterance: %s", self.session.session_id, exc)
-            self.apply(self.session.utterance_failed(key, str(exc)))
+            self._utterance_failed(key, str(exc))
             return
         except Exception:
             log.exception("session %s: unexpected failure opening an utterance", self.session.session_id)
-            self.apply(self.session.utterance_failed(key, "unexpected engine failure"))
+            self._utterance_failed(key, "unexpected engine failure")
             return
         self._utterances[key] = utterance
         self._pumps[key] = asyncio.create_task(self._pump(key, utterance))
+
+    def _utterance_failed(self, key: int, message: str) -> None:
+        """One reply failed. If the engine as a whole can serve no more (its backend died: every
+        open stream fails at once, before the engine watcher's next look), the session ends
+        with ``engine_failed`` as the watcher would end it, not with one reply's ``internal``."""
+        failure = self.gateway.engine.failure()
+        if failure is not None:
+            self.apply(self.session.engine_failed(failure))
+        else:
+            self.apply(self.session.utterance_failed(key, message))
 
     def _stop_utterance(self, key: int) -> None:
         utterance = self._utterances.pop(key, None)
@@ -455,10 +465,10 @@ class SessionRunner:
             self.apply(self.session.utterance_finished(key, self._loop.time()))
         except EngineError as exc:
             log.warning("session %s: engine failed: %s", self.session.session_id, exc)
-            self.apply(self.session.utterance_failed(key, str(exc)))
+            self._utterance_failed(key, str(exc))
         except Exception:
             log.exception("session %s: unexpected engine failure", self.session.session_id)
-            self.apply(self.session.utterance_failed(key, "unexpected engine failure"))
+            self._utterance_failed(key, "unexpected engine failure")
         finally:
             self._utterances.pop(key, None)
             self._pumps.pop(key, None)

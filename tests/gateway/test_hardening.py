@@ -188,6 +188,53 @@ async def test_a_failed_engine_ends_every_context_and_session_and_refuses_new_on
         assert "tts_active_contexts 0.0" in metrics and "tts_engine_ready 0.0" in metrics
 
 
+class DyingBackendEngine(ScriptedEngine):
+    """Its backend dies as a process does: every open utterance raises at once, and
+    ``failure()`` already says so when they do."""
+
+    def __init__(self) -> None:
+        self.dead: str | None = None
+        self.died = asyncio.Event()
+
+    def failure(self) -> str | None:
+        return self.dead
+
+    def open_utterance(self, options: UtteranceOptions) -> Utterance:
+        return DyingUtterance(self)
+
+
+class DyingUtterance(ToneUtterance):
+    def __init__(self, engine: DyingBackendEngine):
+        super().__init__()
+        self.engine = engine
+
+    async def __aiter__(self):
+        await self.engine.died.wait()
+        raise EngineError("the backend process has died")
+        yield  # pragma: no cover
+
+
+async def test_replies_failing_because_the_backend_died_end_with_engine_failed_not_internal():
+    """The failed streams reach the sessions before the engine watcher looks again; each
+    session's error still says the engine failed, so that its client reconnects elsewhere."""
+    engine = DyingBackendEngine()
+    async with running_gateway(make_config(), engine) as gw:
+        sockets = [await connect(ws_url(gw)) for _ in range(3)]
+        for index, ws in enumerate(sockets):
+            await recv_json(ws)
+            await ws.send(text(f"c{index}", "Hello there."))
+        await asyncio.sleep(0.1)
+        engine.dead = "the backend process has died"
+        engine.died.set()
+        for index, ws in enumerate(sockets):
+            errors = [await recv_json(ws, timeout=2) for _ in range(2)]
+            assert [(e["code"], e["context_id"]) for e in errors] == [("engine_failed", f"c{index}"),
+                                                                      ("engine_failed", None)]
+            with pytest.raises(ConnectionClosed) as closed:
+                await until(ws.recv(), 2)
+            assert closed.value.rcvd.code == 1011
+
+
 def test_serve_exits_non_zero_after_the_engine_fails(monkeypatch, tmp_path, capsys):
     """`tts-gateway serve` on an engine that fails: it drains, stops and exits 1, so that its
     supervisor restarts it."""
