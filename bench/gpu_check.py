@@ -402,10 +402,11 @@ def kill_engine_core(args, report: Report, gateway: GatewayUnderTest) -> bool:
     _, err = load.communicate(timeout=120)
     records = [loadgen.Record(**raw) for raw in json.loads(path.read_text())["records"]] if path.exists() else []
     failed = {r.agent for r in records if r.error_code == "engine_failed"}
+    any_error = {r.agent for r in records if r.outcome == "error"}
     result = {
         "sessions": sessions, "killed": what, "engine_running_before": active,
         "gateway_exit_status": status, "seconds_to_exit": round(exit_s, 1),
-        "sessions_with_engine_failed": len(failed),
+        "sessions_with_engine_failed": len(failed), "sessions_with_an_error_frame": len(any_error),
         "outcomes": loadgen.summarize(records) if records else {"load_generator": err.decode()[-2000:]},
     }
     ok = status not in (None, 0) and len(failed) == sessions
