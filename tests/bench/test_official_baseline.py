@@ -184,3 +184,17 @@ def test_the_scripts_pass_shellcheck(script):
     assert shellcheck, "shellcheck is missing: scripts/test.sh installs it (apt-get install shellcheck)"
     result = subprocess.run([shellcheck, str(ROOT / "bench" / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_warm_up_speaks_one_whole_reply_and_reports_its_first_chunk():
+    spoken = []
+
+    def speak(text):
+        spoken.append(text)
+        time.sleep(0.05)
+        yield 480
+        yield 960
+
+    result = official.warm_up(speak)
+    assert spoken == [official.WARM_UP_TEXT]
+    assert result["samples"] == 1440 and 0.04 <= result["first_chunk_s"] <= result["seconds"]
