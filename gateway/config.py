@@ -105,7 +105,8 @@ def _check_origins(origins: tuple[str, ...]) -> None:
 
 def _check_hosts(hosts: tuple[str, ...]) -> None:
     for host in hosts:
-        if not host or any(c in host for c in "/: @") or host != host.strip("."):
+        ipv6 = host.startswith("[") and host.endswith("]") and ":" in host
+        if not host or any(c in host for c in "/ @") or (":" in host and not ipv6) or host != host.strip("."):
             raise ValueError(f"allowed_hosts: {host!r} is not a host name; write the name alone, without port or scheme")
 
 

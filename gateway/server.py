@@ -30,7 +30,7 @@ from websockets.server import ServerProtocol
 from engine.base import AudioChunk, Engine, EngineError, Utterance, UtteranceOptions, drive
 from gateway.access import AccessPolicy
 from gateway.auth import Authenticator, Caller, Unauthorized
-from gateway.config import Config, ConfigError
+from gateway.config import Config, ConfigError, ServerSettings
 from gateway.http_api import HttpApi
 from gateway.key_limits import KeyLimits
 from gateway.metrics import Metrics
@@ -78,6 +78,7 @@ class Gateway:
         self.sessions: set[SessionRunner] = set()
         self.port = config.server.port
         self.http = HttpApi(engine, config, self.metrics, self)
+        self._tls = _tls_context(config.server)  # first: an unusable certificate stops the gateway before it starts
         self._server: Server | None = None
         self._loop_lag: asyncio.Task | None = None
         self._engine_watch: asyncio.Task | None = None
@@ -107,7 +108,7 @@ class Gateway:
             compression=None,  # audio does not compress; deflate would cost CPU per frame
             open_timeout=request_timeout,
             create_connection=front_door,  # the one port: see gateway/one_port.py
-            ssl=self._tls_context(),
+            ssl=self._tls,
         )
         self.port = self._server.sockets[0].getsockname()[1]  # the real one when config says 0
         await self.metrics.gpu.start()
@@ -120,19 +121,6 @@ class Gateway:
         self.metrics.ready.set(1)
         self._engine_watch = asyncio.create_task(self._watch_engine())
         log.info("engine %s ready (native %d Hz)", self.engine.name, self.engine.sample_rate)
-
-    def _tls_context(self) -> ssl.SSLContext | None:
-        """With ``tls_cert`` and ``tls_key``, the one port serves https and wss."""
-        settings = self.config.server
-        if not settings.tls:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        try:
-            context.load_cert_chain(settings.tls_cert, settings.tls_key)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(f"[server] tls_cert {settings.tls_cert!r} and tls_key {settings.tls_key!r}: "
-                              f"not a certificate and its private key in PEM ({exc})") from None
-        return context
 
     async def drain(self, timeout: float | None = None) -> None:
         """Refuse new sessions and speech requests; let running contexts and speech requests
@@ -502,6 +490,19 @@ class SessionRunner:
         finally:
             self._utterances.pop(key, None)
             self._pumps.pop(key, None)
+
+
+def _tls_context(settings: ServerSettings) -> ssl.SSLContext | None:
+    """With ``tls_cert`` and ``tls_key``, the one port serves https and wss."""
+    if not settings.tls:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"[server] tls_cert {settings.tls_cert!r} and tls_key {settings.tls_key!r}: "
+                          f"not a certificate and its private key in PEM ({exc})") from None
+    return context
 
 
 def _response(connection: ServerConnection, status: int, body: bytes) -> Response:
