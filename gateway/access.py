@@ -13,6 +13,7 @@ handshake and the HTTP routes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from gateway.config import ServerSettings
@@ -20,23 +21,27 @@ from gateway.config import ServerSettings
 ANY_ORIGIN = "*"
 
 
+class Denied(NamedTuple):
+    status: int  # the HTTP status, on either route
+    code: str  # the JSON error's code on the HTTP routes, and the metrics' label
+    message: str
+
+
 class AccessPolicy:
     def __init__(self, settings: ServerSettings) -> None:
         self._origins = frozenset(origin.lower() for origin in settings.allowed_origins)
         self._hosts = frozenset(host.lower() for host in settings.allowed_hosts)
 
-    def host_refusal(self, host: str | None) -> str | None:
-        """Why a request sent to ``host`` (its Host header) is refused, or None."""
-        if not self._hosts:
-            return None
-        if not host:
-            return "the request names no Host"
-        if _host_name(host) not in self._hosts:
-            return f"this gateway does not serve the host {host[:64]!r}"
+    def refusal(self, host: str | None, origin: str | None) -> Denied | None:
+        """Why a request with these Host and Origin headers is refused, or None."""
+        if self._hosts and (not host or _host_name(host) not in self._hosts):
+            return Denied(421, "misdirected", f"this gateway does not serve the host {(host or '')[:64]!r}")
+        if not self._origin_allowed(origin, host):
+            return Denied(403, "forbidden_origin", f"pages of the origin {origin[:64]!r} may not call this "
+                                                    "gateway ([server] allowed_origins)")
         return None
 
-    def origin_allowed(self, origin: str | None, host: str | None) -> bool:
-        """Whether a request with this Origin header, sent to ``host``, may go on."""
+    def _origin_allowed(self, origin: str | None, host: str | None) -> bool:
         if origin is None or ANY_ORIGIN in self._origins:
             return True
         origin = origin.lower()
@@ -45,8 +50,7 @@ class AccessPolicy:
         # The gateway's own pages: browsers omit a default port in both headers alike.
         # The scheme is not compared: behind a balancer that ends TLS, the gateway's own
         # https page reaches it over plain http.
-        netloc = urlsplit(origin).netloc
-        return bool(host) and netloc == host.lower()
+        return bool(host) and urlsplit(origin).netloc == host.lower()
 
 
 def _host_name(host: str) -> str:

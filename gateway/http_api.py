@@ -60,7 +60,8 @@ OPENAI_VOICES = frozenset(
 # Pages served under a path of their own; any other GET path is a file under web/.
 STATIC_PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
 PLAIN_TEXT = "text/plain; charset=utf-8"
-# Load balancers' probes: answered whatever the Host (a balancer checks a replica by its address).
+# Load balancers' probes: answered whatever the Host (a balancer checks a replica by its
+# address) and Origin (they tell a page nothing).
 PROBES = frozenset({"/healthz", "/readyz"})
 # Request keys: the request's Caller once its credentials are checked; the allowed page
 # origin its answer's CORS headers name.
@@ -174,14 +175,11 @@ class HttpApi:
     @web.middleware
     async def _browser_rules(self, request: web.Request, handler) -> web.StreamResponse:
         """The Host and Origin rules (gateway/access.py); CORS preflights are answered here."""
-        access = self.gateway.access
-        host = request.headers.get("Host")
-        if request.path not in PROBES and (refusal := access.host_refusal(host)) is not None:
-            return self._error(421, "misdirected", refusal)
+        if request.path in PROBES:
+            return await handler(request)
         origin = request.headers.get("Origin")
-        if not access.origin_allowed(origin, host):
-            return self._error(403, "forbidden_origin",
-                               f"pages of the origin {origin[:64]!r} may not call this gateway ([server] allowed_origins)")
+        if (refused := self.gateway.access.refusal(request.headers.get("Host"), origin)) is not None:
+            return self._error(refused.status, refused.code, refused.message)
         if origin is not None:
             request[CORS_ORIGIN] = origin
         if request.method == "OPTIONS" and origin is not None and "Access-Control-Request-Method" in request.headers:

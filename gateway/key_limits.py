@@ -21,8 +21,6 @@ from gateway.config import LimitSettings
 WINDOW_S = 60.0  # the characters budget is per minute
 # When a place (session, context) frees up is not known: clients are told to retry after this.
 PLACE_RETRY_AFTER_S = 1
-
-
 LIMITS = ("sessions", "contexts", "chars")  # what a refusal names: the metrics' label
 
 
@@ -35,8 +33,7 @@ class Refusal(NamedTuple):
 class KeyAccount:
     """What one key uses now, and what it was refused."""
 
-    def __init__(self, key_id: str, limits: LimitSettings) -> None:
-        self.key_id = key_id
+    def __init__(self, limits: LimitSettings) -> None:
         self._max_sessions = limits.max_sessions_per_key
         self._max_contexts = limits.max_contexts_per_key
         self._chars_per_minute = limits.chars_per_minute_per_key
@@ -50,8 +47,8 @@ class KeyAccount:
 
     def open_session(self) -> Refusal | None:
         if self._max_sessions and self.sessions >= self._max_sessions:
-            return self.refuse("sessions", f"this key has {self._max_sessions} sessions and speech requests open, its limit",
-                                PLACE_RETRY_AFTER_S)
+            return self.refuse("sessions", f"this key has {self._max_sessions} sessions and speech requests "
+                                           "open, its limit", PLACE_RETRY_AFTER_S)
         self.sessions += 1
         return None
 
@@ -95,8 +92,10 @@ class KeyAccount:
 
 
 class KeyLimits:
+    """Every key's account, and the sessions of tokens that carry a limit of their own."""
+
     def __init__(self, limits: LimitSettings, key_ids: frozenset[str]) -> None:
-        self.accounts = {key: KeyAccount(key, limits) for key in sorted(key_ids)}
+        self.accounts = {key: KeyAccount(limits) for key in sorted(key_ids)}
         # Sessions open per token that carries a limit of its own. An entry lives while its
         # token has a session open: at most max_sessions entries.
         self._token_sessions: Counter[str] = Counter()

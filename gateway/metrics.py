@@ -14,7 +14,7 @@ which the server starts and stops.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from engine.base import EngineStats
 from engine.registry import ENGINES
 from gateway.gpu_metrics import GpuSampler
-from gateway.key_limits import LIMITS, KeyLimits
+from gateway.key_limits import LIMITS, KeyAccount, KeyLimits
 from gateway.protocol import ContextFinished
 from gateway.stats import RollingStats
 
@@ -86,7 +86,7 @@ class Metrics:
 
     def count_keys(self, key_limits: KeyLimits) -> None:
         """Export each key's usage and refusals, read from its account at each scrape."""
-        self.registry.register(_KeyCollector(key_limits))
+        self.registry.register(_KeyCollector(key_limits.accounts))
 
     # ------------------------------------------------------------ observations
 
@@ -203,8 +203,8 @@ class _KeyCollector:
     """Per-key series, labelled by the key's short hash (never the key). The keys come from
     the config, so the label takes a bounded set of values."""
 
-    def __init__(self, key_limits: KeyLimits) -> None:
-        self._accounts = key_limits.accounts
+    def __init__(self, accounts: Mapping[str, KeyAccount]) -> None:
+        self._accounts = accounts
 
     def collect(self):
         sessions = GaugeMetricFamily("tts_key_sessions", "Sessions and speech requests open, per API key.", labels=["key"])

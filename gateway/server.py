@@ -221,13 +221,9 @@ class Gateway:
     def _process_request(self, connection: SessionConnection, request: Request) -> Response | None:
         """The WebSocket handshake's checks: the Host, the page's Origin, the API key or token,
         then whether sessions are taken now."""
-        host = request.headers.get("Host")
-        if (refusal := self.access.host_refusal(host)) is not None:
-            self.metrics.error("misdirected")
-            return _response(connection, 421, f"{refusal}\n".encode())
-        if not self.access.origin_allowed(request.headers.get("Origin"), host):
-            self.metrics.error("forbidden_origin")
-            return _response(connection, 403, b"pages of this origin may not open sessions ([server] allowed_origins)\n")
+        if (refused := self.access.refusal(request.headers.get("Host"), request.headers.get("Origin"))) is not None:
+            self.metrics.error(refused.code)
+            return _response(connection, refused.status, f"{refused.message}\n".encode())
         query = dict(parse_qsl(urlsplit(request.path).query))
         try:
             connection.caller = self.auth.caller(request.headers.get("Authorization", ""), query)

@@ -146,7 +146,7 @@ async def test_characters_per_minute_per_key(piper_engine):
 
 
 def test_the_characters_budget_refills_over_the_minute():
-    account = KeyAccount("k", LimitSettings(chars_per_minute_per_key=60))
+    account = KeyAccount(LimitSettings(chars_per_minute_per_key=60))
     assert account.spend_chars(60, now=100.0) is None
     refused = account.spend_chars(10, now=100.0)
     assert refused is not None and refused.retry_after_s == 10
