@@ -66,6 +66,7 @@ class Gateway:
     def __init__(self, config: Config, engine: Engine, *, owns_engine: bool = True) -> None:
         """``owns_engine=False``: the engine is already started and outlives this gateway."""
         self.config = config
+        self._tls = _tls_context(config.server)  # an unusable certificate stops the gateway before it starts
         self.engine = engine
         self._owns_engine = owns_engine
         self.access = AccessPolicy(config.server)
@@ -78,7 +79,6 @@ class Gateway:
         self.sessions: set[SessionRunner] = set()
         self.port = config.server.port
         self.http = HttpApi(engine, config, self.metrics, self)
-        self._tls = _tls_context(config.server)  # first: an unusable certificate stops the gateway before it starts
         self._server: Server | None = None
         self._loop_lag: asyncio.Task | None = None
         self._engine_watch: asyncio.Task | None = None
