@@ -154,6 +154,9 @@ def _configured(args: argparse.Namespace) -> int:
             _run(_say(config, args.text, args.output, args.voice, args.speed))
         else:
             return _engine_verb(config, args)
+    except ConfigError as exc:  # found as the gateway starts (a certificate file it cannot use)
+        print(f"tts-gateway: config error: {exc}", file=sys.stderr)
+        return 2
     except EngineError as exc:
         print(f"tts-gateway: engine error: {exc}", file=sys.stderr)
         return 1

@@ -18,12 +18,14 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 from engine.registry import DEFAULT_ENGINE, ENGINES
 from gateway.wire import ENCODINGS, SAMPLE_RATES
 
 ENV_PREFIX = "TTS_GATEWAY__"
 DEFAULT_WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+MIN_TOKEN_SECRET_CHARS = 32  # 32 random characters are past guessing
 
 
 class ConfigError(Exception):
@@ -48,8 +50,27 @@ class ServerSettings:
     # this, else it is dropped: a silent or trickling client holds no connection for long.
     request_timeout_s: float = 10.0
     log_level: str = "info"
+    # Browser pages allowed to open sessions and call the HTTP routes (their Origin header:
+    # "https://app.example.com"). Empty: only the gateway's own pages (same host and port as
+    # the request's Host). ["*"]: any page. Clients that send no Origin (not browsers) are
+    # unaffected.
+    allowed_origins: tuple[str, ...] = ()
+    # Host names (no port) the gateway answers to; a request for any other Host is refused
+    # (421), so that a rebound DNS name cannot reach it from a browser. Empty: any host.
+    allowed_hosts: tuple[str, ...] = ()
+    # PEM files: with both set, the one port serves https and wss. Empty: plain http and ws
+    # (terminate TLS at the load balancer: docs/deployment.md).
+    tls_cert: str = ""
+    tls_key: str = ""
 
     def __post_init__(self) -> None:
+        _check_origins(self.allowed_origins)
+        _check_hosts(self.allowed_hosts)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be set together (or neither)")
+        for name in ("tls_cert", "tls_key"):
+            if getattr(self, name) and not Path(getattr(self, name)).is_file():
+                raise ValueError(f"{name}: no such file {getattr(self, name)!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be between 0 and 65535")
         if self.drain_timeout_s < 0:
@@ -63,15 +84,50 @@ class ServerSettings:
     def web_path(self) -> Path:
         return Path(self.web_dir) if self.web_dir else DEFAULT_WEB_DIR
 
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+
+def _check_origins(origins: tuple[str, ...]) -> None:
+    if "*" in origins:
+        if len(origins) > 1:
+            raise ValueError('allowed_origins: "*" allows every origin; list it alone')
+        return
+    for origin in origins:
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.hostname or origin != f"{parts.scheme}://{parts.netloc}":
+            raise ValueError(
+                f"allowed_origins: {origin!r} is not an origin; write scheme://host[:port] "
+                "with no path or trailing slash, e.g. \"https://app.example.com\""
+            )
+
+
+def _check_hosts(hosts: tuple[str, ...]) -> None:
+    for host in hosts:
+        ipv6 = host.startswith("[") and host.endswith("]") and ":" in host
+        if not host or any(c in host for c in "/ @") or (":" in host and not ipv6) or host != host.strip("."):
+            raise ValueError(f"allowed_hosts: {host!r} is not a host name; write the name alone, without port or scheme")
+
 
 @dataclass(frozen=True)
 class AuthSettings:
     # Empty: the gateway is open. Otherwise a client presents one of these keys.
     api_keys: tuple[str, ...] = ()
+    # Signs the short-lived browser tokens of POST /v1/tokens. Empty: a random secret per
+    # process, so tokens do not survive a restart and one replica's tokens fail on another;
+    # set the same secret on every replica to share them.
+    token_secret: str = ""
+    token_ttl_s: float = 600.0  # a token's lifetime unless its request asks for less
+    max_token_ttl_s: float = 3600.0  # the longest lifetime a request may ask for
 
     def __post_init__(self) -> None:
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not contain empty keys")
+        if self.token_secret and len(self.token_secret) < MIN_TOKEN_SECRET_CHARS:
+            raise ValueError(f"token_secret must hold at least {MIN_TOKEN_SECRET_CHARS} characters")
+        if not 0 < self.token_ttl_s <= self.max_token_ttl_s:
+            raise ValueError("token_ttl_s must be > 0 and at most max_token_ttl_s")
 
 
 @dataclass(frozen=True)
@@ -98,11 +154,20 @@ class LimitSettings:
     max_inactivity_timeout_s: float = 180.0
     # Audio waiting for a client that does not read. Past this the client is cut off.
     send_buffer_bytes: int = 4 * 1024 * 1024
+    # Per API key (a token counts against the key that minted it; with no keys configured,
+    # every client shares one anonymous key). 0: no limit. Sessions count speech requests in
+    # flight too; contexts count every context of the key's sessions and each speech request.
+    max_sessions_per_key: int = 0
+    max_contexts_per_key: int = 0
+    chars_per_minute_per_key: int = 0  # text to speak, over a rolling minute
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_contexts_per_session", "max_text_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("max_sessions_per_key", "max_contexts_per_key", "chars_per_minute_per_key"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no limit)")
         if self.max_message_bytes < 1024:
             raise ValueError("max_message_bytes must be >= 1024")
         if not 0 < self.idle_timeout_s <= self.max_inactivity_timeout_s:

@@ -12,9 +12,11 @@ this app. The routes:
   any of OpenAI's formats (gateway/codecs.py) streamed out as the engine produces it, as
   a plain body or as Server-Sent Events. Each request in flight takes one of the
   gateway's ``max_sessions`` places, as a WebSocket session does.
+- ``POST /v1/tokens`` mints a short-lived browser token with an API key (gateway/tokens.py).
 - Any other ``GET``: the static files of the web client and the dashboard.
 
-The same API keys, limits and metrics apply as on the WebSocket. Errors of the API
+The same API keys and tokens, Host and Origin rules (gateway/access.py; an allowed page
+gets CORS headers), limits and metrics apply as on the WebSocket. Errors of the API
 routes are JSON: ``{"error": {"code": "...", "message": "..."}}``.
 """
 
@@ -24,6 +26,7 @@ import asyncio
 import base64
 import logging
 import mimetypes
+import time
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
@@ -31,9 +34,11 @@ import orjson
 from aiohttp import web
 
 from engine.base import AudioChunk, Engine, EngineError, UtteranceOptions, drive
-from gateway.auth import authorized
+from gateway.access import AccessPolicy
+from gateway.auth import Authenticator, Caller, Unauthorized
 from gateway.codecs import CONTENT_TYPES, SPEECH_RATE, SpeechEncoder
 from gateway.config import Config
+from gateway.key_limits import KeyLimits, Refusal
 from gateway.metrics import Metrics
 from gateway.protocol import ContextFinished
 from gateway.stats import parse_window
@@ -55,6 +60,18 @@ OPENAI_VOICES = frozenset(
 # Pages served under a path of their own; any other GET path is a file under web/.
 STATIC_PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
 PLAIN_TEXT = "text/plain; charset=utf-8"
+# Load balancers' probes: answered whatever the Host (a balancer checks a replica by its
+# address) and Origin (they tell a page nothing).
+PROBES = frozenset({"/healthz", "/readyz"})
+# Request keys: the request's Caller once its credentials are checked; the allowed page
+# origin its answer's CORS headers name.
+CALLER = web.RequestKey("caller", Caller)
+CORS_ORIGIN = web.RequestKey("cors_origin", str)
+CORS_PREFLIGHT_HEADERS = {
+    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+    "Access-Control-Allow-Headers": "Authorization, Content-Type",
+    "Access-Control-Max-Age": "600",
+}
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
@@ -75,6 +92,9 @@ class GatewayState(Protocol):
 
     ready: bool  # the engine is loaded and warm
     draining: bool  # shutting down: running work finishes, no new work is taken
+    access: AccessPolicy  # which Hosts and page origins may call
+    auth: Authenticator  # who calls: API keys and tokens
+    key_limits: KeyLimits  # what each key may still use
 
     def readiness(self) -> str | None:
         """None when the gateway takes new sessions, else why not (``/readyz`` says it)."""
@@ -88,14 +108,18 @@ class HttpApi:
     def __init__(self, engine: Engine, config: Config, metrics: Metrics, gateway: GatewayState) -> None:
         self.engine = engine
         self.gateway = gateway
-        self.api_keys = config.auth.api_keys
+        self.token_ttl_s = config.auth.token_ttl_s
+        self.max_token_ttl_s = config.auth.max_token_ttl_s
         self.max_text_chars = config.limits.max_text_chars
         self.request_timeout_s = config.server.request_timeout_s
         self.metrics = metrics
         self.web_root = config.server.web_path.resolve()
         # The speech requests in flight: each takes a session place; a drain waits for them.
         self.speeches: set[asyncio.BaseTransport] = set()  # their connections
-        self.app = web.Application(client_max_size=MAX_UPLOAD_BYTES, middlewares=[self._one_request_per_connection])
+        self.app = web.Application(
+            client_max_size=MAX_UPLOAD_BYTES, middlewares=[self._one_request_per_connection, self._browser_rules]
+        )
+        self.app.on_response_prepare.append(_add_cors_headers)
         self.app.router.add_get("/healthz", self.healthz)
         self.app.router.add_get("/readyz", self.readyz)
         self.app.router.add_get("/metrics", self.prometheus)
@@ -103,6 +127,7 @@ class HttpApi:
         self.app.router.add_get("/v1/voices", self.voices)
         self.app.router.add_post("/v1/voices", self.add_voice)
         self.app.router.add_post("/v1/audio/speech", self.speech)
+        self.app.router.add_post("/v1/tokens", self.mint_token)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/audio/voices", self.openai_voices)
         self.app.router.add_get("/{path:.*}", self.static)
@@ -147,10 +172,34 @@ class HttpApi:
         response.force_close()
         return response
 
+    @web.middleware
+    async def _browser_rules(self, request: web.Request, handler) -> web.StreamResponse:
+        """The Host and Origin rules (gateway/access.py); CORS preflights are answered here."""
+        if request.path in PROBES:
+            return await handler(request)
+        origin = request.headers.get("Origin")
+        if (refused := self.gateway.access.refusal(request.headers.get("Host"), origin)) is not None:
+            return self._error(refused.status, refused.code, refused.message)
+        if origin is not None:
+            request[CORS_ORIGIN] = origin
+        if request.method == "OPTIONS" and origin is not None and "Access-Control-Request-Method" in request.headers:
+            return web.Response(status=204, headers=CORS_PREFLIGHT_HEADERS)
+        return await handler(request)
+
     def _refused(self, request: web.Request) -> web.Response | None:
-        if authorized(self.api_keys, request.headers.get("Authorization", ""), request.query.get("api_key")):
-            return None
-        return self._error(401, "unauthorized", "missing or invalid API key")
+        """The 401 for a request without valid credentials; else None, and its Caller is kept."""
+        try:
+            request[CALLER] = self.gateway.auth.caller(request.headers.get("Authorization", ""), request.query)
+        except Unauthorized as exc:
+            return self._error(401, "unauthorized", str(exc))
+        return None
+
+    def _limited(self, refusal: Refusal) -> web.Response:
+        """A per-key limit's refusal: 429, and when to retry where that is known."""
+        response = self._error(429, ErrorCode.OVERLOADED, refusal.message)
+        if refusal.retry_after_s is not None:
+            response.headers["Retry-After"] = str(refusal.retry_after_s)
+        return response
 
     def _error(self, status: int, code: str, message: str) -> web.Response:
         self.metrics.error(code)
@@ -271,11 +320,57 @@ class HttpApi:
         transport = request.transport
         if transport is None:  # the client has gone already
             return self._error(400, ErrorCode.BAD_MESSAGE, "the client closed the connection")
+        caller = request[CALLER]
+        key_limits = self.gateway.key_limits
+        if (refusal := key_limits.open_speech(caller, len(speech.text), asyncio.get_running_loop().time())) is not None:
+            return self._limited(refusal)
         self.speeches.add(transport)
         try:
             return await self._speak(request, body, speech)
         finally:
             self.speeches.discard(transport)
+            key_limits.close_speech(caller)
+
+    async def mint_token(self, request: web.Request) -> web.Response:
+        """A browser token for the caller's key; the body may ask for a shorter life
+        (``ttl_s``) and a limit of its own (``max_sessions``)."""
+        if refused := self._refused(request):
+            return refused
+        caller = request[CALLER]
+        if caller.token is not None:
+            return self._error(403, "forbidden", "a token cannot mint tokens; use an API key")
+        try:
+            body = await self._read_body(request.read)
+            options = orjson.loads(body) if body.strip() else {}
+        except orjson.JSONDecodeError:
+            return self._error(400, ErrorCode.BAD_MESSAGE, "the body must be JSON (or empty)")
+        except TimeoutError:
+            return self._error(408, ErrorCode.BAD_MESSAGE, f"the body did not arrive within {self.request_timeout_s:g} s")
+        try:
+            ttl_s, max_sessions = self._token_options(options)
+        except _BadRequest as exc:
+            return self._error(400, exc.code, str(exc))
+        expires_at = time.time() + ttl_s
+        token = self.gateway.auth.signer.mint(caller.key_id, expires_at, max_sessions)
+        grant = {"token": token, "expires_at": round(expires_at), "ttl_s": ttl_s, "max_sessions": max_sessions}
+        return web.json_response(grant, status=201, headers={"Cache-Control": "no-store"})
+
+    def _token_options(self, options) -> tuple[float, int | None]:
+        if not isinstance(options, dict):
+            raise _BadRequest(ErrorCode.BAD_MESSAGE, "the body must be a JSON object")
+        unknown = set(options) - {"ttl_s", "max_sessions"}
+        if unknown:
+            raise _BadRequest(ErrorCode.BAD_MESSAGE, f"unknown field(s): {', '.join(sorted(unknown))[:64]}; "
+                                                     "known: ttl_s, max_sessions")
+        ttl_s = options.get("ttl_s", self.token_ttl_s)
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= self.max_token_ttl_s:
+            raise _BadRequest(ErrorCode.BAD_MESSAGE, f"ttl_s must be a number of seconds above 0 and at most "
+                                                     f"{self.max_token_ttl_s:g}")
+        max_sessions = options.get("max_sessions")
+        if max_sessions is not None and (isinstance(max_sessions, bool) or not isinstance(max_sessions, int)
+                                         or max_sessions < 1):
+            raise _BadRequest(ErrorCode.BAD_MESSAGE, "max_sessions must be a whole number >= 1")
+        return float(ttl_s), max_sessions
 
     async def _speak(self, request: web.Request, body: dict, speech: _Speech) -> web.StreamResponse:
         received_at = asyncio.get_running_loop().time()
@@ -417,6 +512,17 @@ class _SpeechDownload:
         if self._sse:
             data = _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
         await self._response.write(data)
+
+
+async def _add_cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """An allowed page's request: its answer names the page, so that the browser lets it
+    read the answer. Added as the headers go out, so streamed answers carry them too."""
+    origin = request.get(CORS_ORIGIN)
+    if origin is None:
+        return
+    response.headers["Access-Control-Allow-Origin"] = origin
+    response.headers["Access-Control-Expose-Headers"] = "Retry-After, X-Model"
+    response.headers.add("Vary", "Origin")
 
 
 def _event(event: dict) -> bytes:

@@ -14,7 +14,7 @@ which the server starts and stops.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from engine.base import EngineStats
 from engine.registry import ENGINES
 from gateway.gpu_metrics import GpuSampler
+from gateway.key_limits import LIMITS, KeyAccount, KeyLimits
 from gateway.protocol import ContextFinished
 from gateway.stats import RollingStats
 
@@ -82,6 +83,10 @@ class Metrics:
         self._engine_stats = engine_stats
         self.rolling = RollingStats()
         self.gpu = GpuSampler(r)
+
+    def count_keys(self, key_limits: KeyLimits) -> None:
+        """Export each key's usage and refusals, read from its account at each scrape."""
+        self.registry.register(_KeyCollector(key_limits.accounts))
 
     # ------------------------------------------------------------ observations
 
@@ -192,6 +197,29 @@ class _EngineCollector:
             family = CounterMetricFamily(f"tts_{key}", self._totals.get(key, "Engine-specific total."), labels=["engine"])
             family.add_metric([self._engine], value)
             yield family
+
+
+class _KeyCollector:
+    """Per-key series, labelled by the key's short hash (never the key). The keys come from
+    the config, so the label takes a bounded set of values."""
+
+    def __init__(self, accounts: Mapping[str, KeyAccount]) -> None:
+        self._accounts = accounts
+
+    def collect(self):
+        sessions = GaugeMetricFamily("tts_key_sessions", "Sessions and speech requests open, per API key.", labels=["key"])
+        contexts = GaugeMetricFamily("tts_key_contexts", "Contexts open (speech requests included), per API key.",
+                                     labels=["key"])
+        chars = CounterMetricFamily("tts_key_chars", "Characters of text taken to speak, per API key.", labels=["key"])
+        refusals = CounterMetricFamily("tts_key_refusals", "Requests refused by a per-key limit, by limit.",
+                                       labels=["key", "limit"])
+        for key, account in self._accounts.items():
+            sessions.add_metric([key], account.sessions)
+            contexts.add_metric([key], account.contexts)
+            chars.add_metric([key], account.chars_total)
+            for limit in LIMITS:
+                refusals.add_metric([key, limit], account.refusals[limit])
+        yield from (sessions, contexts, chars, refusals)
 
 
 # Every registered engine's own series, as exported: what a dashboard may query beyond the

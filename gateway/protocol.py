@@ -136,6 +136,42 @@ class TimedWord(Protocol):
     end_s: float
 
 
+class Refused(Protocol):
+    message: str  # why, for the client
+
+
+class Allowance(Protocol):
+    """What the key behind a session may still use: contexts open at once and characters to
+    speak, counted over all of the key's sessions (the server's per-key limits, supplied as
+    this interface so that the core stays free of them). A refusal becomes ``overloaded``."""
+
+    def open_context(self, chars: int, now: float) -> Refused | None:
+        """Take a context place and its first ``chars`` characters of text (both or neither),
+        or say why not."""
+
+    def close_context(self) -> None:
+        """Give a context place back."""
+
+    def spend_chars(self, chars: int, now: float) -> Refused | None:
+        """Take ``chars`` characters of text from the key's budget, or say why not."""
+
+
+class _Unlimited:
+    """No per-key limits."""
+
+    def open_context(self, chars: int, now: float) -> None:
+        return None
+
+    def close_context(self) -> None:
+        pass
+
+    def spend_chars(self, chars: int, now: float) -> None:
+        return None
+
+
+UNLIMITED: Allowance = _Unlimited()
+
+
 class ProtocolError(Exception):
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
@@ -207,6 +243,8 @@ class Session:
     last_active_at: float = 0.0
     draining: bool = False
     closed: bool = False
+    # The per-key limits of the key behind this session, shared with its other sessions.
+    allowance: Allowance = UNLIMITED
     contexts: dict[str, Context] = field(default_factory=dict)
     _by_key: dict[int, Context] = field(default_factory=dict)
     _next_key: int = 0
@@ -253,12 +291,10 @@ class Session:
             )
         ]
 
-    def refuse_overloaded(self) -> list[Action]:
-        """The gateway is at its session cap: say so, and close with 1013."""
-        return self._refuse(
-            ErrorCode.OVERLOADED, "the gateway is at its session limit; retry later",
-            CloseCode.TRY_AGAIN_LATER, "overloaded",
-        )
+    def refuse_overloaded(self, message: str = "the gateway is at its session limit; retry later") -> list[Action]:
+        """The gateway (or the key behind the session) is at its session cap: say so, and
+        close with 1013."""
+        return self._refuse(ErrorCode.OVERLOADED, message, CloseCode.TRY_AGAIN_LATER, "overloaded")
 
     def heard(self, now: float) -> None:
         """The client sent something: a message, or a WebSocket ping."""
@@ -397,8 +433,11 @@ class Session:
             )
         actions: list[Action] = []
         if context is None:
-            context = self._new_context(context_id, message)
+            context = self._new_context(context_id, message, len(text), now)
             actions.append(StartUtterance(context.key, context.voice, context.speed))
+        elif text and (refused := self.allowance.spend_chars(len(text), now)) is not None:
+            # The rest of the reply cannot be spoken: the context ends (overloaded ends it).
+            raise ProtocolError(ErrorCode.OVERLOADED, refused.message)
         if text:
             context.text_chars += len(text)
             if context.first_text_at is None:
@@ -406,7 +445,7 @@ class Session:
             actions.append(PushText(context.key, text))
         return actions
 
-    def _new_context(self, context_id: str, message: dict[str, Any]) -> Context:
+    def _new_context(self, context_id: str, message: dict[str, Any], chars: int, now: float) -> Context:
         if self.draining:
             raise ProtocolError(ErrorCode.OVERLOADED, "the gateway is shutting down; no new contexts")
         if len(self.contexts) >= self.settings.max_contexts:
@@ -418,6 +457,8 @@ class Session:
         rate = self._check_rate(message["sample_rate"]) if "sample_rate" in message else self.sample_rate
         encoding = self._check_encoding(message["encoding"]) if "encoding" in message else self.encoding
         speed = _check_speed(message["speed"]) if "speed" in message else 1.0
+        if (refused := self.allowance.open_context(chars, now)) is not None:
+            raise ProtocolError(ErrorCode.OVERLOADED, refused.message)
         key = self._next_key
         self._next_key += 1
         context = Context(
@@ -576,6 +617,7 @@ class Session:
     def _remove(self, context: Context, outcome: str) -> ContextFinished:
         del self.contexts[context.context_id]
         del self._by_key[context.key]
+        self.allowance.close_context()
         return ContextFinished(
             context_id=context.context_id,
             outcome=outcome,

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import logging
 import signal
+import ssl
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -27,9 +28,11 @@ from websockets.http11 import Request, Response
 from websockets.server import ServerProtocol
 
 from engine.base import AudioChunk, Engine, EngineError, Utterance, UtteranceOptions, drive
-from gateway.auth import authorized
-from gateway.config import Config
+from gateway.access import AccessPolicy
+from gateway.auth import Authenticator, Caller, Unauthorized
+from gateway.config import Config, ConfigError, ServerSettings
 from gateway.http_api import HttpApi
+from gateway.key_limits import KeyLimits
 from gateway.metrics import Metrics
 from gateway.one_port import FrontDoor
 from gateway.protocol import (
@@ -63,9 +66,14 @@ class Gateway:
     def __init__(self, config: Config, engine: Engine, *, owns_engine: bool = True) -> None:
         """``owns_engine=False``: the engine is already started and outlives this gateway."""
         self.config = config
+        self._tls = _tls_context(config.server)  # an unusable certificate stops the gateway before it starts
         self.engine = engine
         self._owns_engine = owns_engine
+        self.access = AccessPolicy(config.server)
+        self.auth = Authenticator(config.auth)
+        self.key_limits = KeyLimits(config.limits, self.auth.key_ids)
         self.metrics = Metrics(engine.name, engine.stats)
+        self.metrics.count_keys(self.key_limits)
         self.ready = False
         self.draining = False
         self.sessions: set[SessionRunner] = set()
@@ -100,11 +108,13 @@ class Gateway:
             compression=None,  # audio does not compress; deflate would cost CPU per frame
             open_timeout=request_timeout,
             create_connection=front_door,  # the one port: see gateway/one_port.py
+            ssl=self._tls,
         )
         self.port = self._server.sockets[0].getsockname()[1]  # the real one when config says 0
         await self.metrics.gpu.start()
         self._loop_lag = asyncio.create_task(self.metrics.watch_loop_lag())
-        log.info("listening on %s:%d (WebSocket %s and the HTTP routes)", self.config.server.host, self.port, STREAM_PATH)
+        log.info("listening on %s:%d (WebSocket %s and the HTTP routes, %s)", self.config.server.host, self.port,
+                 STREAM_PATH, "TLS" if self.config.server.tls else "plain")
         if self._owns_engine:
             await self.engine.start()
         self.ready = True
@@ -208,12 +218,18 @@ class Gateway:
         ``overloaded``)."""
         return self.places_taken >= self.config.limits.max_sessions
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        """The WebSocket handshake's checks: the API key, then whether sessions are taken now."""
+    def _process_request(self, connection: SessionConnection, request: Request) -> Response | None:
+        """The WebSocket handshake's checks: the Host, the page's Origin, the API key or token,
+        then whether sessions are taken now."""
+        if (refused := self.access.refusal(request.headers.get("Host"), request.headers.get("Origin"))) is not None:
+            self.metrics.error(refused.code)
+            return _response(connection, refused.status, f"{refused.message}\n".encode())
         query = dict(parse_qsl(urlsplit(request.path).query))
-        if not authorized(self.config.auth.api_keys, request.headers.get("Authorization", ""), query.get("api_key")):
+        try:
+            connection.caller = self.auth.caller(request.headers.get("Authorization", ""), query)
+        except Unauthorized as exc:
             self.metrics.error("unauthorized")
-            return _response(connection, 401, b"missing or invalid API key\n")
+            return _response(connection, 401, f"{exc}\n".encode())
         if self.draining:
             return _response(connection, 503, b"shutting down\n")
         if not self.ready:
@@ -250,6 +266,7 @@ class SessionConnection(ServerConnection):
     websockets sends to find dead connections; they say nothing of the client's wishes.)"""
 
     on_ping: Callable[[], None] | None = None
+    caller: Caller | None = None  # who opened it: set by the handshake's checks
 
     def process_event(self, event: Any) -> None:
         if isinstance(event, Frame) and event.opcode is Opcode.PING and self.on_ping is not None:
@@ -306,7 +323,11 @@ class SessionRunner:
     def __init__(self, gateway: Gateway, connection: SessionConnection) -> None:
         self.gateway = gateway
         self.connection = connection
-        self.session = Session(uuid.uuid4().hex, gateway.session_settings())
+        assert connection.caller is not None, "the handshake's checks name the caller"
+        self.caller = connection.caller
+        self.session = Session(
+            uuid.uuid4().hex, gateway.session_settings(), allowance=gateway.key_limits.accounts[self.caller.key_id]
+        )
         self.outbox = Outbox(connection, gateway.config.limits.send_buffer_bytes)
         self.closed = asyncio.Event()
         self._utterances: dict[int, Utterance] = {}
@@ -325,6 +346,8 @@ class SessionRunner:
             # The place this session took counts: more than the limit means one too many.
             elif gateway.places_taken > gateway.config.limits.max_sessions or gateway.draining:
                 self.apply(self.session.refuse_overloaded())
+            elif (refused := gateway.key_limits.open_session(self.caller)) is not None:
+                self.apply(self.session.refuse_overloaded(refused.message))
             else:
                 gateway.metrics.sessions.inc()
                 gateway.metrics.sessions_active.inc()
@@ -336,6 +359,7 @@ class SessionRunner:
                         self.apply(self.session.receive_message(message, self._loop.time()))
                 finally:
                     gateway.metrics.sessions_active.dec()
+                    gateway.key_limits.close_session(self.caller)
             await self.connection.wait_closed()
         except ConnectionClosed:
             pass
@@ -472,6 +496,19 @@ class SessionRunner:
         finally:
             self._utterances.pop(key, None)
             self._pumps.pop(key, None)
+
+
+def _tls_context(settings: ServerSettings) -> ssl.SSLContext | None:
+    """With ``tls_cert`` and ``tls_key``, the one port serves https and wss."""
+    if not settings.tls:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"[server] tls_cert {settings.tls_cert!r} and tls_key {settings.tls_key!r}: "
+                          f"not a certificate and its private key in PEM ({exc})") from None
+    return context
 
 
 def _response(connection: ServerConnection, status: int, body: bytes) -> Response:

@@ -15,6 +15,9 @@ let audio = null;        // AudioContext
 let player = null;       // AudioWorkletNode
 let header = null;       // audio header waiting for its binary frame
 let contextSeq = 0;
+// A short-lived token the page was given (`/?token=…`, minted by a backend with
+// POST /v1/tokens): used when no API key is typed in, so the page never needs the key.
+const pageToken = new URLSearchParams(location.search).get("token");
 
 // ------------------------------------------------------------------ helpers
 
@@ -68,6 +71,7 @@ function connect() {
     const url = new URL("/v1/stream", location.href);
     url.protocol = url.protocol.replace("http", "ws");
     if ($("key").value) url.searchParams.set("api_key", $("key").value);
+    else if (pageToken) url.searchParams.set("token", pageToken);
     const ws = new WebSocket(url);
     ws.binaryType = "arraybuffer";
     let ready = false;
@@ -86,7 +90,7 @@ function connect() {
     ws.onclose = (event) => {
       if (!ready) {
         connecting = null;
-        reject(new Error("connection refused (check the API key)"));
+        reject(new Error(`connection refused (check the API key${pageToken ? " or get a new token" : ""})`));
         return;
       }
       log(`connection closed (${event.code}) ${event.reason}`);

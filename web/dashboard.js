@@ -22,7 +22,9 @@ $("window").addEventListener("change", () => poll());
 
 async function fetchStats() {
   const params = new URLSearchParams({ window: $("window").value });
-  const headers = keyInput.value ? { Authorization: `Bearer ${keyInput.value}` } : {};
+  // A typed key, else a token the page was given (`/dashboard?token=…`, from POST /v1/tokens).
+  const credential = keyInput.value || new URLSearchParams(location.search).get("token");
+  const headers = credential ? { Authorization: `Bearer ${credential}` } : {};
   const response = await fetch(`/v1/stats?${params}`, { headers, cache: "no-store" });
   if (response.status === 401) throw new Error("API key required or wrong");
   if (!response.ok) throw new Error(`HTTP ${response.status}`);

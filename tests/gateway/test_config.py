@@ -75,6 +75,23 @@ def test_env_overrides_follow_one_rule(tmp_path):
         ("", {"TTS_GATEWAY__SERVER__HTTP_PORT": "0"}, "the POST routes moved to [server] port"),
         ("[limits]\nidle_timeout_s = 200.0\n", {}, "idle_timeout_s must be > 0 and at most max_inactivity_timeout_s"),
         ("[server]\nrequest_timeout_s = 0\n", {}, "request_timeout_s must be > 0"),
+        ("[server]\nallowed_origins = 'https://a.example'\n", {}, "server.allowed_origins must be a list"),
+        ("[server]\nallowed_origins = ['https://a.example/']\n", {}, "'https://a.example/' is not an origin"),
+        ("[server]\nallowed_origins = ['a.example']\n", {}, "'a.example' is not an origin; write scheme://host[:port]"),
+        ("[server]\nallowed_origins = ['ftp://a.example']\n", {}, "'ftp://a.example' is not an origin"),
+        ("[server]\nallowed_origins = ['*', 'https://a.example']\n", {}, '"*" allows every origin; list it alone'),
+        ("[server]\nallowed_hosts = ['a.example:8765']\n", {}, "'a.example:8765' is not a host name"),
+        ("[server]\nallowed_hosts = ['https://a.example']\n", {}, "without port or scheme"),
+        ("[server]\nallowed_hosts = ['']\n", {}, "allowed_hosts: '' is not a host name"),
+        ("[server]\ntls_key = 'key.pem'\n", {}, "tls_cert and tls_key must be set together"),
+        ("[server]\ntls_cert = '/nowhere/c.pem'\ntls_key = '/nowhere/k.pem'\n", {}, "tls_cert: no such file"),
+        ("[auth]\ntoken_secret = 'short'\n", {}, "token_secret must hold at least 32 characters"),
+        ("[auth]\ntoken_ttl_s = 7200.0\n", {}, "token_ttl_s must be > 0 and at most max_token_ttl_s"),
+        ("[auth]\ntoken_ttl_s = 0\n", {}, "token_ttl_s must be > 0"),
+        ("[limits]\nmax_sessions_per_key = -1\n", {}, "max_sessions_per_key must be >= 0 (0: no limit)"),
+        ("[limits]\nmax_contexts_per_key = -1\n", {}, "max_contexts_per_key must be >= 0"),
+        ("[limits]\nchars_per_minute_per_key = 1.5\n", {}, "limits.chars_per_minute_per_key must be int"),
+        ("", {"TTS_GATEWAY__SERVER__ALLOWED_ORIGINS": "https://a.example"}, "server.allowed_origins must be a list"),
     ],
 )
 def test_bad_config_fails_with_a_message_naming_the_key(tmp_path, text, env, message):
@@ -98,6 +115,22 @@ warmup_batch_sizes = [1, 2, 4, 8, 16, 32, 64]
     assert settings.engine.cosyvoice2.llm_backend == "vllm"
     assert (vllm.gpu_memory_utilization, vllm.max_num_seqs, vllm.enforce_eager) == (0.25, 64, True)
     assert vllm.warmup_batch_sizes == (1, 2, 4, 8, 16, 32, 64)
+
+
+def test_browser_and_limit_settings(tmp_path):
+    text = """
+[server]
+allowed_origins = ["https://app.example", "http://localhost:3000"]
+allowed_hosts = ["tts.example", "[::1]"]
+[limits]
+max_sessions_per_key = 4
+chars_per_minute_per_key = 6000
+"""
+    config = load_config(write(tmp_path, text), env={"TTS_GATEWAY__AUTH__TOKEN_SECRET": "s" * 32})
+    assert config.server.allowed_origins == ("https://app.example", "http://localhost:3000")
+    assert config.server.allowed_hosts == ("tts.example", "[::1]")
+    assert (config.limits.max_sessions_per_key, config.limits.chars_per_minute_per_key) == (4, 6000)
+    assert config.auth.token_secret == "s" * 32
 
 
 def test_missing_file_is_reported(tmp_path):

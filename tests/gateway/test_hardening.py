@@ -17,6 +17,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from engine.base import AudioChunk, EngineError, Utterance, UtteranceOptions
+from gateway.auth import ANONYMOUS, Caller
 from gateway.server import SessionRunner
 
 from tests.conftest import StubEngine, make_config, running_gateway, until, ws_url
@@ -91,6 +92,7 @@ class NeverReadingConnection:
     def __init__(self) -> None:
         self.transport = SimpleNamespace(abort=lambda: None)
         self.request = SimpleNamespace(path="/v1/stream")
+        self.caller = Caller(ANONYMOUS)
 
 
 async def test_error_frames_count_against_the_send_buffer():

@@ -403,3 +403,69 @@ def test_a_session_chooses_its_inactivity_timeout_within_the_bound():
         error = only_error(actions)
         assert error["code"] == "bad_message" and "inactivity_timeout" in error["message"], value
         assert actions[-1] == CloseSession(1008, error["message"])
+
+
+# ---------------------------------------------------------------- the key's allowance
+
+
+class CountingAllowance:
+    """A key allowed ``places`` contexts at once and ``chars`` characters in all."""
+
+    def __init__(self, places: int, chars: int) -> None:
+        self.places, self.chars, self.open = places, chars, 0
+
+    def open_context(self, chars: int, now: float):
+        if self.open >= self.places:
+            return Refusal("no context place")
+        if (refused := self.spend_chars(chars, now)) is not None:
+            return refused
+        self.open += 1
+        return None
+
+    def close_context(self) -> None:
+        self.open -= 1
+
+    def spend_chars(self, chars: int, now: float):
+        if chars > self.chars:
+            return Refusal("no characters left")
+        self.chars -= chars
+        return None
+
+
+@dataclass
+class Refusal:
+    message: str
+
+
+def test_the_keys_allowance_refuses_contexts_and_text_with_overloaded():
+    allowance = CountingAllowance(places=1, chars=20)
+    session = make_session()
+    session.allowance = allowance
+    session.open({}, 0.0)
+    assert any(isinstance(a, StartUtterance) for a in session.receive_message(msg(type="text", context_id="a", text="Hello"), 0.0))
+    error = only_error(session.receive_message(msg(type="text", context_id="b", text="Hi"), 0.0))
+    assert (error["code"], error["context_id"], error["message"]) == ("overloaded", "b", "no context place")
+    assert set(session.contexts) == {"a"} and allowance.chars == 15
+    # Text past the budget in the middle of a context ends it, and gives its place back.
+    actions = session.receive_message(msg(type="text", context_id="a", text="x" * 16), 0.0)
+    assert only_error(actions)["message"] == "no characters left"
+    assert any(isinstance(a, CancelUtterance) for a in actions) and not session.contexts and allowance.open == 0
+    # Every way out of a context gives its place back: done, cancel, a lost connection.
+    for finish in ("done", "cancel", "lost"):
+        actions = session.receive_message(msg(type="text", context_id="c", text="Hi"), 0.0)
+        (start,) = [a for a in actions if isinstance(a, StartUtterance)]
+        assert allowance.open == 1
+        if finish == "done":
+            session.receive_message(msg(type="end", context_id="c"), 0.0)
+            session.utterance_finished(start.key, 0.0)
+        elif finish == "cancel":
+            session.receive_message(msg(type="cancel", context_id="c"), 0.0)
+        else:
+            session.connection_lost()
+        assert allowance.open == 0, finish
+    # A context refused for its characters takes no place.
+    session = make_session()
+    session.allowance = allowance = CountingAllowance(places=1, chars=3)
+    session.open({}, 0.0)
+    assert only_error(session.receive_message(msg(type="text", context_id="a", text="Hello"), 0.0))["code"] == "overloaded"
+    assert allowance.open == 0 and allowance.chars == 3

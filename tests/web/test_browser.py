@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 
+import aiohttp
 import pytest_asyncio
 
 from tests.conftest import make_config, running_gateway
@@ -179,6 +180,33 @@ async def test_api_key_field(browser, piper_engine):
             done = await wait_for(page, "c1", "c.status === 'done'")
             assert done["chunks"] > 0
             assert await page.evaluate("window.ttsState.connected") is True
+        finally:
+            await context.close()
+
+
+async def test_a_page_given_a_token_speaks_without_the_key(browser, piper_engine):
+    """A backend mints a token with its key and hands the page `/?token=…`: the client
+    connects with it, and the dashboard reads its statistics with it."""
+    config = make_config(auth={"api_keys": ("k-secret",)})
+    async with running_gateway(config, piper_engine) as gw:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"http://127.0.0.1:{gw.port}/v1/tokens", json={"ttl_s": 60},
+                                 headers={"Authorization": "Bearer k-secret"}) as response:
+                token = (await response.json())["token"]
+        context = await browser.new_context()
+        page = await context.new_page()
+        try:
+            await page.goto(f"http://127.0.0.1:{gw.port}/?token={token}")
+            await page.wait_for_function("window.ttsState.connected", timeout=10_000)
+            await choose(page, text="Hello.", rate=24000, encoding="pcm_f32le")
+            await page.click("#speak")
+            assert (await wait_for(page, "c1", "c.status === 'done'"))["chunks"] > 0
+            await page.goto(f"http://127.0.0.1:{gw.port}/dashboard?token={token}")
+            await page.wait_for_function("window.dashboardState.updates > 0", timeout=10_000)
+            # A forged token is refused: the page says so rather than connecting.
+            await page.goto(f"http://127.0.0.1:{gw.port}/?token={token[:-4]}AAAA")
+            await page.wait_for_function("document.getElementById('log').textContent.includes('get a new token')")
+            assert await page.evaluate("window.ttsState.connected") is False
         finally:
             await context.close()
 
