@@ -40,7 +40,7 @@ from gateway.codecs import CONTENT_TYPES, SPEECH_RATE, SpeechEncoder
 from gateway.config import Config
 from gateway.key_limits import KeyLimits, Refusal
 from gateway.metrics import Metrics
-from gateway.protocol import ContextFinished
+from gateway.protocol import ContextFinished, quoted
 from gateway.stats import parse_window
 from gateway.wire import SPEED_RANGE, ErrorCode, control_character_error
 
@@ -317,6 +317,8 @@ class HttpApi:
             return self._error(503, "not_ready", "the engine is not ready yet")
         if self.gateway.at_capacity:
             return self._error(503, ErrorCode.OVERLOADED, "the gateway is at its session limit; retry later")
+        if (failure := self.engine.failure()) is not None:
+            return self._error(503, ErrorCode.ENGINE_FAILED, f"the speech engine failed: {failure}; retry on another instance")
         transport = request.transport
         if transport is None:  # the client has gone already
             return self._error(400, ErrorCode.BAD_MESSAGE, "the client closed the connection")
@@ -433,7 +435,7 @@ class HttpApi:
         if voice == "default" or (voice in OPENAI_VOICES and voice not in ids):
             voice = self.engine.default_voice
         elif voice not in ids:
-            raise _BadRequest(ErrorCode.UNKNOWN_VOICE, f"unknown voice {voice!r}; GET /v1/voices lists them")
+            raise _BadRequest(ErrorCode.UNKNOWN_VOICE, f"unknown voice {quoted(voice)}; GET /v1/voices lists them")
         fmt = body.get("response_format", "wav")
         if not isinstance(fmt, str) or fmt not in CONTENT_TYPES:
             raise _BadRequest(ErrorCode.UNSUPPORTED_FORMAT, f"response_format must be one of {sorted(CONTENT_TYPES)}")

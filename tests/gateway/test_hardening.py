@@ -21,6 +21,7 @@ from gateway.auth import ANONYMOUS, Caller
 from gateway.server import SessionRunner
 
 from tests.conftest import StubEngine, make_config, running_gateway, until, ws_url
+from tests.gateway.test_http_api import post
 from tests.gateway.test_server import http_get, read_context, recv_json
 
 
@@ -180,6 +181,8 @@ async def test_a_failed_engine_ends_every_context_and_session_and_refuses_new_on
             assert closed.value.rcvd.code == 1011
         status, body, _ = await http_get(f"http://127.0.0.1:{gw.port}/readyz")
         assert status == 503 and b"the backend process has died" in body
+        status, body, _ = await post(gw, {"model": "tts-1", "input": "Hello there.", "voice": "ok"})
+        assert status == 503 and orjson.loads(body)["error"]["code"] == "engine_failed"
         async with connect(ws_url(gw)) as late:
             refusal = await recv_json(late)
             assert refusal["code"] == "engine_failed" and refusal["context_id"] is None

@@ -114,6 +114,7 @@ async def test_disconnect_cancels_the_utterance(gateway):
         ({"input": "x" * 20_001}, "text_too_long"),
         ({"input": "Hi.", "voice": "nobody"}, "unknown_voice"),
         ({"input": "Hi.", "voice": ["joe"]}, "unknown_voice"),
+        ({"input": "Hi.", "voice": "v" * 100_000}, "unknown_voice"),
         ({"input": "Hi.", "response_format": "ogg"}, "unsupported_format"),
         ({"input": "Hi.", "response_format": ["mp3"]}, "unsupported_format"),
         ({"input": "Hi.", "stream_format": "chunks"}, "unsupported_format"),
@@ -129,6 +130,7 @@ async def test_bad_requests_are_400(gateway, body, code):
     assert status == 400 and headers["Content-Type"].startswith("application/json")
     error = orjson.loads(data)["error"]
     assert error["code"] == code and error["message"]
+    assert len(error["message"]) < 300  # what the client sent is quoted, cut short
     assert gateway.metrics.stats(60)["current"]["errors_by_code"] == {code: 1}
 
 
