@@ -33,46 +33,50 @@ from engine.base import WordTiming
 from engine.text.spoken_words import SpokenWord
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Word:
-    source: int  # the agent word's number in the utterance
     text: str  # the agent word ("$3.50")
+    source: int  # the agent word's number in the utterance
     last_text_token: int  # the reply's text token that completes it
     weight: int  # characters spoken ("three dollars and fifty cents")
     read_at: int | None = None  # the first speech token made after the LM had read it
+    start: float | None = None  # estimated start (samples), once its round's length is known
 
 
 class WordClock:
     """One utterance's words, from the text it sends the LM to the chunks that carry them.
 
     Fed, on the event loop and in order: :meth:`add_text` with each piece of normalised text
-    sent to the LM, :meth:`text_read` and :meth:`speech` as the LM stage reports, and
-    :meth:`chunk` for each audio chunk, which returns the words that chunk carries.
+    sent to the LM, :meth:`text_read`, :meth:`speech` and :meth:`speech_ended` as the LM
+    stage reports, and :meth:`chunk` for each audio chunk, which returns the words it carries.
     """
 
     def __init__(self, samples_per_token: int) -> None:
         self._samples_per_token = samples_per_token
         self._pending: collections.deque[_Word] = collections.deque()  # not carried by a chunk yet
-        self._unread = 0  # index in _pending of the first word not read yet
+        self._unread: collections.deque[_Word] = collections.deque()  # not read by the LM yet
+        self._round: list[_Word] = []  # read in the round the LM is making, whose length is open
         self._text_tokens = 0  # the reply's text tokens so far
         self._read = 0  # of them, those the LM had read for the speech tokens that follow
         self._speech = 0  # speech tokens made
-        self._audio = 0  # samples of the reply's audio, on the speech tokens' timeline
-        self._speech_ended = False  # the LM has made its last speech token
+        self._speech_ended = False
+        self._audio = 0  # samples of the reply's audio carried so far, on the speech tokens' timeline
 
     def add_text(self, text: str, token_ends: Sequence[int], words: Sequence[SpokenWord]) -> None:
         """A piece of normalised text sent to the LM: its text tokens (where each ends in
         ``text``) and its spoken words (:class:`~engine.text.spoken_words.SpokenWords`)."""
         at = 0
-        for word in words:
-            at = text.index(word.text, at) + len(word.text)
+        for spoken in words:
+            at = text.index(spoken.text, at) + len(spoken.text)
             last = self._text_tokens + min(bisect.bisect_right(token_ends, at - 1), len(token_ends) - 1)
-            previous = self._pending[-1] if len(self._pending) > self._unread else None
-            if previous is not None and previous.source == word.source:  # "$3.50" read as several words
+            previous = self._unread[-1] if self._unread else None
+            if previous is not None and previous.source == spoken.source:  # "$3.50" read as several words
                 previous.last_text_token = last
-                previous.weight += len(word.text)
+                previous.weight += len(spoken.text)
             else:
-                self._pending.append(_Word(word.source, word.source_text, last, len(word.text)))
+                word = _Word(spoken.source_text, spoken.source, last, len(spoken.text))
+                self._pending.append(word)
+                self._unread.append(word)
         self._text_tokens += len(token_ends)
 
     def text_read(self, count: int) -> None:
@@ -81,30 +85,42 @@ class WordClock:
 
     def speech(self, count: int) -> None:
         """``count`` more speech tokens were made."""
-        pending = self._pending
-        while self._unread < len(pending) and pending[self._unread].last_text_token < self._read:
-            pending[self._unread].read_at = self._speech
-            self._unread += 1
+        read = []
+        while self._unread and self._unread[0].last_text_token < self._read:
+            read.append(self._unread.popleft())
+        if read:  # a new round: the one before ends here
+            self._close_round(self._speech)
+            for word in read:
+                word.read_at = self._speech
+            self._round = read
         self._speech += count
 
     def speech_ended(self) -> None:
-        """The LM has made the reply's last speech token: the last round's length is known."""
+        """The LM has made the reply's last speech token: the last round ends there, and words
+        it never read (none, unless it ended the reply early) start there."""
+        if self._speech_ended:
+            return
         self._speech_ended = True
+        self._close_round(self._speech)
+        for word in self._unread:
+            word.start = self._speech * self._samples_per_token
+        self._unread.clear()
 
     def chunk(self, samples: int, duration_s: float, final: bool) -> tuple[WordTiming, ...]:
         """The words to send with the next audio chunk: ``samples`` of the reply's audio as
         made (``duration_s`` as played, after any change of speed). The final chunk carries
         every word left."""
+        if final:
+            self.speech_ended()
         if samples <= 0:
             return ()
         start, end = self._audio, self._audio + samples
         self._audio = end
-        estimates = self._estimated_starts(final)
+        estimates = [self._estimate(word) for word in self._pending]
         carried = len(estimates) if final else bisect.bisect_left(estimates, end)
         if not carried:
             return ()
         words = [self._pending.popleft() for _ in range(carried)]
-        self._unread -= min(carried, self._unread)
         times = _spread_ties([min(max(e, start), end) for e in estimates[:carried]], [w.weight for w in words], end)
         scale = duration_s / samples
         return tuple(
@@ -112,40 +128,25 @@ class WordClock:
             for k, word in enumerate(words)
         )
 
-    def _estimated_starts(self, final: bool) -> list[float]:
-        """Each pending word's estimated start (samples on the reply's timeline): its round's
-        speech tokens shared out by spoken characters.
+    def _estimate(self, word: _Word) -> float:
+        """A word's estimated start; in the round still being made only the first word has one
+        (the others' depend on how long it gets), so the rest are not due yet (infinite)."""
+        if word.start is not None:
+            return word.start
+        if self._round and word is self._round[0]:
+            return word.read_at * self._samples_per_token
+        return math.inf
 
-        While the LM is still making the latest round's speech, only that round's first word
-        has a start (the others' depend on how long the round gets): the rest are not due
-        yet (infinite). Once the speech has ended, the last round runs to its last token and
-        words never read start there.
-        """
-        pending = list(self._pending)
-        read = self._unread
-        closed = final or self._speech_ended
-        starts: list[float] = []
-        i = 0
-        while i < read:
-            group_end = i
-            while group_end < read and pending[group_end].read_at == pending[i].read_at:
-                group_end += 1
-            first = pending[i].read_at
-            if group_end < read:
-                last = pending[group_end].read_at
-            elif closed:
-                last = self._speech
-            else:
-                starts.append(first * self._samples_per_token)
-                break
-            total = sum(word.weight for word in pending[i:group_end]) or 1
-            before = 0
-            for k in range(i, group_end):
-                starts.append((first + (last - first) * before / total) * self._samples_per_token)
-                before += pending[k].weight
-            i = group_end
-        later = self._speech * self._samples_per_token if closed else math.inf
-        return starts + [later] * (len(pending) - len(starts))
+    def _close_round(self, last: int) -> None:
+        """The open round's speech ends before token ``last``: its words share it out by
+        spoken characters."""
+        words, self._round = self._round, []
+        if not words:
+            return
+        first, total, before = words[0].read_at, sum(word.weight for word in words) or 1, 0
+        for word in words:
+            word.start = (first + (last - first) * before / total) * self._samples_per_token
+            before += word.weight
 
 
 def _spread_ties(starts: list[float], weights: list[int], end: float) -> list[float]:
