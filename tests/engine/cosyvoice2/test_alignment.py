@@ -131,3 +131,13 @@ def test_the_final_chunk_carries_every_word_left_even_unread_ones():
     words = reply.chunk(10, final=True)
     assert [w for w, _, _ in words] == ["aa", "bb", "cc"]
     assert words[0] == ("aa", 0.0, 1.0) and words[1][1:] == words[2][1:] == (1.0, 1.0)
+
+
+def test_each_chinese_character_is_a_word_of_its_own():
+    """As the normaliser makes every CJK character a token: "3" read "三" is the agent's "3",
+    and punctuation, read as nothing, gets no entry."""
+    reply = Reply()
+    reply.push("你好，世界。是3月", end=True)
+    reply.round(len(reply.tokens), 20)
+    reply.clock.speech_ended()
+    assert [w for w, _, _ in reply.chunk(20, final=True)] == ["你", "好", "世", "界", "是", "3", "月"]
