@@ -1,21 +1,24 @@
-"""Word timings for CosyVoice2: when the LM had read each word, placed on the reply's audio.
+"""Word timings for CosyVoice2: when the LM had read each word, paced like the voice's prompt.
 
 The LM reads the reply's text in rounds (bistream: 5 text tokens, then up to 15 speech
 tokens at 25 Hz; at the end of the text, the rest of it and speech until eos). So for every
 speech token it is known how many text tokens the LM had read when it made it (the stages'
-``on_text_read``). The model has no other tie between text and speech that serving can see
-for free, so a word is timed from that:
+``on_text_read``). That bounds when a word can be spoken, but only from below, and loosely:
+the mix reads text faster than it is spoken, so the text runs ahead of the speech further
+and further as a reply goes on. The other thing known for free is how fast the voice speaks:
+its prompt's speech tokens per text token. So (all in speech tokens):
 
-- a word is *read at* the first speech token made after the LM had read all its text tokens;
-- words read at the same token (one round's text) share the round's speech tokens, up to the
-  token where the next round's words are read, in proportion to their spoken characters;
-- each word goes with the first audio chunk whose audio reaches its estimated start, and its
-  start and end are clamped to that chunk: it ends where the next word starts, the chunk's
-  last word where the chunk ends.
+- a word is *read* at the first speech token made after the LM had read its last text token;
+- it starts when it is read, or when the word before it has been said, whichever is later; a
+  word takes as many speech tokens as its text tokens times the prompt's rate;
+- each word goes with the first audio chunk whose audio reaches its start, clamped into that
+  chunk: it ends when it has been said, or where the next word starts, or where the chunk
+  ends, whichever is first. The final chunk carries every word left, squeezed into it if the
+  pace would run past the end of the reply.
 
-The estimate runs early: the 5:15 mix keeps the text ahead of the speech, so the LM speaks a
-word some time after it has read it, more so as a long reply goes on. The start is a lower
-bound from what the LM had read, not a measurement of the audio (docs/cosyvoice2.md).
+So a start is never before the LM had read the word, and the pace is the voice's, not the
+reply's: a reply spoken faster or slower than the prompt drifts until the final chunk. See
+docs/cosyvoice2.md for how approximate that is.
 
 Speech token ``k`` covers samples ``[k, k + 1) * samples_per_token`` of the reply's audio
 (the chunks' cross-fade keeps that timeline: what one chunk holds back, the next one plays).
@@ -38,9 +41,9 @@ class _Word:
     text: str  # the agent word ("$3.50")
     source: int  # the agent word's number in the utterance
     last_text_token: int  # the reply's text token that completes it
-    weight: int  # characters spoken ("three dollars and fifty cents")
-    read_at: int | None = None  # the first speech token made after the LM had read it
-    start: float | None = None  # estimated start (samples), once its round's length is known
+    text_tokens: int  # text tokens since the word before's last one: how long it takes to say
+    start: float | None = None  # speech tokens, once the LM has read it
+    end: float | None = None
 
 
 class WordClock:
@@ -49,18 +52,20 @@ class WordClock:
     Fed, on the event loop and in order: :meth:`add_text` with each piece of normalised text
     sent to the LM, :meth:`text_read`, :meth:`speech` and :meth:`speech_ended` as the LM
     stage reports, and :meth:`chunk` for each audio chunk, which returns the words it carries.
+    ``speech_per_text_token``: the voice prompt's pace.
     """
 
-    def __init__(self, samples_per_token: int) -> None:
+    def __init__(self, samples_per_token: int, speech_per_text_token: float) -> None:
         self._samples_per_token = samples_per_token
+        self._pace = speech_per_text_token
         self._pending: collections.deque[_Word] = collections.deque()  # not carried by a chunk yet
         self._unread: collections.deque[_Word] = collections.deque()  # not read by the LM yet
-        self._round: list[_Word] = []  # read in the round the LM is making, whose length is open
         self._text_tokens = 0  # the reply's text tokens so far
+        self._last_word_token = -1  # the last text token of the last word so far
         self._read = 0  # of them, those the LM had read for the speech tokens that follow
         self._speech = 0  # speech tokens made
-        self._speech_ended = False
-        self._audio = 0  # samples of the reply's audio carried so far, on the speech tokens' timeline
+        self._said = 0.0  # where the last word read ends (speech tokens)
+        self._audio = 0  # samples of the reply's audio carried so far
 
     def add_text(self, text: str, token_ends: Sequence[int], words: Sequence[SpokenWord]) -> None:
         """A piece of normalised text sent to the LM: its text tokens (where each ends in
@@ -71,12 +76,13 @@ class WordClock:
             last = self._text_tokens + min(bisect.bisect_right(token_ends, at - 1), len(token_ends) - 1)
             previous = self._unread[-1] if self._unread else None
             if previous is not None and previous.source == spoken.source:  # "$3.50" read as several words
+                previous.text_tokens += last - previous.last_text_token
                 previous.last_text_token = last
-                previous.weight += len(spoken.text)
             else:
-                word = _Word(spoken.source_text, spoken.source, last, len(spoken.text))
+                word = _Word(spoken.source_text, spoken.source, last, last - self._last_word_token)
                 self._pending.append(word)
                 self._unread.append(word)
+            self._last_word_token = last
         self._text_tokens += len(token_ends)
 
     def text_read(self, count: int) -> None:
@@ -85,26 +91,14 @@ class WordClock:
 
     def speech(self, count: int) -> None:
         """``count`` more speech tokens were made."""
-        read = []
-        while self._unread and self._unread[0].last_text_token < self._read:
-            read.append(self._unread.popleft())
-        if read:  # a new round: the one before ends here
-            self._close_round(self._speech)
-            for word in read:
-                word.read_at = self._speech
-            self._round = read
+        self._place_read_words()
         self._speech += count
 
     def speech_ended(self) -> None:
-        """The LM has made the reply's last speech token: the last round ends there, and words
-        it never read (none, unless it ended the reply early) start there."""
-        if self._speech_ended:
-            return
-        self._speech_ended = True
-        self._close_round(self._speech)
-        for word in self._unread:
-            word.start = self._speech * self._samples_per_token
-        self._unread.clear()
+        """The LM has made the reply's last speech token: words it has not read yet (none,
+        unless it ended the reply itself) follow the others at the pace."""
+        self._read = math.inf
+        self._place_read_words()
 
     def chunk(self, samples: int, duration_s: float, final: bool) -> tuple[WordTiming, ...]:
         """The words to send with the next audio chunk: ``samples`` of the reply's audio as
@@ -116,51 +110,29 @@ class WordClock:
             return ()
         start, end = self._audio, self._audio + samples
         self._audio = end
-        estimates = [self._estimate(word) for word in self._pending]
-        carried = len(estimates) if final else bisect.bisect_left(estimates, end)
+        spt = self._samples_per_token
+        starts = [word.start * spt if word.start is not None else math.inf for word in self._pending]
+        carried = len(starts) if final else bisect.bisect_left(starts, end)
         if not carried:
             return ()
         words = [self._pending.popleft() for _ in range(carried)]
-        times = _spread_ties([min(max(e, start), end) for e in estimates[:carried]], [w.weight for w in words], end)
+        ends = [word.end * spt for word in words]
+        starts = starts[:carried]
+        if final and ends[-1] > end:  # the pace runs past the reply's end: squeeze into the chunk
+            lo = min(max(starts[0], start), end)
+            squeeze = (end - lo) / (ends[-1] - lo)
+            starts, ends = ([lo + (t - lo) * squeeze for t in times] for times in (starts, ends))
         scale = duration_s / samples
-        return tuple(
-            WordTiming(word.text, (times[k] - start) * scale, (times[k + 1] - start) * scale)
-            for k, word in enumerate(words)
-        )
+        timings = []
+        for k, word in enumerate(words):
+            t0 = min(max(starts[k], start), end)
+            t1 = max(t0, min(ends[k], starts[k + 1] if k + 1 < carried else end, end))
+            timings.append(WordTiming(word.text, (t0 - start) * scale, (t1 - start) * scale))
+        return tuple(timings)
 
-    def _estimate(self, word: _Word) -> float:
-        """A word's estimated start; in the round still being made only the first word has one
-        (the others' depend on how long it gets), so the rest are not due yet (infinite)."""
-        if word.start is not None:
-            return word.start
-        if self._round and word is self._round[0]:
-            return word.read_at * self._samples_per_token
-        return math.inf
-
-    def _close_round(self, last: int) -> None:
-        """The open round's speech ends before token ``last``: its words share it out by
-        spoken characters."""
-        words, self._round = self._round, []
-        if not words:
-            return
-        first, total, before = words[0].read_at, sum(word.weight for word in words) or 1, 0
-        for word in words:
-            word.start = (first + (last - first) * before / total) * self._samples_per_token
-            before += word.weight
-
-
-def _spread_ties(starts: list[float], weights: list[int], end: float) -> list[float]:
-    """Non-decreasing starts, with each run of equal ones (words clamped to the chunk's start)
-    shared out by weight up to the next start; the chunk's ``end`` appended."""
-    times = [*starts, end]
-    i = 0
-    while i < len(starts):
-        j = i
-        while j < len(starts) and starts[j] == starts[i]:
-            j += 1
-        span, total, before = times[j] - starts[i], sum(weights[i:j]) or 1, 0
-        for k in range(i, j):
-            times[k] = starts[i] + span * before / total
-            before += weights[k]
-        i = j
-    return times
+    def _place_read_words(self) -> None:
+        """Start each word the LM has now read: once read, and once the word before is said."""
+        while self._unread and self._unread[0].last_text_token < self._read:
+            word = self._unread.popleft()
+            word.start = max(float(self._speech), self._said)
+            word.end = self._said = word.start + word.text_tokens * self._pace

@@ -290,7 +290,8 @@ class CosyVoice2Utterance(Utterance):
         self._normalizer = TextNormalizer("auto")
         self._spoken_words = SpokenWords()
         schedule = engine.runner.schedule
-        self._words = WordClock(schedule.mel_ratio * schedule.samples_per_frame)
+        pace = len(prompt_speech) / max(len(prompt_text), 1)  # the voice's speech tokens per text token
+        self._words = WordClock(schedule.mel_ratio * schedule.samples_per_frame, pace)
         self.request = Request(prompt, engine.runner.new_stream(), asyncio.Queue())
         self._scheduler.add(self.request)
         self._lm: LMStream = engine.lm.open(
