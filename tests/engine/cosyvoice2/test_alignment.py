@@ -37,7 +37,7 @@ class Reply:
     def _send(self, text: str) -> None:
         if text:
             self.spoken.feed(text, self.normalizer.take_spans())
-            pieces = [m for m in re.finditer(r"\s*\S{1,3}", text)]
+            pieces = list(re.finditer(r"\s*\S{1,3}", text))
             self.tokens += [m.group() for m in pieces]
             self.clock.add_text(text, [m.end() for m in pieces], self.spoken.words_of(text))
 
@@ -99,7 +99,8 @@ def test_agent_words_split_over_deltas_and_read_as_several_come_back_whole():
     reply.round(len(reply.tokens), 40)
     words = reply.chunk(40, final=True)
     assert [w for w, _, _ in words] == ["It", "costs", "$3.50", "today."]
-    tokens = [len(re.findall(r"\s*\S{1,3}", spoken)) for spoken in ("It", " costs", " three dollars and fifty cents", " today.")]
+    spoken = ("It", " costs", " three dollars and fifty cents", " today.")
+    tokens = [len(re.findall(r"\s*\S{1,3}", text)) for text in spoken]
     assert tokens[2] == 10
     assert [end - start for _, start, end in words] == pytest.approx([0.1 * n for n in tokens], abs=1e-5)
 

@@ -39,7 +39,7 @@ async def test_every_agent_word_is_timed_once_inside_its_chunk(short_replies, sp
         utterance.push_text(delta)
     utterance.end_input()
     chunks = await until(_collect(utterance), 120)
-    assert len(chunks) >= 3  # more than one chunk carries words: the spreading is exercised
+    assert sum(1 for chunk in chunks if chunk.words) >= 2  # words are carried by several chunks
     words, at = [], 0.0
     for chunk in chunks:
         duration = len(chunk.samples) / short_replies.sample_rate
@@ -77,7 +77,7 @@ async def test_the_gateway_sends_the_words_after_their_audio(short_replies):
     sent = []
     for event in events:
         if isinstance(event, Alignment):
-            assert all(word.end_ms <= audio_ms + 0.1 for word in event.words)  # after the audio it times
+            assert all(word.end_ms <= audio_ms + 1 for word in event.words)  # after the audio it times
             sent += event.words
         else:
             audio_ms += event.duration_ms

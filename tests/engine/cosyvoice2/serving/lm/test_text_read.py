@@ -65,7 +65,10 @@ async def reported(stage) -> list[tuple[int, int]]:
         assert rounds, "speech tokens before the text they were made with"
         rounds[-1][1] += len(tokens)
 
-    stream = stage.open(PROMPT_TEXT, PROMPT_SPEECH, on_tokens, done.set_result, on_text_read=lambda n: rounds.append([n, 0]))
+    def on_text_read(count: int) -> None:
+        rounds.append([count, 0])
+
+    stream = stage.open(PROMPT_TEXT, PROMPT_SPEECH, on_tokens, done.set_result, on_text_read=on_text_read)
     stream.push_text_ids(TEXT)
     stream.end_text()
     assert await asyncio.wait_for(done, 60) is None
