@@ -42,7 +42,7 @@ class _Word:
     source: int  # the agent word's number in the utterance
     last_text_token: int  # the reply's text token that completes it
     text_tokens: int  # text tokens since the word before's last one: how long it takes to say
-    start: float | None = None  # speech tokens, once the LM has read it
+    start: float | None = None  # estimated start and end in speech tokens, once the LM has read it
     end: float | None = None
 
 
