@@ -73,7 +73,10 @@ class WordClock:
         at = 0
         for spoken in words:
             at = text.index(spoken.text, at) + len(spoken.text)
-            last = self._text_tokens + min(bisect.bisect_right(token_ends, at - 1), len(token_ends) - 1)
+            # The token holding the word's last character; a character of several byte tokens
+            # (a CJK one) is read with the last of them.
+            holding = min(bisect.bisect_right(token_ends, at - 1), len(token_ends) - 1)
+            last = self._text_tokens + bisect.bisect_right(token_ends, token_ends[holding]) - 1
             previous = self._unread[-1] if self._unread else None
             if previous is not None and previous.source == spoken.source:  # "$3.50" read as several words
                 previous.text_tokens += last - previous.last_text_token

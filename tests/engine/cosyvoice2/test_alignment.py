@@ -128,3 +128,17 @@ def test_each_chinese_character_is_a_word_of_its_own():
     reply.push("你好，世界。是3月", end=True)
     reply.round(len(reply.tokens), 20)
     assert [w for w, _, _ in reply.chunk(20, final=True)] == ["你", "好", "世", "界", "是", "3", "月"]
+
+
+def test_a_character_of_several_byte_tokens_is_read_with_the_last_of_them():
+    normalizer, spoken = TextNormalizer("auto"), SpokenWords()
+    text = normalizer.push("你好") + normalizer.flush()
+    spoken.feed(text, normalizer.take_spans())
+    clock = WordClock(SAMPLES_PER_TOKEN, 1)
+    clock.add_text(text, [1, 1, 1, 2, 2], spoken.words_of(text))  # three tokens for 你, two for 好
+    clock.text_read(2)  # 你's last byte not read yet
+    clock.speech(10)
+    clock.text_read(5)
+    clock.speech(10)
+    words = clock.chunk(200, 2.0, final=True)
+    assert [(w.text, w.start_s, w.end_s) for w in words] == [("你", 1.0, 1.3), ("好", 1.3, 1.5)]
