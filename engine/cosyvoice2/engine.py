@@ -32,6 +32,7 @@ from engine.base import (
     Voice,
     drive,
 )
+from engine.cosyvoice2.alignment import WordClock
 from engine.cosyvoice2.frontend.voices import UnknownVoiceError, VoiceStore
 from engine.cosyvoice2.model.cfm import N_TIMESTEPS
 from engine.cosyvoice2.model.loading import DTYPES, CosyVoice2Models, load_models
@@ -43,6 +44,7 @@ from engine.cosyvoice2.serving.runner import Token2WavRunner
 from engine.cosyvoice2.serving.scheduler import END, Scheduler
 from engine.cosyvoice2.settings import CosyVoice2Settings
 from engine.text import TextNormalizer
+from engine.text.spoken_words import SpokenWords
 
 log = logging.getLogger(__name__)
 
@@ -286,9 +288,15 @@ class CosyVoice2Utterance(Utterance):
         self._speed = speed
         self._tokenizer = engine.models.frontend.tokenizer
         self._normalizer = TextNormalizer("auto")
+        self._spoken_words = SpokenWords()
+        schedule = engine.runner.schedule
+        pace = len(prompt_speech) / max(len(prompt_text), 1)  # the voice's speech tokens per text token
+        self._words = WordClock(schedule.mel_ratio * schedule.samples_per_frame, pace)
         self.request = Request(prompt, engine.runner.new_stream(), asyncio.Queue())
         self._scheduler.add(self.request)
-        self._lm: LMStream = engine.lm.open(prompt_text, prompt_speech, self._tokens, self._lm_done)
+        self._lm: LMStream = engine.lm.open(
+            prompt_text, prompt_speech, self._tokens, self._lm_done, on_text_read=self._words.text_read
+        )
 
     def push_text(self, text: str) -> None:
         if self.request.status is RequestStatus.OPEN:
@@ -307,9 +315,13 @@ class CosyVoice2Utterance(Utterance):
     def _send(self, text: str) -> None:
         if text:
             self._scheduler.text_sent(self.request)
-            self._lm.push_text_ids(self._tokenizer.encode(text))
+            self._spoken_words.feed(text, self._normalizer.take_spans())
+            ids, ends = self._tokenizer.encode_with_ends(text)
+            self._words.add_text(text, ends, self._spoken_words.words_of(text))
+            self._lm.push_text_ids(ids)
 
     def _tokens(self, tokens: list[int]) -> None:
+        self._words.speech(len(tokens))
         self._scheduler.push_tokens(self.request, tokens)
 
     def cancel(self) -> None:
@@ -325,6 +337,7 @@ class CosyVoice2Utterance(Utterance):
 
     def _lm_done(self, error: BaseException | None) -> None:
         if error is None:
+            self._words.speech_ended()
             self._scheduler.tokens_done(self.request)
             return
         log.error("speech token generation failed: %s", error)
@@ -342,10 +355,12 @@ class CosyVoice2Utterance(Utterance):
                     self._lm.cancel()  # a failed utterance's speech tokens are of no use
                     raise item if isinstance(item, EngineError) else EngineError(str(item))
                 self._scheduler.taken(self.request)
-                samples, compute_s = item
+                samples, compute_s, final = item
+                made = len(samples)
                 if self._speed != 1.0:
                     samples = _change_speed(samples, self._speed)
-                yield AudioChunk(samples, compute_s=compute_s)
+                words = self._words.chunk(made, len(samples) / self._engine.sample_rate, final)
+                yield AudioChunk(samples, words=words, compute_s=compute_s)
         finally:
             self._engine._utterances.discard(self)
 

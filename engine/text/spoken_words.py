@@ -14,9 +14,12 @@ import bisect
 import re
 from dataclasses import dataclass
 
+from .script import BOUNDARY_CLASS
 from .words import SourceSpan
 
-_WORD = re.compile(r"\S+")
+# A spoken word: a run of non-space characters, except that every CJK character (or CJK
+# punctuation mark) is a word of its own, as the normaliser makes it a token of its own.
+_WORD = re.compile(f"[{BOUNDARY_CLASS}]|[^\\s{BOUNDARY_CLASS}]+")
 
 
 @dataclass(frozen=True, slots=True)

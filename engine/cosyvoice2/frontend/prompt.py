@@ -102,6 +102,13 @@ class TextTokenizer:
         with self._lock:
             return self._backend.encode(text).ids
 
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """The ids of ``text`` and, for each, where in ``text`` its characters end (word timings
+        map text tokens back to words through these)."""
+        with self._lock:
+            encoding = self._backend.encode(text)
+        return encoding.ids, [end for _, end in encoding.offsets]
+
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
             return self._tok.batch_decode([list(ids)], skip_special_tokens=self.skip_special_tokens)[0]

@@ -87,7 +87,7 @@ _ids = itertools.count()
 class Request:
     """One utterance: its voice, its speech tokens, its token2wav state and its place in line.
 
-    ``output`` receives, on the event loop, ``(samples, compute_s)`` for each chunk, then an
+    ``output`` receives, on the event loop, ``(samples, compute_s, final)`` for each chunk, then an
     :class:`~engine.base.EngineError` or the end marker.
     """
 

@@ -441,7 +441,7 @@ class Scheduler:
                 self.latency.delivered(request, started, now)
                 request.clock.produced(len(samples) / self.schedule.sample_rate, now)
                 request.pending += 1
-                self.loop.call_soon_threadsafe(request.output.put_nowait, (samples, compute_s))
+                self.loop.call_soon_threadsafe(request.output.put_nowait, (samples, compute_s, job.finalize))
                 if job.finalize:
                     self._finish(request)
                 else:

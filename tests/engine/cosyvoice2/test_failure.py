@@ -78,7 +78,7 @@ class SilentLMStream(LMStream):
 def silence_the_lm(engine, monkeypatch) -> list[str]:
     """The LM answers nothing from now on; what the test appends to the list is why it died."""
     died: list[str] = []
-    monkeypatch.setattr(engine.lm, "open", lambda *args: SilentLMStream())
+    monkeypatch.setattr(engine.lm, "open", lambda *args, **callbacks: SilentLMStream())
     monkeypatch.setattr(engine.lm, "failure", lambda: died[0] if died else None)
     return died
 

@@ -29,6 +29,9 @@ class Chunk:
       drop it: that is the same thing, since the stop class is not kept either.)
     - ``final``: the utterance ends with this round. Rounds that are not final end the
       backend's decoded history with the fill class (the sampler's repetition window sees it).
+    - ``text_read``: how many of the reply's text tokens (the voice prompt's transcript not
+      counted) the context holds once this round's ids are in: the model cannot have spoken
+      text beyond them when it makes this round's speech tokens (word timings build on it).
     """
 
     ids: tuple[int, ...]
@@ -36,6 +39,7 @@ class Chunk:
     min_tokens: int = 0
     max_tokens: int | None = None
     final: bool = False
+    text_read: int = 0
 
 
 def offline_chunk(
@@ -66,6 +70,7 @@ def offline_chunk(
         min_tokens=int(len(text) * min_token_text_ratio),
         max_tokens=int(len(text) * max_token_text_ratio),
         final=True,
+        text_read=len(text),
     )
 
 
@@ -118,6 +123,8 @@ class BistreamPlanner:
         self.final_max_tokens = final_max_tokens
         self._context = [vocab.sos_eos]  # planned ids not yet handed to a round
         self._text = vocab.text(prompt_text)  # text waiting for its group
+        self._prompt_text_left = len(self._text)  # of self._text, the prompt's transcript
+        self._text_read = 0  # the reply's text tokens planned into the context
         self._prompt_speech = [vocab.speech(s) for s in prompt_speech]
         self._first_budget: int | None = None
         if first_round_budget:
@@ -144,8 +151,8 @@ class BistreamPlanner:
         # The prompt's speech tokens are interleaved with text first (prompt text, then new text).
         n_text, n_speech = self.text_per_group, self.speech_per_group
         while self._prompt_speech and len(self._text) >= n_text:
-            self._context += self._text[:n_text] + self._prompt_speech[:n_speech]
-            del self._text[:n_text], self._prompt_speech[:n_speech]
+            self._context += self._take_text(n_text) + self._prompt_speech[:n_speech]
+            del self._prompt_speech[:n_speech]
         if self._prompt_speech:
             return None
         # After a fill (or at the start without prompt speech) the model waits for a group of
@@ -153,11 +160,11 @@ class BistreamPlanner:
         if self._rounds or len(self._context) == 1:
             if len(self._text) < n_text:
                 return None
-            self._context += self._text[:n_text]
-            del self._text[:n_text]
+            self._context += self._take_text(n_text)
         budget = n_speech if self._rounds else self._first_budget
         self._open = Chunk(
-            ids=tuple(self._context), stop=frozenset({self.vocab.fill_class}), max_tokens=budget, final=False
+            ids=tuple(self._context), stop=frozenset({self.vocab.fill_class}), max_tokens=budget, final=False,
+            text_read=self._text_read,
         )
         self._context = []
         return self._open
@@ -178,14 +185,23 @@ class BistreamPlanner:
         self._check_can_plan()
         self._finished = True
         ids = list(self._last_input) if self.refeed_last_input else []
-        ids += self._context + self._text + [self.vocab.task_id]
-        self._context, self._text = [], []
+        ids += self._context + self._take_text(len(self._text)) + [self.vocab.task_id]
+        self._context = []
         return Chunk(
             ids=tuple(ids),
             stop=frozenset({self.vocab.eos_class}),
             max_tokens=self.final_max_tokens,
             final=True,
+            text_read=self._text_read,
         )
+
+    def _take_text(self, n: int) -> list[int]:
+        """The next ``n`` waiting text ids, counted as read (those past the prompt's transcript)."""
+        taken, self._text = self._text[:n], self._text[n:]
+        prompt = min(n, self._prompt_text_left)
+        self._prompt_text_left -= prompt
+        self._text_read += n - prompt
+        return taken
 
     def _check_can_plan(self) -> None:
         if self._finished:

@@ -7,7 +7,11 @@ on a GPU) are interchangeable. Both follow the official bistream semantics throu
 out, a fill token asks for more text and is never fed back, and at the end of input the
 rest of the text plus ``task_id`` is appended and decoding runs to eos.
 
-Speech tokens are delivered through a callback on the event loop's thread.
+Speech tokens are delivered through a callback on the event loop's thread. Before a round's
+first speech token, ``on_text_read`` (if given) gets the round's
+:attr:`~engine.cosyvoice2.serving.lm.planner.Chunk.text_read`: how many of the reply's text
+tokens the model had read when it made the tokens that follow. It is a plain integer the
+planner already knows, so reporting it costs the decoding nothing.
 """
 
 from __future__ import annotations
@@ -46,8 +50,12 @@ class LMStage(abc.ABC):
         prompt_speech_tokens: Sequence[int],
         on_tokens: Callable[[list[int]], None],
         on_done: Callable[[BaseException | None], None],
+        on_text_read: Callable[[int], None] | None = None,
     ) -> LMStream:
-        """Start decoding for one utterance; ``on_done(None)`` after the last token, or with the error."""
+        """Start decoding for one utterance; ``on_done(None)`` after the last token, or with the error.
+
+        ``on_text_read(n)``: the speech tokens delivered from now on were made with ``n`` of
+        the reply's text tokens read (called when a round that read more starts delivering)."""
 
     def running(self) -> int:
         return 0

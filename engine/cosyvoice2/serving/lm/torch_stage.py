@@ -60,6 +60,9 @@ class TorchLMBackend:
         self.sampler = sampler if sampler is not None else make_sampler(model.config.sampling)
         self._cache: DynamicCache | None = None
         self._unfed: list[int] = []  # context positions not run through the model yet
+        # The reply's text tokens read by the round being run (Chunk.text_read): what the
+        # speech token just yielded was made with.
+        self.text_read = 0
 
     def reset(self) -> None:
         self._cache = DynamicCache()
@@ -106,6 +109,7 @@ class TorchLMBackend:
     def run(self, chunk: Chunk, history: list[int]) -> Iterator[int]:
         """Run one round: yields its speech tokens; ``history`` collects what the sampler has seen."""
         vocab = self.vocab
+        self.text_read = chunk.text_read
         feed = list(chunk.ids)
         emitted = 0
         while chunk.max_tokens is None or emitted < chunk.max_tokens:
@@ -201,8 +205,8 @@ class TorchLMStage(LMStage):
         self.model = model
         self._streams: set[_TorchStream] = set()
 
-    def open(self, prompt_text_ids, prompt_speech_tokens, on_tokens, on_done) -> LMStream:
-        stream = _TorchStream(self, list(prompt_text_ids), list(prompt_speech_tokens), on_tokens, on_done)
+    def open(self, prompt_text_ids, prompt_speech_tokens, on_tokens, on_done, on_text_read=None) -> LMStream:
+        stream = _TorchStream(self, list(prompt_text_ids), list(prompt_speech_tokens), on_tokens, on_done, on_text_read)
         self._streams.add(stream)
         stream.thread.start()
         return stream
@@ -219,7 +223,7 @@ class TorchLMStage(LMStage):
 
 
 class _TorchStream(LMStream):
-    def __init__(self, stage, prompt_text, prompt_speech, on_tokens, on_done) -> None:
+    def __init__(self, stage, prompt_text, prompt_speech, on_tokens, on_done, on_text_read) -> None:
         self._stage = stage
         self._loop = asyncio.get_running_loop()
         self._text: queue.SimpleQueue = queue.SimpleQueue()
@@ -230,6 +234,7 @@ class _TorchStream(LMStream):
         self._prompt_speech = prompt_speech
         self._on_tokens = on_tokens
         self._on_done = on_done
+        self._on_text_read = on_text_read
         self.thread = threading.Thread(target=self._run, name="cosyvoice2-lm", daemon=True)
 
     def push_text_ids(self, ids: Sequence[int]) -> None:
@@ -263,10 +268,14 @@ class _TorchStream(LMStream):
                 self._pieces(), self._prompt_text, self._prompt_speech, first_round_budget=True
             )
             emitted = 0
+            text_read = None  # last reported
             for token in tokens:
                 if self._cancelled.is_set():
                     return
                 emitted += 1
+                if self._on_text_read is not None and backend.text_read != text_read:
+                    text_read = backend.text_read
+                    self._loop.call_soon_threadsafe(self._on_text_read, text_read)
                 self._loop.call_soon_threadsafe(self._on_tokens, [token])
                 # The bound applies once all text is in: until then more text may justify more speech.
                 if self._text_ended and emitted >= self._stage.max_speech_per_text_token * max(self._text_tokens, 1):

@@ -231,8 +231,8 @@ class VLLMLMStage(LMStage):
         }
         return gauges, totals
 
-    def open(self, prompt_text_ids, prompt_speech_tokens, on_tokens, on_done) -> LMStream:
-        stream = VLLMStream(self, list(prompt_text_ids), list(prompt_speech_tokens), on_tokens, on_done)
+    def open(self, prompt_text_ids, prompt_speech_tokens, on_tokens, on_done, on_text_read=None) -> LMStream:
+        stream = VLLMStream(self, list(prompt_text_ids), list(prompt_speech_tokens), on_tokens, on_done, on_text_read)
         self._streams.add(stream)
         return stream
 
@@ -277,10 +277,15 @@ class _RoundRunner:
     (after a final round, the request ends by itself).
     """
 
-    def __init__(self, stage: VLLMLMStage, greedy: bool, on_tokens: Callable[[list[int]], None] | None = None):
+    def __init__(
+        self, stage: VLLMLMStage, greedy: bool, on_tokens: Callable[[list[int]], None] | None = None,
+        on_text_read: Callable[[int], None] | None = None,
+    ):
         self.stage = stage
         self.greedy = greedy
         self.on_tokens = on_tokens
+        self.on_text_read = on_text_read
+        self._text_read: int | None = None  # last reported
         self.tokens: list[int] = []
         self.history: list[int] = []
         self.context = 0  # positions in the request's context
@@ -309,6 +314,9 @@ class _RoundRunner:
             self.context += len(completion.token_ids)
             if new:
                 self.tokens += new
+                if self.on_text_read is not None and tracker.chunk.text_read != self._text_read:
+                    self._text_read = tracker.chunk.text_read
+                    self.on_text_read(self._text_read)
                 if self.on_tokens is not None:
                     self.on_tokens(new)
             tracker.finish_reason = completion.finish_reason
@@ -373,12 +381,12 @@ class _RoundRunner:
 class VLLMStream(LMStream):
     """One utterance: text pieces in (event loop thread), speech tokens out through ``on_tokens``."""
 
-    def __init__(self, stage: VLLMLMStage, prompt_text, prompt_speech, on_tokens, on_done) -> None:
+    def __init__(self, stage: VLLMLMStage, prompt_text, prompt_speech, on_tokens, on_done, on_text_read=None) -> None:
         self._stage = stage
         self._planner = BistreamPlanner(
             stage.vocab, prompt_text, prompt_speech, stage.config.mix_ratio, first_round_budget=True
         )
-        self._runner = _RoundRunner(stage, greedy=stage.greedy, on_tokens=on_tokens)
+        self._runner = _RoundRunner(stage, greedy=stage.greedy, on_tokens=on_tokens, on_text_read=on_text_read)
         self._text: collections.deque[int] = collections.deque()
         self._text_ended = False
         self._text_arrived = asyncio.Event()
