@@ -41,11 +41,11 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from testkit.checkpoint import checkpoint_configs  # noqa: E402
-from engine.cosyvoice2.model.cfm import CFM  # noqa: E402
-from engine.cosyvoice2.serving.buckets import FlowBuckets  # noqa: E402
-from engine.cosyvoice2.serving.flow_graphs import FlowGraphs, solve_padded  # noqa: E402
-from engine.cosyvoice2.model.loading import DTYPES  # noqa: E402
+from tts_gateway.testkit.checkpoint import checkpoint_configs  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model.cfm import CFM  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs, solve_padded  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model.loading import DTYPES  # noqa: E402
 
 NO_CUDA_NOTE = "no CUDA device: graph capture and replay skipped; only the eager and padded eager solves ran"
 

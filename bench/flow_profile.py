@@ -37,9 +37,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.cosyvoice2.model import estimator as estimator_module  # noqa: E402
-from testkit.checkpoint import checkpoint_configs  # noqa: E402
-from engine.cosyvoice2.model.cfm import CFM  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model import estimator as estimator_module  # noqa: E402
+from tts_gateway.testkit.checkpoint import checkpoint_configs  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model.cfm import CFM  # noqa: E402
 
 FAMILIES = (
     ("attention", ("fmha", "flash", "attention", "efficient", "cudnn_sdpa", "sdpa")),

@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway import loadgen  # noqa: E402
-from engine.cosyvoice2.metrics import CALL_KINDS  # noqa: E402
-from gateway.wire import STREAM_PATH  # noqa: E402
+from tts_gateway.gateway import loadgen  # noqa: E402
+from tts_gateway.engine.cosyvoice2.metrics import CALL_KINDS  # noqa: E402
+from tts_gateway.gateway.wire import STREAM_PATH  # noqa: E402
 
 PROMPT_TEXT = "This is the voice of the prompt, spoken clearly and slowly."
 
@@ -72,9 +72,9 @@ def mps_clients() -> dict | None:
 
 
 def prepare_model(model_dir: Path, prompt_wav: Path, report: Report) -> None:
-    from testkit.checkpoint import make_checkpoint
-    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
-    from engine.cosyvoice2.frontend.voices import VoiceStore
+    from tts_gateway.testkit.checkpoint import make_checkpoint
+    from tts_gateway.engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+    from tts_gateway.engine.cosyvoice2.frontend.voices import VoiceStore
 
     started = time.perf_counter()
     if not (model_dir / "README.md").is_file():  # make_checkpoint writes README.md last
@@ -186,7 +186,7 @@ def run_load(url: str, workload: str, sessions: int, start_spread: float, args) 
     for k, (seed, count) in enumerate(load_clients(sessions)):
         path = Path(f"/tmp/loadgen-{sessions}-{k}.json")
         path.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "gateway.loadgen", "--url", url, "--sessions", str(count), "--workload", workload,
+        cmd = [sys.executable, "-m", "tts_gateway.gateway.loadgen", "--url", url, "--sessions", str(count), "--workload", workload,
                "--duration", str(args.duration), "--tokens-per-second", str(args.tokens_per_second),
                "--seed", str(seed), "--start-spread", str(start_spread), "--json", str(path)]
         cmd += ["--back-to-back"] if args.back_to_back else ["--turn-gap", args.turn_gap]
@@ -388,7 +388,7 @@ def kill_engine_core(args, report: Report, gateway: GatewayUnderTest) -> bool:
     path.unlink(missing_ok=True)
     spread = loadgen.DEFAULT_START_SPREAD_S
     load = subprocess.Popen(
-        [sys.executable, "-m", "gateway.loadgen", "--url", gateway.stream_url, "--sessions", str(sessions),
+        [sys.executable, "-m", "tts_gateway.gateway.loadgen", "--url", gateway.stream_url, "--sessions", str(sessions),
          "--workload", "full", "--duration", "25", "--seed", "7", "--start-spread", str(spread),
          "--back-to-back", "--json", str(path)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

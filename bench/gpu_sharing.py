@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.flow_profile import decoder_inputs  # noqa: E402
-from testkit.checkpoint import checkpoint_configs  # noqa: E402
-from engine.cosyvoice2.model.cfm import CFM  # noqa: E402
+from tts_gateway.testkit.checkpoint import checkpoint_configs  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model.cfm import CFM  # noqa: E402
 
 MODES = ("alone", "two_processes", "two_streams")
 

@@ -31,7 +31,7 @@ nvidia-smi >> "$OUT/gpu.txt"
 if [ ! -f "$MODEL_DIR/README.md" ]; then  # make_checkpoint writes README.md last
     timeout 240 python3 -c "
 import time
-from testkit.checkpoint import make_checkpoint
+from tts_gateway.testkit.checkpoint import make_checkpoint
 started = time.time()
 make_checkpoint('$MODEL_DIR', 'full', 0, log=print)
 print(f'full checkpoint written in {time.time() - started:.0f} s')

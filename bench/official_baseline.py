@@ -10,7 +10,7 @@ in this repository). Two arms on the same checkpoint the gateway serves:
 The voice is registered once (``add_zero_shot_spk``); each session is a Python thread calling
 ``inference_zero_shot(text, ..., zero_shot_spk_id=..., stream=True)`` on the one shared instance,
 as upstream's FastAPI and gRPC servers serve. The agents are the load generator's
-(gateway.loadgen): the same corpus, seeded draws (seeded per level and 32-agent group as
+(tts_gateway.gateway.loadgen): the same corpus, seeded draws (seeded per level and 32-agent group as
 bench/gpu_check.py seeds its load-generator processes, so both speak the same replies), start
 spread, user turns, playback clock, records and summary. TTFA is the call to the first chunk
 it yields. Only the ``full`` workload (whole replies) exists here.
@@ -59,7 +59,7 @@ if str(ROOT) not in sys.path:
 
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check  # noqa: E402
-from gateway import loadgen  # noqa: E402
+from tts_gateway.gateway import loadgen  # noqa: E402
 
 PROMPT_TEXT = "This is the voice of the prompt, spoken clearly and slowly."  # .gpu/prompt.wav says this
 VOICE_ID = "narrator"
@@ -193,8 +193,8 @@ def _torchaudio_stand_in() -> types.ModuleType:
     import numpy as np
     import torch
 
-    from engine.cosyvoice2.frontend import features
-    from engine.cosyvoice2.frontend.prompt import _resample
+    from tts_gateway.engine.cosyvoice2.frontend import features
+    from tts_gateway.engine.cosyvoice2.frontend.prompt import _resample
 
     def module(name: str) -> types.ModuleType:
         mod = types.ModuleType(name)
@@ -234,7 +234,7 @@ def _load_wav(path, *args, **kwargs):
     """torchaudio.load's result for a WAV file: ([channels, frames] float32, sample rate)."""
     import torch
 
-    from engine.cosyvoice2.frontend.prompt import read_wav
+    from tts_gateway.engine.cosyvoice2.frontend.prompt import read_wav
 
     audio, rate = read_wav(Path(path).read_bytes())
     return torch.from_numpy(audio.T.copy()), rate
@@ -263,13 +263,13 @@ def prepare_imports(upstream: Path, patches: list[str]) -> None:
     except ImportError:
         _torchaudio_stand_in()
         patches.append("CPU: torchaudio stand-in (load, transforms.Resample, compliance.kaldi.fbank from "
-                       "engine.cosyvoice2.frontend)")
+                       "tts_gateway.engine.cosyvoice2.frontend)")
         return
     if importlib.util.find_spec("torchcodec") is None:
         import torchaudio
 
         torchaudio.load = _load_wav
-        patches.append("torchaudio.load via the WAV reader of engine.cosyvoice2.frontend.prompt "
+        patches.append("torchaudio.load via the WAV reader of tts_gateway.engine.cosyvoice2.frontend.prompt "
                        "(no torchcodec)")
 
 

@@ -18,7 +18,7 @@ for ((i = 1; i <= $#; i++)); do [ "${!i}" = --arm ] && { j=$((i + 1)); arm=${!j}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
 model_dir=/tmp/cv2-full
 if [ ! -f "$model_dir/README.md" ]; then  # make_checkpoint writes README.md last
-    python3 -c "from pathlib import Path; from testkit.checkpoint import make_checkpoint; make_checkpoint(Path('$model_dir'), 'full', 0)" \
+    python3 -c "from pathlib import Path; from tts_gateway.testkit.checkpoint import make_checkpoint; make_checkpoint(Path('$model_dir'), 'full', 0)" \
         || exit 1
 fi
 timeout 570 python3 bench/official_baseline.py --model-dir "$model_dir" --out "$OUT" "$@" 2>&1 \

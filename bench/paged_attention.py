@@ -30,7 +30,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.cosyvoice2.serving.paged_attention import PagedKeys, paged_attention, paged_block_mask  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.paged_attention import PagedKeys, paged_attention, paged_block_mask  # noqa: E402
 
 HEADS, DIM, LAYERS, CHUNK, PREFIX = 8, 64, 56, 50, 300
 

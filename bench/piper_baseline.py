@@ -23,10 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.base import AudioChunk, UtteranceOptions, drive  # noqa: E402
-from engine.piper.engine import PiperEngine  # noqa: E402
-from gateway.config import load_config  # noqa: E402
-from gateway.loadgen import load_corpus  # noqa: E402
+from tts_gateway.engine.base import AudioChunk, UtteranceOptions, drive  # noqa: E402
+from tts_gateway.engine.piper.engine import PiperEngine  # noqa: E402
+from tts_gateway.gateway.config import load_config  # noqa: E402
+from tts_gateway.gateway.loadgen import load_corpus  # noqa: E402
 
 
 async def measure(replies: list[str], rounds: int) -> dict:

@@ -42,7 +42,7 @@ from pathlib import Path
 import orjson
 from websockets.asyncio.client import connect
 
-from gateway.wire import STREAM_PATH
+from tts_gateway.gateway.wire import STREAM_PATH
 
 ROOT = Path(__file__).resolve().parent.parent
 

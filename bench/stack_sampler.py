@@ -151,7 +151,7 @@ def main() -> int:
     signal.signal(signal.SIGUSR2, kernels.toggle)
     threading.Thread(target=kernels.run, name="kernel-profiler", daemon=True).start()
     sys.path.insert(0, str(ROOT))
-    from gateway.cli import main as gateway_main
+    from tts_gateway.gateway.cli import main as gateway_main
 
     return gateway_main(sys.argv[2:])
 

@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.flow_graphs import sync  # noqa: E402
 from bench.token2wav_chunk_cost import voiced_prompt  # noqa: E402
-from testkit.checkpoint import make_checkpoint  # noqa: E402
-from engine.cosyvoice2.model.loading import DTYPES, load_models  # noqa: E402
-from engine.cosyvoice2.modeldir.layout import missing_files  # noqa: E402
-from engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt  # noqa: E402
-from engine.cosyvoice2.serving.runner import Token2WavRunner  # noqa: E402
+from tts_gateway.testkit.checkpoint import make_checkpoint  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model.loading import DTYPES, load_models  # noqa: E402
+from tts_gateway.engine.cosyvoice2.modeldir.layout import missing_files  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.runner import Token2WavRunner  # noqa: E402
 
 
 
@@ -88,8 +88,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     capture_s = None
     if args.graphs:
-        from engine.cosyvoice2.serving.buckets import FlowBuckets
-        from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
+        from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets
+        from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 
         context = 2 * (prompt.tokens + 25 * (args.chunk + 4))  # frames of the largest timed call
         buckets = FlowBuckets.up_to(min(args.graph_max_batch, max(batches)), context, 100)

@@ -39,12 +39,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from testkit.checkpoint import make_checkpoint  # noqa: E402
-from engine.cosyvoice2.model.loading import DTYPES, load_models  # noqa: E402
-from engine.cosyvoice2.modeldir.layout import missing_files  # noqa: E402
-from engine.cosyvoice2.serving.chunking import ChunkJob  # noqa: E402
-from engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt  # noqa: E402
-from engine.cosyvoice2.serving.runner import Token2WavRunner  # noqa: E402
+from tts_gateway.testkit.checkpoint import make_checkpoint  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model.loading import DTYPES, load_models  # noqa: E402
+from tts_gateway.engine.cosyvoice2.modeldir.layout import missing_files  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.runner import Token2WavRunner  # noqa: E402
 
 SAMPLE_RATE = 24000
 SPEECH_TOKEN_VOCAB = 6561

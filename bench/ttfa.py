@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.client import TTSClient  # noqa: E402
-from gateway.wire import STREAM_PATH  # noqa: E402
+from tts_gateway.gateway.client import TTSClient  # noqa: E402
+from tts_gateway.gateway.wire import STREAM_PATH  # noqa: E402
 
 SENTENCES = [
     "Hello there! The total is $3.50, due May 5th.",
@@ -72,9 +72,9 @@ async def main() -> None:
     if url is None:
         import dataclasses
 
-        from engine.registry import create_engine
-        from gateway.config import load_config
-        from gateway.server import Gateway
+        from tts_gateway.engine.registry import create_engine
+        from tts_gateway.gateway.config import load_config
+        from tts_gateway.gateway.server import Gateway
 
         config = load_config("config.toml" if Path("config.toml").is_file() else None)
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, port=0))

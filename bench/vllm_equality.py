@@ -2,7 +2,7 @@
 
 Runs on a GPU with vLLM installed (bench/gpu_check.sh calls it). Both sides load the same
 ``llm.pt`` in float32; vLLM serves the converted directory through the product's own
-stage (:class:`engine.cosyvoice2.serving.lm.vllm_stage.VLLMLMStage`), so this checks the converter, the
+stage (:class:`tts_gateway.engine.cosyvoice2.serving.lm.vllm_stage.VLLMLMStage`), so this checks the converter, the
 model, the logits processor and the streaming-input driver end to end.
 
 Both sides mask a suppressed eos (a greedy redraw would repeat) and bound the final round
@@ -30,15 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.cosyvoice2.model.llm import CosyVoice2LM  # noqa: E402
-from engine.cosyvoice2.serving.lm.torch_stage import TorchLMBackend  # noqa: E402
-from engine.cosyvoice2.serving.lm.stage import MAX_SPEECH_PER_TEXT_TOKEN  # noqa: E402
-from engine.cosyvoice2.serving.lm.vllm_stage import VLLMLMStage  # noqa: E402
-from engine.cosyvoice2.serving.lm.sampling import greedy_sampling  # noqa: E402
-from engine.cosyvoice2.serving.lm.vllm_convert import convert  # noqa: E402
-from engine.cosyvoice2.serving.lm.vllm_rounds import RoundTracker, round_request  # noqa: E402
-from engine.cosyvoice2.modeldir.reading import load_model_configs  # noqa: E402
-from engine.cosyvoice2.settings import VLLMSettings  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model.llm import CosyVoice2LM  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.lm.torch_stage import TorchLMBackend  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.lm.stage import MAX_SPEECH_PER_TEXT_TOKEN  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.lm.vllm_stage import VLLMLMStage  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.lm.sampling import greedy_sampling  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.lm.vllm_convert import convert  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.lm.vllm_rounds import RoundTracker, round_request  # noqa: E402
+from tts_gateway.engine.cosyvoice2.modeldir.reading import load_model_configs  # noqa: E402
+from tts_gateway.engine.cosyvoice2.settings import VLLMSettings  # noqa: E402
 
 
 def teacher_forced_margins(model: CosyVoice2LM, rounds: list[RoundTracker]) -> list[float]:

@@ -2,7 +2,7 @@
 
 A descriptor names the engine and its settings (the ``[engine.<name>]`` section of the
 config), and says where its code is as ``"module:attribute"`` strings, which the gateway
-imports only when it needs them (:func:`engine.registry.resolve`). So a descriptor module is
+imports only when it needs them (:func:`tts_gateway.engine.registry.resolve`). So a descriptor module is
 cheap and torch-free: the gateway reads every engine's config on any machine, and a CPU
 machine without torch runs the Piper voice.
 
@@ -89,7 +89,7 @@ class EngineDescriptor:
     # A frozen dataclass that checks its values in __post_init__ (ValueError: the config
     # loader names the key); its defaults are the engine's defaults.
     settings: type
-    factory: str  # "module:Class", called with the settings: the engine.base.Engine
+    factory: str  # "module:Class", called with the settings: the tts_gateway.engine.base.Engine
     # The engine's own series (EngineStats.extra and .totals), by name without the tts_
     # prefix (and without _total), with their help texts.
     gauges: Mapping[str, str] = field(default_factory=dict)

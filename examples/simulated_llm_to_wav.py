@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from websockets.exceptions import InvalidHandshake, InvalidStatus, InvalidURI  # noqa: E402
 
-from gateway.client import GatewayError, TTSClient, write_wav  # noqa: E402
+from tts_gateway.gateway.client import GatewayError, TTSClient, write_wav  # noqa: E402
 
 DEFAULT_TEXT = (
     "Sure! Streaming speech starts while the model is still writing, "

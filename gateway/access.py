@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from gateway.config import ServerSettings
+from tts_gateway.gateway.config import ServerSettings
 
 ANY_ORIGIN = "*"
 

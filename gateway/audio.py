@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import soxr
 
-from gateway.wire import ENCODINGS
+from tts_gateway.gateway.wire import ENCODINGS
 
 
 class StreamEncoder:

@@ -1,7 +1,7 @@
 """Who is calling, on every route: an API key (``Authorization: Bearer KEY`` or
 ``?api_key=KEY``) or a browser token minted with one (``Bearer tg1.…`` or ``?token=``).
 
-Either way the caller is known by its key's short hash (:func:`gateway.tokens.key_id`):
+Either way the caller is known by its key's short hash (:func:`tts_gateway.gateway.tokens.key_id`):
 per-key limits and metrics count a token against the key that minted it. With no keys
 configured the gateway is open, and every caller shares one anonymous key.
 """
@@ -13,8 +13,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gateway.config import AuthSettings
-from gateway.tokens import TOKEN_PREFIX, TokenClaims, TokenError, TokenSigner, key_id
+from tts_gateway.gateway.config import AuthSettings
+from tts_gateway.gateway.tokens import TOKEN_PREFIX, TokenClaims, TokenError, TokenSigner, key_id
 
 ANONYMOUS = "anonymous"  # the key of every caller of a gateway with no keys configured
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.registry import CliVerb, EngineDescriptor
-    from gateway.config import Config
+    from tts_gateway.engine.registry import CliVerb, EngineDescriptor
+    from tts_gateway.gateway.config import Config
 
 
 class MissingExtra(Exception):
@@ -44,12 +44,12 @@ def _needs_extra(extra: str, command: str) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own parser, and no config: it is a client of a running gateway
-        from gateway.loadgen import main as main_bench
+        from tts_gateway.gateway.loadgen import main as main_bench
 
         return main_bench(argv[1:])
     # The engines' descriptors (the standard library only) add their commands, e.g. CosyVoice2's
     # `voice` and `make-checkpoint`.
-    from engine.registry import ENGINES, resolve
+    from tts_gateway.engine.registry import ENGINES, resolve
 
     own_parsers = {verb.name: verb for engine in ENGINES.values() for verb in engine.cli if verb.own_parser}
     try:
@@ -126,10 +126,10 @@ def _add_verb(commands: argparse._SubParsersAction, engine_name: str, verb: CliV
 
 def _configured(args: argparse.Namespace) -> int:
     """The commands that run on the gateway's config: serve, say, doctor and the engines' verbs."""
-    from gateway.config import ConfigError  # the standard library and the engines' descriptors only
+    from tts_gateway.gateway.config import ConfigError  # the standard library and the engines' descriptors only
 
     with _needs_extra("server", args.command):  # every one of them runs engine code
-        from engine.base import EngineError
+        from tts_gateway.engine.base import EngineError
 
     try:
         config = _load(args)
@@ -142,7 +142,7 @@ def _configured(args: argparse.Namespace) -> int:
     try:
         if args.command == "doctor":
             with _needs_extra("server", "doctor"):
-                from gateway.doctor import run_doctor
+                from tts_gateway.gateway.doctor import run_doctor
             return run_doctor(config, as_json=args.json)
         if args.command == "serve":
             _run(_serve(config))
@@ -173,7 +173,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> Config:
-    from gateway.config import load_config
+    from tts_gateway.gateway.config import load_config
 
     path = args.config
     if path is None and Path("config.toml").is_file():
@@ -202,8 +202,8 @@ def _run(coro) -> None:
 
 async def _serve(config: Config) -> None:
     with _needs_extra("server", "serve"):
-        from engine.registry import create_engine
-        from gateway.server import Gateway
+        from tts_gateway.engine.registry import create_engine
+        from tts_gateway.gateway.server import Gateway
 
     gateway = Gateway(config, create_engine(config.engine.name, config.engine.selected))
     await gateway.serve_forever()
@@ -225,9 +225,9 @@ async def _say(config: Config, text: str, output: Path, voice: str | None, speed
     with _needs_extra("server", "say"):
         import numpy as np
 
-        from engine.base import AudioChunk, UtteranceOptions, drive
-        from engine.registry import create_engine
-        from gateway.audio import float_to_s16
+        from tts_gateway.engine.base import AudioChunk, UtteranceOptions, drive
+        from tts_gateway.engine.registry import create_engine
+        from tts_gateway.gateway.audio import float_to_s16
 
     chunks = []
 
@@ -251,7 +251,7 @@ async def _say(config: Config, text: str, output: Path, voice: str | None, speed
 
 
 def _engine_verb(config: Config, args: argparse.Namespace) -> int:
-    from engine.registry import CommandError, resolve
+    from tts_gateway.engine.registry import CommandError, resolve
 
     engine_name, verb = args.verb
     with _needs_extra(verb.extra, args.command):

@@ -15,7 +15,7 @@ import struct
 import av
 import numpy as np
 
-from gateway.audio import StreamEncoder
+from tts_gateway.gateway.audio import StreamEncoder
 
 SPEECH_RATE = 24000  # OpenAI's rate for every response format
 # OpenAI's Content-Type for each response format.

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-from engine.registry import DEFAULT_ENGINE, ENGINES
-from gateway.wire import ENCODINGS, SAMPLE_RATES
+from tts_gateway.engine.registry import DEFAULT_ENGINE, ENGINES
+from tts_gateway.gateway.wire import ENCODINGS, SAMPLE_RATES
 
 ENV_PREFIX = "TTS_GATEWAY__"
 DEFAULT_WEB_DIR = Path(__file__).resolve().parent.parent / "web"

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.registry import ENGINES, Checkup, Finding, resolve
-from gateway.config import Config
-from gateway.gpu_metrics import load_nvml
+from tts_gateway.engine.registry import ENGINES, Checkup, Finding, resolve
+from tts_gateway.gateway.config import Config
+from tts_gateway.gateway.gpu_metrics import load_nvml
 
 NO_GPU = "no CUDA GPU visible: the vllm backend cannot run here; the piper engine and llm_backend=torch work"
 MIN_PYTHON = (3, 11)

@@ -33,16 +33,16 @@ from typing import NamedTuple, Protocol
 import orjson
 from aiohttp import web
 
-from engine.base import AudioChunk, Engine, EngineError, UtteranceOptions, drive
-from gateway.access import AccessPolicy
-from gateway.auth import Authenticator, Caller, Unauthorized
-from gateway.codecs import CONTENT_TYPES, SPEECH_RATE, SpeechEncoder
-from gateway.config import Config
-from gateway.key_limits import KeyLimits, Refusal
-from gateway.metrics import Metrics
-from gateway.protocol import ContextFinished, quoted
-from gateway.stats import parse_window
-from gateway.wire import SPEED_RANGE, ErrorCode, control_character_error
+from tts_gateway.engine.base import AudioChunk, Engine, EngineError, UtteranceOptions, drive
+from tts_gateway.gateway.access import AccessPolicy
+from tts_gateway.gateway.auth import Authenticator, Caller, Unauthorized
+from tts_gateway.gateway.codecs import CONTENT_TYPES, SPEECH_RATE, SpeechEncoder
+from tts_gateway.gateway.config import Config
+from tts_gateway.gateway.key_limits import KeyLimits, Refusal
+from tts_gateway.gateway.metrics import Metrics
+from tts_gateway.gateway.protocol import ContextFinished, quoted
+from tts_gateway.gateway.stats import parse_window
+from tts_gateway.gateway.wire import SPEED_RANGE, ErrorCode, control_character_error
 
 log = logging.getLogger("tts_gateway.http")
 

@@ -5,7 +5,7 @@ session and speech request of that key and of the tokens it minted. The accounts
 made once from the config, so the table (and the metrics labelled by key) never grows.
 
 The protocol core asks a session's account about contexts and text
-(:class:`gateway.protocol.Allowance`); the server and the HTTP routes ask it about
+(:class:`tts_gateway.gateway.protocol.Allowance`); the server and the HTTP routes ask it about
 sessions and speech requests. Times are the event loop's monotonic seconds.
 """
 
@@ -15,8 +15,8 @@ import math
 from collections import Counter
 from typing import NamedTuple
 
-from gateway.auth import Caller
-from gateway.config import LimitSettings
+from tts_gateway.gateway.auth import Caller
+from tts_gateway.gateway.config import LimitSettings
 
 WINDOW_S = 60.0  # the characters budget is per minute
 # When a place (session, context) frees up is not known: clients are told to retry after this.

@@ -2,12 +2,12 @@
 counters end in ``_total``.
 
 Every observation goes through a :class:`Metrics` method, which also feeds the rolling
-per-second windows behind ``GET /v1/stats`` (:mod:`gateway.stats`): one choke point, so
+per-second windows behind ``GET /v1/stats`` (:mod:`tts_gateway.gateway.stats`): one choke point, so
 the dashboard and Prometheus never disagree about what happened.
 
 Each server owns its registry, so several gateways (tests, embedding) never share
 counters. Engine queue depth is read from the engine when Prometheus scrapes, so it is
-never stale. GPU gauges come from NVML through :class:`gateway.gpu_metrics.GpuSampler`,
+never stale. GPU gauges come from NVML through :class:`tts_gateway.gateway.gpu_metrics.GpuSampler`,
 which the server starts and stops.
 """
 
@@ -19,12 +19,12 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.base import EngineStats
-from engine.registry import ENGINES
-from gateway.gpu_metrics import GpuSampler
-from gateway.key_limits import LIMITS, KeyAccount, KeyLimits
-from gateway.protocol import ContextFinished
-from gateway.stats import RollingStats
+from tts_gateway.engine.base import EngineStats
+from tts_gateway.engine.registry import ENGINES
+from tts_gateway.gateway.gpu_metrics import GpuSampler
+from tts_gateway.gateway.key_limits import LIMITS, KeyAccount, KeyLimits
+from tts_gateway.gateway.protocol import ContextFinished
+from tts_gateway.gateway.stats import RollingStats
 
 # First audio is the product's headline number: fine buckets where it matters.
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)

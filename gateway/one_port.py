@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from gateway.wire import STREAM_PATH
+from tts_gateway.gateway.wire import STREAM_PATH
 
 log = logging.getLogger("tts_gateway.http")
 

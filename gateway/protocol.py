@@ -37,8 +37,8 @@ from typing import Any, Protocol
 import numpy as np
 import orjson
 
-from gateway.audio import StreamEncoder
-from gateway.wire import (
+from tts_gateway.gateway.audio import StreamEncoder
+from tts_gateway.gateway.wire import (
     CLIENT_FIELDS,
     CONTEXT_OPTIONS,
     CONTEXT_SURVIVING_CODES,

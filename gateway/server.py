@@ -1,9 +1,9 @@
 """The I/O shell: the one port, the WebSocket sessions, auth, limits, metrics, drain.
 
-Everything the protocol decides lives in :mod:`gateway.protocol`; this module only
+Everything the protocol decides lives in :mod:`tts_gateway.gateway.protocol`; this module only
 carries its actions out: it writes frames through a bounded per-session outbox, drives
 engine utterances (one pump task per context), and runs the timers. The plain HTTP
-routes are :mod:`gateway.http_api`'s; :mod:`gateway.one_port` puts both on one socket.
+routes are :mod:`tts_gateway.gateway.http_api`'s; :mod:`tts_gateway.gateway.one_port` puts both on one socket.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
 from websockets.server import ServerProtocol
 
-from engine.base import AudioChunk, Engine, EngineError, Utterance, UtteranceOptions, drive
-from gateway.access import AccessPolicy
-from gateway.auth import Authenticator, Caller, Unauthorized
-from gateway.config import Config, ConfigError, ServerSettings
-from gateway.http_api import HttpApi
-from gateway.key_limits import KeyLimits
-from gateway.metrics import Metrics
-from gateway.one_port import FrontDoor
-from gateway.protocol import (
+from tts_gateway.engine.base import AudioChunk, Engine, EngineError, Utterance, UtteranceOptions, drive
+from tts_gateway.gateway.access import AccessPolicy
+from tts_gateway.gateway.auth import Authenticator, Caller, Unauthorized
+from tts_gateway.gateway.config import Config, ConfigError, ServerSettings
+from tts_gateway.gateway.http_api import HttpApi
+from tts_gateway.gateway.key_limits import KeyLimits
+from tts_gateway.gateway.metrics import Metrics
+from tts_gateway.gateway.one_port import FrontDoor
+from tts_gateway.gateway.protocol import (
     Action,
     CancelUtterance,
     CloseSession,
@@ -49,7 +49,7 @@ from gateway.protocol import (
     SessionSettings,
     StartUtterance,
 )
-from gateway.wire import STREAM_PATH, GatewayMessage
+from tts_gateway.gateway.wire import STREAM_PATH, GatewayMessage
 
 log = logging.getLogger("tts_gateway")
 

@@ -1,6 +1,6 @@
 """Rolling per-second windows for the live dashboard (``GET /v1/stats``).
 
-:class:`gateway.metrics.Metrics` feeds every observation it records into one
+:class:`tts_gateway.gateway.metrics.Metrics` feeds every observation it records into one
 :class:`RollingStats`, so the dashboard and Prometheus count the same events. Memory is
 bounded: one bucket per second for the last :data:`MAX_WINDOW_S` seconds, and at most
 :data:`MAX_TTFA_PER_S` TTFA samples per bucket.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.client import Context, TTSClient
+from tts_gateway.gateway.client import Context, TTSClient
 
 
 @dataclass(frozen=True)

@@ -330,9 +330,9 @@ def checkpoint_configs(size: str):
     """
     import dataclasses
 
-    from engine.cosyvoice2.modeldir.configs import FlowConfig
-    from engine.cosyvoice2.modeldir.configs import HiFTConfig
-    from engine.cosyvoice2.modeldir.configs import LLMConfig
+    from tts_gateway.engine.cosyvoice2.modeldir.configs import FlowConfig
+    from tts_gateway.engine.cosyvoice2.modeldir.configs import HiFTConfig
+    from tts_gateway.engine.cosyvoice2.modeldir.configs import LLMConfig
 
     if size == "full":
         return LLMConfig.full(), FlowConfig.full(), HiFTConfig.full()
@@ -368,15 +368,15 @@ def _build_module(kind: str, cfg, seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_seed_for(seed, kind))
         if kind == "llm":
-            from engine.cosyvoice2.model.llm import CosyVoice2LM
+            from tts_gateway.engine.cosyvoice2.model.llm import CosyVoice2LM
 
             module = CosyVoice2LM(cfg)
         elif kind == "flow":
-            from engine.cosyvoice2.model.flow import Flow
+            from tts_gateway.engine.cosyvoice2.model.flow import Flow
 
             module = Flow(cfg)
         elif kind == "hift":
-            from engine.cosyvoice2.model.hift import HiFT
+            from tts_gateway.engine.cosyvoice2.model.hift import HiFT
 
             module = HiFT(cfg)
         else:  # pragma: no cover
@@ -392,8 +392,8 @@ def make_checkpoint(out_dir: str | os.PathLike, size: str = "tiny", seed: int = 
     parameters, ~2.4 GB on disk) needs a few GB of memory at most. ``weights=False``
     skips the three ``.pt`` files (a frontend-only directory, for tests).
     """
-    from engine.cosyvoice2.modeldir.layout import TOKENIZER_DIR
-    from testkit.yaml_writer import write_yaml
+    from tts_gateway.engine.cosyvoice2.modeldir.layout import TOKENIZER_DIR
+    from tts_gateway.testkit.yaml_writer import write_yaml
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")

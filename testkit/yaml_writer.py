@@ -3,7 +3,7 @@
 The file has the released file's inference entries with the same tags and ``!ref`` links
 (seeds, the fixed and streaming parameters, ``llm``, ``flow``, ``hift``, ``get_tokenizer``,
 ``allowed_special``, ``feat_extractor``); the GAN, dataset and training sections are left
-out. Reading it back is :func:`engine.cosyvoice2.modeldir.reading.load_model_configs`.
+out. Reading it back is :func:`tts_gateway.engine.cosyvoice2.modeldir.reading.load_model_configs`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.cosyvoice2.modeldir.configs import FrontendConfig
-from engine.cosyvoice2.modeldir.hyperyaml import ConfigError, Ref, YamlObject, Resolver
-from engine.cosyvoice2.modeldir.mapping import config_to_node
-from engine.cosyvoice2.modeldir.reading import FEAT_EXTRACTOR_TARGET, QWEN_ENCODER_TARGET, TOKENIZER_TARGET
+from tts_gateway.engine.cosyvoice2.modeldir.configs import FrontendConfig
+from tts_gateway.engine.cosyvoice2.modeldir.hyperyaml import ConfigError, Ref, YamlObject, Resolver
+from tts_gateway.engine.cosyvoice2.modeldir.mapping import config_to_node
+from tts_gateway.engine.cosyvoice2.modeldir.reading import FEAT_EXTRACTOR_TARGET, QWEN_ENCODER_TARGET, TOKENIZER_TARGET
 
 
 def _scalar(value: Any) -> str:

@@ -13,11 +13,11 @@ from contextlib import asynccontextmanager
 import pytest
 import pytest_asyncio
 
-from engine.base import Engine, Voice
-from engine.piper.engine import PiperEngine
-from engine.piper.settings import PiperSettings
-from gateway.config import Config, load_config
-from gateway.server import Gateway
+from tts_gateway.engine.base import Engine, Voice
+from tts_gateway.engine.piper.engine import PiperEngine
+from tts_gateway.engine.piper.settings import PiperSettings
+from tts_gateway.gateway.config import Config, load_config
+from tts_gateway.gateway.server import Gateway
 
 
 def make_config(**sections: dict) -> Config:

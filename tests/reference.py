@@ -49,7 +49,7 @@ def official_modules(llm_cfg, flow_cfg, hift_cfg):
     from omegaconf import DictConfig
     from transformers import Qwen2ForCausalLM
 
-    from engine.cosyvoice2.model.llm import qwen2_config
+    from tts_gateway.engine.cosyvoice2.model.llm import qwen2_config
 
     llm_mod = official("cosyvoice.llm.llm")
     common = official("cosyvoice.utils.common")

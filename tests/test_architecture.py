@@ -14,18 +14,18 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from engine.registry import ENGINES
+from tts_gateway.engine.registry import ENGINES
 from tests.paths import ROOT
 
 PACKAGES = ("gateway", "engine", "testkit", "integrations")
 # What a module the gateway reads on any machine must not pull in, through any of our modules.
 HEAVY = frozenset({"torch", "numpy", "transformers"})
 # The gateway's way into engine/: the engine interface, the registry, and the text leaf.
-GATEWAY_MAY_IMPORT = ("engine.base", "engine.registry", "engine.text")
+GATEWAY_MAY_IMPORT = ("tts_gateway.engine.base", "tts_gateway.engine.registry", "tts_gateway.engine.text")
 # Framework adapters speak only the public protocol, as any client does.
-INTEGRATIONS_MAY_IMPORT = ("gateway.client", "gateway.wire", "integrations")
+INTEGRATIONS_MAY_IMPORT = ("tts_gateway.gateway.client", "tts_gateway.gateway.wire", "integrations")
 # Being rewritten elsewhere: their import cycles are reported apart (see the last cycle test).
-REWRITTEN_ELSEWHERE = ("engine.cosyvoice2.engine", "engine.cosyvoice2.serving")
+REWRITTEN_ELSEWHERE = ("tts_gateway.engine.cosyvoice2.engine", "tts_gateway.engine.cosyvoice2.serving")
 
 
 @dataclass(frozen=True)
@@ -166,9 +166,9 @@ def torch_free_modules() -> set[str]:
     """The modules the gateway reads on any machine: engine descriptors and settings, the
     model-directory layer, and the engines' doctor checks."""
     modules = set(read_imports().ours)
-    named = {"engine.descriptor"}
+    named = {"tts_gateway.engine.descriptor"}
     named |= {m for m in modules if m.startswith("engine.") and m.rpartition(".")[2] in ("descriptor", "settings")}
-    named |= {m for m in modules if _within(m, "engine.cosyvoice2.modeldir")}
+    named |= {m for m in modules if _within(m, "tts_gateway.engine.cosyvoice2.modeldir")}
     named |= {engine.settings.__module__ for engine in ENGINES.values()}
     named |= {engine.doctor.partition(":")[0] for engine in ENGINES.values() if engine.doctor}
     return named
@@ -213,7 +213,7 @@ def test_the_gateway_imports_engines_only_through_the_registry():
 def test_integrations_are_clients_of_the_public_protocol():
     imports = read_imports().ours
     adapters = [module for module in imports if _within(module, "integrations")]
-    assert {"integrations.pipecat.tts", "integrations.livekit.tts"} <= set(adapters)  # so this cannot pass by checking nothing
+    assert {"tts_gateway.integrations.pipecat.tts", "tts_gateway.integrations.livekit.tts"} <= set(adapters)  # so this cannot pass by checking nothing
     wrong = sorted(
         f"{module} imports {target}"
         for module in adapters
@@ -226,8 +226,8 @@ def test_integrations_are_clients_of_the_public_protocol():
 def test_descriptors_settings_model_dir_layer_and_doctor_checks_are_torch_free():
     checked = torch_free_modules()
     # What the registry names is among them, so this cannot pass by checking nothing.
-    assert {"engine.descriptor", "engine.piper.descriptor", "engine.piper.settings", "engine.cosyvoice2.descriptor",
-            "engine.cosyvoice2.settings", "engine.cosyvoice2.doctor", "engine.cosyvoice2.modeldir.layout"} <= checked
+    assert {"tts_gateway.engine.descriptor", "tts_gateway.engine.piper.descriptor", "tts_gateway.engine.piper.settings", "tts_gateway.engine.cosyvoice2.descriptor",
+            "tts_gateway.engine.cosyvoice2.settings", "tts_gateway.engine.cosyvoice2.doctor", "tts_gateway.engine.cosyvoice2.modeldir.layout"} <= checked
     heavy = {module: heavy_imports(module) for module in sorted(checked)}
     assert {module: ways for module, ways in heavy.items() if ways} == {}
 
@@ -237,11 +237,11 @@ def test_the_reading_and_the_cycle_finder(tmp_path):
     path = tmp_path / "mod.py"
     path.write_text(
         "from typing import TYPE_CHECKING\nfrom . import sibling\nfrom ..other import thing\n"
-        "if TYPE_CHECKING:\n    import engine.base\ndef later():\n    from engine.cosyvoice2 import metrics\n"
+        "if TYPE_CHECKING:\n    import tts_gateway.engine.base\ndef later():\n    from tts_gateway.engine.cosyvoice2 import metrics\n"
     )
-    files = {"engine.cosyvoice2.metrics": path, "engine.a.sibling": path, "engine.other": path}
+    files = {"tts_gateway.engine.cosyvoice2.metrics": path, "engine.a.sibling": path, "engine.other": path}
     assert _imported_names("engine.a.mod", path, files) == {
-        "typing", "engine.a.sibling", "engine.other", "engine.base", "engine.cosyvoice2.metrics",
+        "typing", "engine.a.sibling", "engine.other", "tts_gateway.engine.base", "tts_gateway.engine.cosyvoice2.metrics",
     }
     assert _absolute("engine.a", True, None, 1) == "engine.a"  # `from . import x` in engine/a/__init__.py
     graph = {"a": {"b"}, "b": {"c", "x"}, "c": {"a"}, "d": {"a", "d"}, "e": set()}

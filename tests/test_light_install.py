@@ -1,5 +1,5 @@
 """The client installs without the engines: `pip install tts-gateway` (no extra) is enough for
-gateway.client, gateway.wire and the load generator (`tts-gateway bench`).
+tts_gateway.gateway.client, tts_gateway.gateway.wire and the load generator (`tts-gateway bench`).
 
 This suite runs where every extra is installed, so each check runs in a subprocess whose
 import hook refuses the gateway's and the engines' dependencies and every module of
@@ -21,7 +21,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from tests.paths import ROOT
 
-CLIENT_MODULES = ("gateway.wire", "gateway.client", "gateway.loadgen")
+CLIENT_MODULES = ("tts_gateway.gateway.wire", "tts_gateway.gateway.client", "tts_gateway.gateway.loadgen")
 # What the server and cosyvoice2 extras bring (and matplotlib, bench's extra, which the load
 # generator imports for --plots only), and the engines' own code.
 REFUSED = ("numpy", "soxr", "torch", "prometheus_client", "aiohttp", "piper", "onnxruntime", "uvloop",
@@ -47,7 +47,7 @@ if action[0] == "import":
     print(json.dumps({"loaded": sorted(set(sys.modules) - before),
                       "files": [sys.modules[module].__file__ for module in action[1:]]}))
 else:
-    from gateway.cli import main
+    from tts_gateway.gateway.cli import main
     sys.exit(main(action[1:]))
 """
 
@@ -104,7 +104,7 @@ def test_a_missing_extra_is_named(tmp_path):
 def test_the_corpus_ships_as_package_data():
     """An installed `tts-gateway bench` has its replies: pyproject declares every corpus file."""
     with open(ROOT / "pyproject.toml", "rb") as file:
-        patterns = tomllib.load(file)["tool"]["setuptools"]["package-data"]["gateway.loadgen"]
+        patterns = tomllib.load(file)["tool"]["setuptools"]["package-data"]["tts_gateway.gateway.loadgen"]
     package = ROOT / "gateway" / "loadgen"
     declared = {path for pattern in patterns for path in package.glob(pattern)}
     corpus = set((package / "data").iterdir())

@@ -32,8 +32,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.base import WordTiming
-from engine.text.spoken_words import SpokenWord
+from tts_gateway.engine.base import WordTiming
+from tts_gateway.engine.text.spoken_words import SpokenWord
 
 
 @dataclass(slots=True, eq=False)
@@ -69,7 +69,7 @@ class WordClock:
 
     def add_text(self, text: str, token_ends: Sequence[int], words: Sequence[SpokenWord]) -> None:
         """A piece of normalised text sent to the LM: its text tokens (where each ends in
-        ``text``) and its spoken words (:class:`~engine.text.spoken_words.SpokenWords`)."""
+        ``text``) and its spoken words (:class:`~tts_gateway.engine.text.spoken_words.SpokenWords`)."""
         at = 0
         for spoken in words:
             at = text.index(spoken.text, at) + len(spoken.text)

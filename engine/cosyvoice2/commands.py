@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from engine.cosyvoice2.settings import CosyVoice2Settings
-from engine.descriptor import CommandError
+from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings
+from tts_gateway.engine.descriptor import CommandError
 
 if TYPE_CHECKING:
-    from engine.cosyvoice2.frontend.voices import VoiceStore
+    from tts_gateway.engine.cosyvoice2.frontend.voices import VoiceStore
 
 
 def voice_add(settings: CosyVoice2Settings, args: argparse.Namespace) -> int:
@@ -39,7 +39,7 @@ def _voice_store(settings: CosyVoice2Settings) -> VoiceStore:
         )
     # Imported only now (they need torch), so that an unset model_dir is reported as such on a
     # machine without torch too.
-    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
-    from engine.cosyvoice2.frontend.voices import VoiceStore
+    from tts_gateway.engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+    from tts_gateway.engine.cosyvoice2.frontend.voices import VoiceStore
 
     return VoiceStore(settings.voices_path, lambda: CosyVoice2Frontend(settings.model_dir))

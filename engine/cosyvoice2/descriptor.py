@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.cosyvoice2 import metrics
-from engine.cosyvoice2.settings import CosyVoice2Settings
-from engine.descriptor import CliVerb, EngineDescriptor, TorchNeed
+from tts_gateway.engine.cosyvoice2 import metrics
+from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings
+from tts_gateway.engine.descriptor import CliVerb, EngineDescriptor, TorchNeed
 
 
 def torch_need(settings: CosyVoice2Settings) -> TorchNeed:
@@ -26,21 +26,21 @@ def voice_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 CLI = (
     CliVerb("make-checkpoint", "write a random-weight CosyVoice2 model directory (tests, benchmarks)",
-            run="testkit.checkpoint:main_make_checkpoint", extra="cosyvoice2", own_parser=True),
+            run="tts_gateway.testkit.checkpoint:main_make_checkpoint", extra="cosyvoice2", own_parser=True),
     CliVerb("voice", "manage CosyVoice2 zero-shot voices", verbs=(
         CliVerb("add", "register a voice from a prompt recording and its transcript",
-                run="engine.cosyvoice2.commands:voice_add", extra="cosyvoice2", arguments=voice_add_arguments),
-        CliVerb("list", "list registered voices", run="engine.cosyvoice2.commands:voice_list", extra="cosyvoice2"),
+                run="tts_gateway.engine.cosyvoice2.commands:voice_add", extra="cosyvoice2", arguments=voice_add_arguments),
+        CliVerb("list", "list registered voices", run="tts_gateway.engine.cosyvoice2.commands:voice_list", extra="cosyvoice2"),
     )),
 )
 
 COSYVOICE2 = EngineDescriptor(
     name="cosyvoice2",
     settings=CosyVoice2Settings,
-    factory="engine.cosyvoice2.engine:CosyVoice2Engine",
+    factory="tts_gateway.engine.cosyvoice2.engine:CosyVoice2Engine",
     gauges=metrics.GAUGES,
     totals=metrics.TOTALS,
-    doctor="engine.cosyvoice2.doctor:run_checks",
+    doctor="tts_gateway.engine.cosyvoice2.doctor:run_checks",
     torch_need=torch_need,
     cli=CLI,
 )

@@ -17,9 +17,9 @@ import json
 import logging
 from pathlib import Path
 
-from engine.cosyvoice2.modeldir.layout import MODEL_FILES, TOKENIZER_DIR, VOICE_MANIFEST, missing_files
-from engine.cosyvoice2.settings import CosyVoice2Settings
-from engine.descriptor import Checkup, Finding
+from tts_gateway.engine.cosyvoice2.modeldir.layout import MODEL_FILES, TOKENIZER_DIR, VOICE_MANIFEST, missing_files
+from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings
+from tts_gateway.engine.descriptor import Checkup, Finding
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.base import (
+from tts_gateway.engine.base import (
     AudioChunk,
     Engine,
     EngineError,
@@ -32,19 +32,19 @@ from engine.base import (
     Voice,
     drive,
 )
-from engine.cosyvoice2.alignment import WordClock
-from engine.cosyvoice2.frontend.voices import UnknownVoiceError, VoiceStore
-from engine.cosyvoice2.model.cfm import N_TIMESTEPS
-from engine.cosyvoice2.model.loading import DTYPES, CosyVoice2Models, load_models
-from engine.cosyvoice2.serving import startup
-from engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
-from engine.cosyvoice2.serving.lm.torch_stage import TorchLMStage
-from engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt
-from engine.cosyvoice2.serving.runner import Token2WavRunner
-from engine.cosyvoice2.serving.scheduler import END, Scheduler
-from engine.cosyvoice2.settings import CosyVoice2Settings
-from engine.text import TextNormalizer
-from engine.text.spoken_words import SpokenWords
+from tts_gateway.engine.cosyvoice2.alignment import WordClock
+from tts_gateway.engine.cosyvoice2.frontend.voices import UnknownVoiceError, VoiceStore
+from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
+from tts_gateway.engine.cosyvoice2.model.loading import DTYPES, CosyVoice2Models, load_models
+from tts_gateway.engine.cosyvoice2.serving import startup
+from tts_gateway.engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
+from tts_gateway.engine.cosyvoice2.serving.lm.torch_stage import TorchLMStage
+from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt
+from tts_gateway.engine.cosyvoice2.serving.runner import Token2WavRunner
+from tts_gateway.engine.cosyvoice2.serving.scheduler import END, Scheduler
+from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings
+from tts_gateway.engine.text import TextNormalizer
+from tts_gateway.engine.text.spoken_words import SpokenWords
 
 log = logging.getLogger(__name__)
 

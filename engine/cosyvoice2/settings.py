@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.cosyvoice2.modeldir.layout import default_voices_dir
+from tts_gateway.engine.cosyvoice2.modeldir.layout import default_voices_dir
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.base import WordTiming
-from engine.text.spoken_words import SpokenWord
+from tts_gateway.engine.base import WordTiming
+from tts_gateway.engine.text.spoken_words import SpokenWord
 
 log = logging.getLogger(__name__)
 

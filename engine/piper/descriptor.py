@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.descriptor import EngineDescriptor
-from engine.piper.settings import PiperSettings
+from tts_gateway.engine.descriptor import EngineDescriptor
+from tts_gateway.engine.piper.settings import PiperSettings
 
 PIPER = EngineDescriptor(
     name="piper",
     settings=PiperSettings,
-    factory="engine.piper.engine:PiperEngine",
+    factory="tts_gateway.engine.piper.engine:PiperEngine",
 )

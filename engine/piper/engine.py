@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 
-from engine.base import (
+from tts_gateway.engine.base import (
     AudioChunk,
     Engine,
     EngineError,
@@ -41,11 +41,11 @@ from engine.base import (
     UtteranceOptions,
     Voice,
 )
-from engine.piper.alignment import SourceTiming, WordJoiner, phoneme_times, time_words, with_durations
-from engine.scheduling import PlaybackClock
-from engine.piper.settings import PiperSettings
-from engine.text import Segmenter, TextNormalizer
-from engine.text.spoken_words import SpokenWord, SpokenWords
+from tts_gateway.engine.piper.alignment import SourceTiming, WordJoiner, phoneme_times, time_words, with_durations
+from tts_gateway.engine.scheduling import PlaybackClock
+from tts_gateway.engine.piper.settings import PiperSettings
+from tts_gateway.engine.text import Segmenter, TextNormalizer
+from tts_gateway.engine.text.spoken_words import SpokenWord, SpokenWords
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Which agent word each spoken word of a fragment speaks.
 
 The normaliser says which stretch of its output speaks which agent token
-(:class:`~engine.text.words.SourceSpan`); the segmenter cuts that output into
+(:class:`~tts_gateway.engine.text.words.SourceSpan`); the segmenter cuts that output into
 fragments, keeping every character in order but stripping whitespace at the edges.
 :class:`SpokenWords` follows both: fed the normaliser's output and spans, it tells
 for each fragment its words and the agent word behind each ("dollars" -> "$3.50"),

@@ -1,7 +1,7 @@
 """Spoken forms for single tokens: numbers, money, dates, URLs, abbreviations.
 
 A token is a run of non-space, non-CJK characters ("$3.50,", "10:30",
-"https://example.com/docs.", "Dr.") as cut by :mod:`engine.text.words`.
+"https://example.com/docs.", "Dr.") as cut by :mod:`tts_gateway.engine.text.words`.
 :func:`render` gets the token plus a small :class:`Context` - the previous
 token, the next token when :func:`needs_next` asked for it, and whether the
 token sits in Chinese context - and returns what the voice should say.

@@ -1,6 +1,6 @@
 """Token stage of the streaming normaliser: plain text in, spoken form out.
 
-Input is plain text from :mod:`engine.text.markdown`.  It is cut into tokens:
+Input is plain text from :mod:`tts_gateway.engine.text.markdown`.  It is cut into tokens:
 runs of non-space characters, except that every CJK character or CJK
 punctuation mark is a token of its own (Chinese has no spaces, and we do not
 want to wait for a whole sentence).

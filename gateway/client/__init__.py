@@ -3,7 +3,7 @@
 Built for LLM agents: connect once, open one context per reply, push the
 model's text deltas as they arrive, and iterate the audio as it is produced::
 
-    from gateway.client import TTSClient
+    from tts_gateway.gateway.client import TTSClient
 
     async with TTSClient.connect("ws://127.0.0.1:8765/v1/stream", api_key=KEY) as tts:
         reply = tts.context(voice="joe")
@@ -54,10 +54,10 @@ refused over HTTP (401 for a bad key) raises ``websockets.InvalidStatus``
 from :meth:`TTSClient.connect`.
 """
 
-from gateway.client.context import Context
-from gateway.client.frames import Alignment, AudioChunk, Done, GatewayError, Word
-from gateway.client.session import TTSClient
-from gateway.client.wav import write_wav
+from tts_gateway.gateway.client.context import Context
+from tts_gateway.gateway.client.frames import Alignment, AudioChunk, Done, GatewayError, Word
+from tts_gateway.gateway.client.session import TTSClient
+from tts_gateway.gateway.client.wav import write_wav
 
 __all__ = [
     "Alignment",

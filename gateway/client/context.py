@@ -6,8 +6,8 @@ import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any, Protocol
 
-from gateway.client.frames import Alignment, AudioChunk, Done, GatewayError, Word
-from gateway.wire import ClientMessage
+from tts_gateway.gateway.client.frames import Alignment, AudioChunk, Done, GatewayError, Word
+from tts_gateway.gateway.wire import ClientMessage
 
 # Queued to wake a consumer blocked on an empty queue so it re-checks the end state.
 _WAKE = object()

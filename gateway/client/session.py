@@ -16,9 +16,9 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from gateway.client.context import Context
-from gateway.client.frames import Alignment, AudioChunk, Done, GatewayError, Word
-from gateway.wire import (
+from tts_gateway.gateway.client.context import Context
+from tts_gateway.gateway.client.frames import Alignment, AudioChunk, Done, GatewayError, Word
+from tts_gateway.gateway.wire import (
     CLIENT_PING_INTERVAL_S,
     CONTEXT_SURVIVING_CODES,
     PROTOCOL_VERSION,
@@ -28,7 +28,7 @@ from gateway.wire import (
     GatewayMessage,
 )
 
-log = logging.getLogger("gateway.client")
+log = logging.getLogger("tts_gateway.gateway.client")
 
 
 class _Connecting:

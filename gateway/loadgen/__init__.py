@@ -31,7 +31,7 @@ Per context, on the client's clock:
 ``--ramp 1,2,4,8`` runs each level for ``--duration`` and reports the
 *stall-free capacity*: the largest level with no stalls, no errors and TTFA
 p95 under ``--ttfa-p95-ms``. This package uses only the public protocol
-(gateway.client); matplotlib (extra ``bench``) is needed for ``--plots`` only.
+(tts_gateway.gateway.client); matplotlib (extra ``bench``) is needed for ``--plots`` only.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from gateway.loadgen.agents import (
+from tts_gateway.gateway.loadgen.agents import (
     DEFAULT_START_SPREAD_S,
     DEFAULT_TURN_GAP_S,
     WHOLE_REPLY_WORKLOADS,
@@ -55,8 +55,8 @@ from gateway.loadgen.agents import (
     run_agent,
     turn_pause,
 )
-from gateway.loadgen.corpus import LANGUAGES, load_corpus
-from gateway.loadgen.report import (
+from tts_gateway.gateway.loadgen.corpus import LANGUAGES, load_corpus
+from tts_gateway.gateway.loadgen.report import (
     markdown_table,
     ramp_result,
     slack_ms_by_chunk,
@@ -65,7 +65,7 @@ from gateway.loadgen.report import (
     summarize,
     write_plots,
 )
-from gateway.wire import SAMPLE_RATES, STREAM_PATH
+from tts_gateway.gateway.wire import SAMPLE_RATES, STREAM_PATH
 
 __all__ = [
     "DEFAULT_START_SPREAD_S",

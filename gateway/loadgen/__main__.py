@@ -1,7 +1,7 @@
-"""``python -m gateway.loadgen``: the same as ``tts-gateway bench``."""
+"""``python -m tts_gateway.gateway.loadgen``: the same as ``tts-gateway bench``."""
 
 import sys
 
-from gateway.loadgen import main
+from tts_gateway.gateway.loadgen import main
 
 sys.exit(main())

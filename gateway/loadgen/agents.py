@@ -10,7 +10,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from gateway.client import GatewayError, TTSClient
+from tts_gateway.gateway.client import GatewayError, TTSClient
 
 WORKLOADS = ("full", "llm", "barge-in", "full-barge-in")
 WHOLE_REPLY_WORKLOADS = ("full", "full-barge-in")  # the reply in one text frame; the others stream deltas

@@ -7,7 +7,7 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
-CORPUS_DIR = files("gateway.loadgen") / "data"
+CORPUS_DIR = files("tts_gateway.gateway.loadgen") / "data"
 LANGUAGES = ("en", "zh", "mix")  # mix: the English and the Chinese replies together
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from gateway.loadgen.agents import WHOLE_REPLY_WORKLOADS, Record
+from tts_gateway.gateway.loadgen.agents import WHOLE_REPLY_WORKLOADS, Record
 
 
 def _percentile(values: list[float], q: float) -> float | None:

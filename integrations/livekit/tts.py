@@ -16,8 +16,8 @@ from livekit.agents import APIConnectionError, APIError, tts
 from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, APIConnectOptions
 from livekit.agents.voice.io import TimedString
 
-from gateway.client import Alignment, Context, GatewayError, TTSClient
-from integrations.gateway_options import GatewayOptions
+from tts_gateway.gateway.client import Alignment, Context, GatewayError, TTSClient
+from tts_gateway.integrations.gateway_options import GatewayOptions
 
 
 class GatewayTTS(tts.TTS):

@@ -18,8 +18,8 @@ from pipecat.frames.frames import CancelFrame, EndFrame, Frame, StartFrame, TTSA
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode, TTSService
 
-from gateway.client import Alignment, Context, GatewayError, TTSClient
-from integrations.gateway_options import GatewayOptions
+from tts_gateway.gateway.client import Alignment, Context, GatewayError, TTSClient
+from tts_gateway.integrations.gateway_options import GatewayOptions
 
 
 class GatewayTTSService(TTSService):

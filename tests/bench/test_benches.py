@@ -37,7 +37,7 @@ def test_bench_flow_graphs_smoke_cpu(tmp_path, capsys) -> None:
 def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
     """bench/flow_profile.py runs on CPU; the decoder's bias gives the boolean mask's mel exactly,
     and the script puts the decoder back as it was."""
-    from engine.cosyvoice2.model import estimator
+    from tts_gateway.engine.cosyvoice2.model import estimator
 
     shipped = estimator.attention_bias
     out = tmp_path / "profile.json"

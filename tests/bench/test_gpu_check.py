@@ -132,7 +132,7 @@ def test_stall_free_capacity_by_workload_and_start_spread():
 def test_the_gateway_config_it_writes_carries_its_options(tmp_path):
     """The config gpu_check writes for the gateway loads, with --flow-steps as flow_steps (10,
     the official count, unless asked); the JSON's options are these parsed arguments."""
-    from gateway.config import load_config
+    from tts_gateway.gateway.config import load_config
 
     for argv, steps in (([], 10), (["--flow-steps", "4"], 4)):
         args = gpu_check.argument_parser().parse_args(argv)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-import gateway.loadgen as loadgen
+import tts_gateway.gateway.loadgen as loadgen
 from tests.paths import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))

@@ -10,9 +10,9 @@ import yaml
 
 from websockets.asyncio.client import connect
 
-from gateway.client import TTSClient
-from gateway.gpu_metrics import GPU_METRIC_NAMES
-from gateway.metrics import ENGINE_METRIC_NAMES
+from tts_gateway.gateway.client import TTSClient
+from tts_gateway.gateway.gpu_metrics import GPU_METRIC_NAMES
+from tts_gateway.gateway.metrics import ENGINE_METRIC_NAMES
 
 from tests.conftest import until, ws_url
 from tests.gateway.test_server import http_get, recv_json

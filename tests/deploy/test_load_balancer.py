@@ -19,8 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.client import GatewayError, TTSClient
-from gateway.wire import STREAM_PATH, CloseCode
+from tts_gateway.gateway.client import GatewayError, TTSClient
+from tts_gateway.gateway.wire import STREAM_PATH, CloseCode
 
 from tests.paths import ROOT
 

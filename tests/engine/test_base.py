@@ -1,4 +1,4 @@
-"""engine.base.drive: the one loop that runs an utterance to its end for the gateway's
+"""tts_gateway.engine.base.drive: the one loop that runs an utterance to its end for the gateway's
 WebSocket sessions, the speech route, `tts-gateway say` and the benchmarks. Whatever ends it,
 the engine is told to drop the utterance's work at once."""
 
@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.base import AudioChunk, EngineError, Utterance, drive
+from tts_gateway.engine.base import AudioChunk, EngineError, Utterance, drive
 
 
 class ScriptedUtterance(Utterance):

@@ -1,4 +1,4 @@
-"""Tests for engine.text: the streaming normaliser and the segmenter.
+"""Tests for tts_gateway.engine.text: the streaming normaliser and the segmenter.
 
 Agents stream reply text in arbitrary deltas, so besides exact readings these
 tests check that the committed output never depends on where the deltas were
@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from engine.text import Segmenter, TextNormalizer, normalize
+from tts_gateway.engine.text import Segmenter, TextNormalizer, normalize
 
 
 def stream(pieces: list[str], language: str = "auto") -> tuple[list[str], str]:

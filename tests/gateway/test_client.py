@@ -19,8 +19,8 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import InvalidStatus
 
-from gateway.client import Alignment, AudioChunk, Context, GatewayError, TTSClient, Word, write_wav
-from gateway.wire import CONTEXT_SURVIVING_CODES, SESSION_ENDING_CODES, ErrorCode
+from tts_gateway.gateway.client import Alignment, AudioChunk, Context, GatewayError, TTSClient, Word, write_wav
+from tts_gateway.gateway.wire import CONTEXT_SURVIVING_CODES, SESSION_ENDING_CODES, ErrorCode
 from tests.paths import ROOT
 
 

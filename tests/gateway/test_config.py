@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import Config, ConfigError, load_config
+from tts_gateway.gateway.config import Config, ConfigError, load_config
 from tests.paths import ROOT
 
 

@@ -15,11 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.cosyvoice2 import doctor as cv2_doctor
-from engine.descriptor import Checkup
-from gateway import doctor
-from gateway.config import load_config
-from gateway.doctor import Probe
+from tts_gateway.engine.cosyvoice2 import doctor as cv2_doctor
+from tts_gateway.engine.descriptor import Checkup
+from tts_gateway.gateway import doctor
+from tts_gateway.gateway.config import load_config
+from tts_gateway.gateway.doctor import Probe
 
 CLI = [sys.executable, "-m", "gateway"]
 CHECKS = (
@@ -98,7 +98,7 @@ def test_table_output_names_each_check_and_its_fix(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from testkit.checkpoint import make_checkpoint
+    from tts_gateway.testkit.checkpoint import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("doctor") / "model", "tiny", seed=0)
 
@@ -119,8 +119,8 @@ def test_model_dir_without_tokenizer_files_fails(tiny_model, tmp_path):
 
 
 def test_complete_model_dir_with_a_voice_is_ok(tiny_model, tmp_path):
-    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
-    from engine.cosyvoice2.frontend.voices import VoiceStore
+    from tts_gateway.engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+    from tts_gateway.engine.cosyvoice2.frontend.voices import VoiceStore
 
     from tests.engine.cosyvoice2.test_engine import PROMPT_TEXT, prompt_wav
 
@@ -234,7 +234,7 @@ def test_vllm_built_for_another_torch_is_reported(monkeypatch):
 
 
 def test_vllm_plugin_entry_point_found(monkeypatch):
-    plugin = importlib.metadata.EntryPoint("cosyvoice2", "engine.cosyvoice2.serving.lm.vllm_plugin:register",
+    plugin = importlib.metadata.EntryPoint("cosyvoice2", "tts_gateway.engine.cosyvoice2.serving.lm.vllm_plugin:register",
                                            cv2_doctor.PLUGIN_GROUP)
     monkeypatch.setattr(importlib.metadata, "entry_points",
                         lambda group: [plugin] if group == cv2_doctor.PLUGIN_GROUP else [])

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
-from engine.base import EngineStats
-from gateway.gpu_metrics import GPU_METRIC_NAMES, THROTTLE_REASONS, GpuSampler
-from gateway.metrics import Metrics
+from tts_gateway.engine.base import EngineStats
+from tts_gateway.gateway.gpu_metrics import GPU_METRIC_NAMES, THROTTLE_REASONS, GpuSampler
+from tts_gateway.gateway.metrics import Metrics
 
 from tests.conftest import make_config, running_gateway
 from tests.gateway.test_server import http_get

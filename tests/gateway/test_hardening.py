@@ -16,9 +16,9 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from engine.base import AudioChunk, EngineError, Utterance, UtteranceOptions
-from gateway.auth import ANONYMOUS, Caller
-from gateway.server import SessionRunner
+from tts_gateway.engine.base import AudioChunk, EngineError, Utterance, UtteranceOptions
+from tts_gateway.gateway.auth import ANONYMOUS, Caller
+from tts_gateway.gateway.server import SessionRunner
 
 from tests.conftest import StubEngine, make_config, running_gateway, until, ws_url
 from tests.gateway.test_http_api import post
@@ -243,8 +243,8 @@ async def test_replies_failing_because_the_backend_died_end_with_engine_failed_n
 def test_serve_exits_non_zero_after_the_engine_fails(monkeypatch, tmp_path, capsys):
     """`tts-gateway serve` on an engine that fails: it drains, stops and exits 1, so that its
     supervisor restarts it."""
-    from engine import registry
-    from gateway import cli
+    from tts_gateway.engine import registry
+    from tts_gateway.gateway import cli
 
     class DyingEngine(FailingScriptedEngine):
         async def start(self):

@@ -10,10 +10,10 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from gateway.auth import ANONYMOUS
-from gateway.key_limits import KeyAccount
-from gateway.config import LimitSettings
-from gateway.tokens import key_id
+from tts_gateway.gateway.auth import ANONYMOUS
+from tts_gateway.gateway.key_limits import KeyAccount
+from tts_gateway.gateway.config import LimitSettings
+from tts_gateway.gateway.tokens import key_id
 from tests.conftest import make_config, running_gateway, until, ws_url
 from tests.gateway.test_hardening import end, text
 from tests.gateway.test_server import read_context, recv_json

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-import gateway.loadgen as loadgen
+import tts_gateway.gateway.loadgen as loadgen
 from tests.conftest import ws_url
 
 SUMMARY_KEYS = {"contexts", "outcomes", "ttfa_ms", "stall_free_fraction", "stalls", "stall_ms", "rtf_p50",

@@ -8,8 +8,8 @@ import numpy as np
 import orjson
 import pytest
 
-from gateway.audio import decode
-from gateway.protocol import (
+from tts_gateway.gateway.audio import decode
+from tts_gateway.gateway.protocol import (
     CancelUtterance,
     CloseSession,
     ContextFinished,

@@ -14,11 +14,11 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from engine.base import AudioChunk, EngineError, Utterance, UtteranceOptions
-from gateway.audio import decode
-from gateway.client import TTSClient
-from gateway.server import Gateway
-from gateway.wire import BYTES_PER_SAMPLE
+from tts_gateway.engine.base import AudioChunk, EngineError, Utterance, UtteranceOptions
+from tts_gateway.gateway.audio import decode
+from tts_gateway.gateway.client import TTSClient
+from tts_gateway.gateway.server import Gateway
+from tts_gateway.gateway.wire import BYTES_PER_SAMPLE
 
 from tests.conftest import StubEngine, eventually, make_config, running_gateway, until, ws_url
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.client import TTSClient
-from gateway.stats import MAX_WINDOW_S, RollingStats
+from tts_gateway.gateway.client import TTSClient
+from tts_gateway.gateway.stats import MAX_WINDOW_S, RollingStats
 
 from tests.conftest import make_config, running_gateway, until, ws_url
 from tests.gateway.test_server import http_get

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from websockets.asyncio.client import connect
 
-from gateway.config import ConfigError, load_config
+from tts_gateway.gateway.config import ConfigError, load_config
 from tests.conftest import make_config, running_gateway
 from tests.gateway.test_hardening import end, text
 from tests.gateway.test_server import read_context, recv_json
@@ -77,7 +77,7 @@ def test_certificate_settings_are_checked(tmp_path):
 
 
 def test_a_file_that_is_not_a_certificate_stops_serve(tmp_path, capsys):
-    from gateway import cli
+    from tts_gateway.gateway import cli
 
     cert, key = self_signed(tmp_path)
     config = tmp_path / "config.toml"

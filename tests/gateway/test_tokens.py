@@ -12,7 +12,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from gateway.tokens import TokenSigner, key_id
+from tts_gateway.gateway.tokens import TokenSigner, key_id
 from tests.conftest import make_config, running_gateway, until, ws_url
 from tests.gateway.test_server import read_context, recv_json
 from tests.gateway.test_hardening import end, text

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.protocol import CloseSession
-from gateway.wire import (
+from tts_gateway.gateway.protocol import CloseSession
+from tts_gateway.gateway.wire import (
     CLIENT_FIELDS,
     CONTEXT_SURVIVING_CODES,
     GATEWAY_FIELDS,
@@ -143,7 +143,7 @@ def test_every_session_ending_code_has_a_case_above():
 
 
 def test_control_character_rule_is_one_function_for_every_route():
-    from gateway.wire import control_character_error
+    from tts_gateway.gateway.wire import control_character_error
 
     assert control_character_error("Tabs\tand\nline\r\nbreaks are text.") is None
     message = control_character_error("Hello \u0000 world.")

@@ -12,7 +12,7 @@ import time
 
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 
-from integrations.livekit import GatewayTTS
+from tts_gateway.integrations.livekit import GatewayTTS
 
 from tests.conftest import eventually, until, ws_url
 

@@ -28,7 +28,7 @@ from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
-from integrations.pipecat import GatewayTTSService
+from tts_gateway.integrations.pipecat import GatewayTTSService
 
 from tests.conftest import eventually, ws_url
 

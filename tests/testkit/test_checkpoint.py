@@ -20,19 +20,19 @@ import numpy as np
 import pytest
 import torch
 
-from testkit import checkpoint as ckpt
-from engine.cosyvoice2.frontend import features
-from engine.cosyvoice2.model.flow import Flow
-from engine.cosyvoice2.modeldir.configs import FlowConfig
-from engine.cosyvoice2.frontend.prompt import TOKENIZER_SPECIALS, TextTokenizer
-from engine.cosyvoice2.model.hift import HiFT
-from engine.cosyvoice2.modeldir.configs import HiFTConfig
-from engine.cosyvoice2.model.llm import CosyVoice2LM, qwen2_config
-from engine.cosyvoice2.modeldir.configs import LLMConfig
-from engine.cosyvoice2.modeldir.hyperyaml import ConfigError, YamlObject, load_yaml
-from engine.cosyvoice2.modeldir.mapping import config_from_node
-from engine.cosyvoice2.modeldir.reading import load_model_configs
-from testkit.yaml_writer import write_yaml
+from tts_gateway.testkit import checkpoint as ckpt
+from tts_gateway.engine.cosyvoice2.frontend import features
+from tts_gateway.engine.cosyvoice2.model.flow import Flow
+from tts_gateway.engine.cosyvoice2.modeldir.configs import FlowConfig
+from tts_gateway.engine.cosyvoice2.frontend.prompt import TOKENIZER_SPECIALS, TextTokenizer
+from tts_gateway.engine.cosyvoice2.model.hift import HiFT
+from tts_gateway.engine.cosyvoice2.modeldir.configs import HiFTConfig
+from tts_gateway.engine.cosyvoice2.model.llm import CosyVoice2LM, qwen2_config
+from tts_gateway.engine.cosyvoice2.modeldir.configs import LLMConfig
+from tts_gateway.engine.cosyvoice2.modeldir.hyperyaml import ConfigError, YamlObject, load_yaml
+from tts_gateway.engine.cosyvoice2.modeldir.mapping import config_from_node
+from tts_gateway.engine.cosyvoice2.modeldir.reading import load_model_configs
+from tts_gateway.testkit.yaml_writer import write_yaml
 from tests.reference import official, official_modules
 from tests.paths import DATA
 
@@ -226,7 +226,7 @@ def test_weights_load_strictly_into_official_modules_and_make_finite_audio(tiny_
     assert all(v.dtype == torch.float32 for v in _load(tiny_dir / "llm.pt").values())
 
     # prompt: conditioning from our frontend; tokens: a random draw
-    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+    from tts_gateway.engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
 
     voice = CosyVoice2Frontend(tiny_dir, configs).prepare(_voiced(1.2, 24000), 24000, "A short prompt.")
     torch.manual_seed(0)

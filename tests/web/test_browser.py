@@ -213,7 +213,7 @@ async def test_a_page_given_a_token_speaks_without_the_key(browser, piper_engine
 
 async def test_dashboard_charts_update_under_load(browser, gateway):
     """/dashboard polls /v1/stats; under a few spoken contexts its charts get new data."""
-    from gateway.client import TTSClient
+    from tts_gateway.gateway.client import TTSClient
 
     from tests.conftest import ws_url
 

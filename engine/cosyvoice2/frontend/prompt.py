@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.cosyvoice2.frontend import features
-from engine.cosyvoice2.modeldir.layout import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE, TOKENIZER_DIR
+from tts_gateway.engine.cosyvoice2.frontend import features
+from tts_gateway.engine.cosyvoice2.modeldir.layout import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE, TOKENIZER_DIR
 
 __all__ = [
     "TOKENIZER_SPECIALS",
@@ -364,7 +364,7 @@ class CosyVoice2Frontend:
                  intra_op_threads: int = 1, providers: Sequence[str] | None = None) -> None:
         self.model_dir = Path(model_dir)
         if configs is None:
-            from engine.cosyvoice2.modeldir.reading import load_model_configs
+            from tts_gateway.engine.cosyvoice2.modeldir.reading import load_model_configs
 
             configs = load_model_configs(self.model_dir)
         self.configs = configs

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from engine.cosyvoice2.modeldir.layout import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE, TOKENIZER_DIR, VOICE_MANIFEST
-from engine.cosyvoice2.modeldir.staging import staged_directory
-from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend, PreparedVoice, PromptTextError
+from tts_gateway.engine.cosyvoice2.modeldir.layout import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE, TOKENIZER_DIR, VOICE_MANIFEST
+from tts_gateway.engine.cosyvoice2.modeldir.staging import staged_directory
+from tts_gateway.engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend, PreparedVoice, PromptTextError
 
 __all__ = [
     "VoiceStoreError",
@@ -83,8 +83,8 @@ class VoiceInfo:
     model: str
 
     def to_voice(self, engine: str = "cosyvoice2"):
-        """The gateway's :class:`engine.base.Voice` for this entry."""
-        from engine.base import Voice
+        """The gateway's :class:`tts_gateway.engine.base.Voice` for this entry."""
+        from tts_gateway.engine.base import Voice
 
         return Voice(id=self.id, name=self.name, language=self.language, engine=engine)
 
@@ -198,7 +198,7 @@ class VoiceStore:
             replace: bool = False) -> str:
         """Register a voice from WAV bytes and their transcript; returns its id.
 
-        Raises a :class:`~engine.cosyvoice2.frontend.prompt.PromptAudioError` for unusable audio
+        Raises a :class:`~tts_gateway.engine.cosyvoice2.frontend.prompt.PromptAudioError` for unusable audio
         or text, :class:`VoiceNameTaken` if another voice already has ``name`` (unless
         ``replace``). Adding the same audio and text again returns the existing id
         without recomputing (and renames it if ``name`` differs).

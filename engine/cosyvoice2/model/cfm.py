@@ -1,5 +1,5 @@
 """The flow decoder: an Euler ODE solver with classifier-free guidance around the
-:class:`~engine.cosyvoice2.model.estimator.Estimator` (``decoder`` in ``flow.pt``).
+:class:`~tts_gateway.engine.cosyvoice2.model.estimator.Estimator` (``decoder`` in ``flow.pt``).
 
 It integrates dx/dt = v(x, t | mu, spk, cond) from Gaussian noise (t = 0) to mel (t = 1)
 with Euler steps on a cosine time grid: 10 as the official flow does, or ``n_timesteps``
@@ -25,8 +25,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.estimator import CachedFrames, Estimator
-from engine.cosyvoice2.modeldir.configs import CFMConfig
+from tts_gateway.engine.cosyvoice2.model.estimator import CachedFrames, Estimator
+from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig
 
 
 # The official flow always integrates with 10 Euler steps: the default everywhere a step

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.cosyvoice2.modeldir.configs import EstimatorConfig
+from tts_gateway.engine.cosyvoice2.modeldir.configs import EstimatorConfig
 
 
 class CachedFrames(Protocol):

@@ -51,9 +51,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from engine.cosyvoice2.model.flow_encoder import build_token_encoder_parts, encode_tokens
-from engine.cosyvoice2.modeldir.configs import FlowConfig
+from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
+from tts_gateway.engine.cosyvoice2.model.flow_encoder import build_token_encoder_parts, encode_tokens
+from tts_gateway.engine.cosyvoice2.modeldir.configs import FlowConfig
 
 
 def gather_frames(x: Tensor, start: Tensor, frames: int) -> Tensor:

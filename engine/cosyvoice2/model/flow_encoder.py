@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.cosyvoice2.modeldir.configs import FlowEncoderConfig
+from tts_gateway.engine.cosyvoice2.modeldir.configs import FlowEncoderConfig
 
 # Fixed in the official UpsampleConformerEncoder (not constructor arguments).
 PRE_LOOKAHEAD_LEN = 3

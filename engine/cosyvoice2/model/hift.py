@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
-from engine.cosyvoice2.modeldir.configs import F0PredictorConfig, HiFTConfig
+from tts_gateway.engine.cosyvoice2.modeldir.configs import F0PredictorConfig, HiFTConfig
 
 # One generator for the whole batch (or None: the global RNG), or one per batch row.
 RandomSource = torch.Generator | Sequence[torch.Generator] | None

@@ -14,7 +14,7 @@ its own output head:
 Parameter names equal the official ``cosyvoice.llm.llm.Qwen2LM``, so the ``llm.pt`` of a
 CosyVoice2 model directory loads with ``load_state_dict(strict=True)`` as it is.
 
-Every sequence the model sees is a list of :class:`~engine.cosyvoice2.modeldir.configs.UnifiedVocab`
+Every sequence the model sees is a list of :class:`~tts_gateway.engine.cosyvoice2.modeldir.configs.UnifiedVocab`
 ids. Decoding (rounds, sampling, the KV cache) is the serving layer's: engine/cosyvoice2/serving/lm/.
 """
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
-from engine.cosyvoice2.modeldir.configs import LLMConfig
+from tts_gateway.engine.cosyvoice2.modeldir.configs import LLMConfig
 
 OFFICIAL_TARGET = LLMConfig.OFFICIAL_TARGET
 

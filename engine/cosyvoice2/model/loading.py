@@ -1,7 +1,7 @@
 """Load an official CosyVoice2 model directory into our modules.
 
 The directory is what users bring (or what ``tts-gateway make-checkpoint`` writes), laid
-out as :mod:`engine.cosyvoice2.modeldir.layout` says. Every state dict loads strictly.
+out as :mod:`tts_gateway.engine.cosyvoice2.modeldir.layout` says. Every state dict loads strictly.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from engine.cosyvoice2.model.flow import Flow
-from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
-from engine.cosyvoice2.model.hift import HiFT
-from engine.cosyvoice2.model.llm import CosyVoice2LM
-from engine.cosyvoice2.modeldir.layout import ModelDirError, missing_files
-from engine.cosyvoice2.modeldir.reading import ModelConfigs, load_model_configs
+from tts_gateway.engine.cosyvoice2.model.flow import Flow
+from tts_gateway.engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+from tts_gateway.engine.cosyvoice2.model.hift import HiFT
+from tts_gateway.engine.cosyvoice2.model.llm import CosyVoice2LM
+from tts_gateway.engine.cosyvoice2.modeldir.layout import ModelDirError, missing_files
+from tts_gateway.engine.cosyvoice2.modeldir.reading import ModelConfigs, load_model_configs
 
 
 # Precisions a user can ask for by name (config, benchmarks).

@@ -3,7 +3,7 @@
 Each class holds the constructor arguments of one official module, as ``cosyvoice2.yaml``
 names them (``OFFICIAL_TARGET``), with CosyVoice2-0.5B's values as defaults; ``tiny()``
 gives the small sizes the tests run. The model layer builds its modules from these, and
-:mod:`engine.cosyvoice2.modeldir.reading` fills them from a directory's yaml.
+:mod:`tts_gateway.engine.cosyvoice2.modeldir.reading` fills them from a directory's yaml.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ another top-level entry and may do arithmetic such as ``<chunk_size> * <token_me
 Loading it the official way imports and constructs every object it names. Here the
 tags become inert nodes (:class:`YamlObject`, :class:`Ref`): nothing named in the file
 is imported. :func:`load_yaml` parses and resolves the references;
-:mod:`engine.cosyvoice2.modeldir.mapping` maps the nodes onto typed configs.
+:mod:`tts_gateway.engine.cosyvoice2.modeldir.mapping` maps the nodes onto typed configs.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from engine.cosyvoice2.modeldir.hyperyaml import ConfigError, YamlObject
+from tts_gateway.engine.cosyvoice2.modeldir.hyperyaml import ConfigError, YamlObject
 
 
 # Constructor arguments that only matter for training. They are accepted and skipped

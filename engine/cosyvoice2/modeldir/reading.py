@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.cosyvoice2.modeldir.configs import FlowConfig, FrontendConfig, HiFTConfig, LLMConfig
-from engine.cosyvoice2.modeldir.hyperyaml import ConfigError, YamlObject, load_yaml
-from engine.cosyvoice2.modeldir.mapping import check_supported_tree, convert_value, field_hints, official_target, config_from_node
+from tts_gateway.engine.cosyvoice2.modeldir.configs import FlowConfig, FrontendConfig, HiFTConfig, LLMConfig
+from tts_gateway.engine.cosyvoice2.modeldir.hyperyaml import ConfigError, YamlObject, load_yaml
+from tts_gateway.engine.cosyvoice2.modeldir.mapping import check_supported_tree, convert_value, field_hints, official_target, config_from_node
 
 
 QWEN_ENCODER_TARGET = "cosyvoice.llm.llm.Qwen2Encoder"

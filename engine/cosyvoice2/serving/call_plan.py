@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.cosyvoice2.serving.chunking import ChunkJob, ChunkSchedule
+from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob, ChunkSchedule
 
 if TYPE_CHECKING:
-    from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
+    from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 
 # A flow call's cost, in row-frames (rows x context frames: what its compute grows with).
 # Measured on the H200 (full size, bf16; docs/cosyvoice2.md): a solve costs ~0.028 ms per

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.cosyvoice2.serving.request import Request, RequestStatus
+from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus
 
 # Mel frames of each chunk the vocoder keeps as context for the next (and 8 x 480 samples
 # of its excitation and output).

@@ -61,12 +61,12 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from engine.cosyvoice2.serving.buckets import (
+from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
+from tts_gateway.engine.cosyvoice2.serving.buckets import (
     FlowBuckets, GraphKey, bucket_order, holding_capture_lock, pad_inputs, pad_rows,
 )
-from engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView, noise_after, solve_after_prefix
-from engine.cosyvoice2.serving.turn_pool import (
+from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView, noise_after, solve_after_prefix
+from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
     PagedView, TurnRows, TurnStatePool, pad_turn_rows, paged_noise, solve_paged,
 )
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.cosyvoice2.serving.buckets import batch_buckets, holding_capture_lock, pad_rows
-from engine.cosyvoice2.model.hift import HiFT
+from tts_gateway.engine.cosyvoice2.serving.buckets import batch_buckets, holding_capture_lock, pad_rows
+from tts_gateway.engine.cosyvoice2.model.hift import HiFT
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from engine.cosyvoice2.model.estimator import SelfAttention, chunk_attention_mask
-from engine.cosyvoice2.model.flow import Flow, gather_frames
-from engine.cosyvoice2.model.flow_encoder import project_speaker
-from engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState, IncrementalEncoder
+from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
+from tts_gateway.engine.cosyvoice2.model.estimator import SelfAttention, chunk_attention_mask
+from tts_gateway.engine.cosyvoice2.model.flow import Flow, gather_frames
+from tts_gateway.engine.cosyvoice2.model.flow_encoder import project_speaker
+from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState, IncrementalEncoder
 
 
 class CFMStreamCache:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.flow_encoder import (
+from tts_gateway.engine.cosyvoice2.model.flow_encoder import (
     EncoderCache,
     EncoderOutput,
     Parts,

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import collections
 
-from engine.cosyvoice2.serving.chunking import ChunkJob
-from engine.cosyvoice2.serving.request import Request
+from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob
+from tts_gateway.engine.cosyvoice2.serving.request import Request
 
 
 class LatencyBook:

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from engine.cosyvoice2.model.estimator import chunk_attention_mask
-from engine.cosyvoice2.model.flow import Flow, gather_frames
-from engine.cosyvoice2.model.flow_encoder import encode_tokens
-from engine.cosyvoice2.serving.incremental import CFMStreamCache, forward_chunk, zero_conv_context
-from engine.cosyvoice2.serving.request import VoicePrompt
+from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
+from tts_gateway.engine.cosyvoice2.model.estimator import chunk_attention_mask
+from tts_gateway.engine.cosyvoice2.model.flow import Flow, gather_frames
+from tts_gateway.engine.cosyvoice2.model.flow_encoder import encode_tokens
+from tts_gateway.engine.cosyvoice2.serving.incremental import CFMStreamCache, forward_chunk, zero_conv_context
+from tts_gateway.engine.cosyvoice2.serving.request import VoicePrompt
 
 # (bank slots [B], mu, mask, spks, cond) -> mel of the frames after the rows' voice prefixes
 SolveAfterPrefix = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]

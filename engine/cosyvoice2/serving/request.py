@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.scheduling import PlaybackClock
+from tts_gateway.engine.scheduling import PlaybackClock
 
 
 class RequestStatus(enum.Enum):
@@ -88,7 +88,7 @@ class Request:
     """One utterance: its voice, its speech tokens, its token2wav state and its place in line.
 
     ``output`` receives, on the event loop, ``(samples, compute_s, final)`` for each chunk, then an
-    :class:`~engine.base.EngineError` or the end marker.
+    :class:`~tts_gateway.engine.base.EngineError` or the end marker.
     """
 
     prompt: VoicePrompt

@@ -30,18 +30,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.cosyvoice2.model.cfm import N_TIMESTEPS
-from engine.cosyvoice2.model.flow import DecoderInputs, Flow
-from engine.cosyvoice2.model.hift import HiFT
-from engine.cosyvoice2.serving.buckets import CAPTURE_LOCK
-from engine.cosyvoice2.serving.call_plan import CallPlanner
-from engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, ChunkJob, ChunkSchedule, call_kind
-from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
-from engine.cosyvoice2.serving.hift_graphs import HiftGraphs
-from engine.cosyvoice2.serving.incremental import FlowStreamCache, inference_chunk
-from engine.cosyvoice2.serving.prefix_bank import PrefixBank, VoicePrefixCache, flow_after_prefix, solve_after_prefix
-from engine.cosyvoice2.serving.request import StreamState, VoicePrompt
-from engine.cosyvoice2.serving.turn_pool import TurnStatePool, TurnRows, flow_paged, solve_paged
+from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
+from tts_gateway.engine.cosyvoice2.model.flow import DecoderInputs, Flow
+from tts_gateway.engine.cosyvoice2.model.hift import HiFT
+from tts_gateway.engine.cosyvoice2.serving.buckets import CAPTURE_LOCK
+from tts_gateway.engine.cosyvoice2.serving.call_plan import CallPlanner
+from tts_gateway.engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, ChunkJob, ChunkSchedule, call_kind
+from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
+from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
+from tts_gateway.engine.cosyvoice2.serving.incremental import FlowStreamCache, inference_chunk
+from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, VoicePrefixCache, flow_after_prefix, solve_after_prefix
+from tts_gateway.engine.cosyvoice2.serving.request import StreamState, VoicePrompt
+from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnStatePool, TurnRows, flow_paged, solve_paged
 
 
 @dataclass(frozen=True)

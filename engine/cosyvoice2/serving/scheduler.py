@@ -24,12 +24,12 @@ import logging
 import threading
 import time
 
-from engine.base import EngineError
-from engine.cosyvoice2.serving.call_plan import PADDING_LIMIT
-from engine.cosyvoice2.serving.chunking import ChunkJob, call_kind
-from engine.cosyvoice2.serving.latency import LatencyBook
-from engine.cosyvoice2.serving.request import Request, RequestStatus
-from engine.cosyvoice2.serving.runner import Lane
+from tts_gateway.engine.base import EngineError
+from tts_gateway.engine.cosyvoice2.serving.call_plan import PADDING_LIMIT
+from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob, call_kind
+from tts_gateway.engine.cosyvoice2.serving.latency import LatencyBook
+from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus
+from tts_gateway.engine.cosyvoice2.serving.runner import Lane
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,15 @@ import logging
 
 import torch
 
-from engine.base import EngineError
-from engine.cosyvoice2.serving.buckets import FlowBuckets
-from engine.cosyvoice2.serving.call_plan import MAX_CALL_ROW_FRAMES
-from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
-from engine.cosyvoice2.serving.hift_graphs import HiftGraphs
-from engine.cosyvoice2.serving.lm.stage import LMStage
-from engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
-from engine.cosyvoice2.serving.scheduler import FIRST_LANE_MAX_BATCH
-from engine.cosyvoice2.settings import CosyVoice2Settings
+from tts_gateway.engine.base import EngineError
+from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets
+from tts_gateway.engine.cosyvoice2.serving.call_plan import MAX_CALL_ROW_FRAMES
+from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
+from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
+from tts_gateway.engine.cosyvoice2.serving.lm.stage import LMStage
+from tts_gateway.engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
+from tts_gateway.engine.cosyvoice2.serving.scheduler import FIRST_LANE_MAX_BATCH
+from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,10 @@ def device_of(name: str) -> torch.device:
 
 async def start_vllm_stage(settings: CosyVoice2Settings) -> LMStage:
     """Convert the LM for vLLM (cached beside the model), start it and warm every batch shape."""
-    from engine.cosyvoice2.modeldir.layout import missing_files
-    from engine.cosyvoice2.modeldir.reading import load_model_configs
-    from engine.cosyvoice2.serving.lm.vllm_convert import convert
-    from engine.cosyvoice2.serving.lm.vllm_stage import VLLMLMStage
+    from tts_gateway.engine.cosyvoice2.modeldir.layout import missing_files
+    from tts_gateway.engine.cosyvoice2.modeldir.reading import load_model_configs
+    from tts_gateway.engine.cosyvoice2.serving.lm.vllm_convert import convert
+    from tts_gateway.engine.cosyvoice2.serving.lm.vllm_stage import VLLMLMStage
 
     missing = missing_files(settings.model_dir)
     if missing:

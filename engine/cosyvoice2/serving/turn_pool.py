@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from engine.cosyvoice2.model.estimator import chunk_attention_mask
-from engine.cosyvoice2.model.flow import Flow, gather_frames
-from engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView
+from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
+from tts_gateway.engine.cosyvoice2.model.estimator import chunk_attention_mask
+from tts_gateway.engine.cosyvoice2.model.flow import Flow, gather_frames
+from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from engine.cosyvoice2.model.cfm import CFM
-from engine.cosyvoice2.model.flow import Flow
-from engine.cosyvoice2.modeldir.configs import CFMConfig, FlowConfig
+from tts_gateway.engine.cosyvoice2.model.cfm import CFM
+from tts_gateway.engine.cosyvoice2.model.flow import Flow
+from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig, FlowConfig
 from tests.engine.cosyvoice2.flow_pairs import official_cfm, official_flow, randomize_
 
 

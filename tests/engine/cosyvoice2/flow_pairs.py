@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.cfm import N_TIMESTEPS
-from engine.cosyvoice2.modeldir.configs import CFMConfig, EstimatorConfig, FlowConfig
+from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
+from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig, EstimatorConfig, FlowConfig
 from tests.reference import official, randomize
 
 TOLERANCE = 1e-4

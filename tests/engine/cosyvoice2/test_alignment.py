@@ -12,9 +12,9 @@ import re
 
 import pytest
 
-from engine.cosyvoice2.alignment import WordClock
-from engine.text import TextNormalizer
-from engine.text.spoken_words import SpokenWords
+from tts_gateway.engine.cosyvoice2.alignment import WordClock
+from tts_gateway.engine.text import TextNormalizer
+from tts_gateway.engine.text.spoken_words import SpokenWords
 
 SAMPLES_PER_TOKEN = 10
 

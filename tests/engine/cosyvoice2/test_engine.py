@@ -16,13 +16,13 @@ import pytest
 import pytest_asyncio
 import torch
 
-from testkit.checkpoint import make_checkpoint
-from engine.base import AudioChunk, EngineError, UtteranceOptions, drive
-from engine.cosyvoice2.engine import CosyVoice2Engine
-from engine.cosyvoice2.serving.request import RequestStatus
-from engine.cosyvoice2.settings import CosyVoice2Settings
-from gateway.audio import decode
-from gateway.client import TTSClient
+from tts_gateway.testkit.checkpoint import make_checkpoint
+from tts_gateway.engine.base import AudioChunk, EngineError, UtteranceOptions, drive
+from tts_gateway.engine.cosyvoice2.engine import CosyVoice2Engine
+from tts_gateway.engine.cosyvoice2.serving.request import RequestStatus
+from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings
+from tts_gateway.gateway.audio import decode
+from tts_gateway.gateway.client import TTSClient
 
 from tests.conftest import eventually, make_config, running_gateway, until, ws_url
 
@@ -45,8 +45,8 @@ def prompt_wav() -> bytes:
 async def cv2_engine(tmp_path_factory):
     model_dir = make_checkpoint(tmp_path_factory.mktemp("cv2") / "model", "tiny", seed=0)
     settings = CosyVoice2Settings(model_dir=str(model_dir), device="cpu")
-    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
-    from engine.cosyvoice2.frontend.voices import VoiceStore
+    from tts_gateway.engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+    from tts_gateway.engine.cosyvoice2.frontend.voices import VoiceStore
 
     VoiceStore(CosyVoice2Engine(settings).voices_dir, CosyVoice2Frontend(model_dir)).add("narrator", prompt_wav(), PROMPT_TEXT)
     engine = CosyVoice2Engine(settings)

@@ -16,11 +16,11 @@ import pytest_asyncio
 import torch
 from websockets.asyncio.client import connect
 
-from engine.base import EngineError, UtteranceOptions
-from engine.cosyvoice2.engine import CosyVoice2Engine
-from engine.cosyvoice2.serving.lm.stage import LMStream
-from engine.cosyvoice2.settings import CosyVoice2Settings
-from testkit.checkpoint import make_checkpoint
+from tts_gateway.engine.base import EngineError, UtteranceOptions
+from tts_gateway.engine.cosyvoice2.engine import CosyVoice2Engine
+from tts_gateway.engine.cosyvoice2.serving.lm.stage import LMStream
+from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings
+from tts_gateway.testkit.checkpoint import make_checkpoint
 
 from tests.conftest import make_config, running_gateway, until, ws_url
 from tests.engine.cosyvoice2.test_engine import PROMPT_TEXT, prompt_wav
@@ -32,8 +32,8 @@ TEXT = "Hello there, this is a turn long enough for a few chunks of audio."
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
-    from engine.cosyvoice2.frontend.voices import VoiceStore
+    from tts_gateway.engine.cosyvoice2.frontend.prompt import CosyVoice2Frontend
+    from tts_gateway.engine.cosyvoice2.frontend.voices import VoiceStore
 
     model_dir = make_checkpoint(tmp_path_factory.mktemp("cv2") / "model", "tiny", seed=0)
     settings = CosyVoice2Settings(model_dir=str(model_dir), device="cpu")

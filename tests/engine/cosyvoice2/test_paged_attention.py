@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cosyvoice2.serving.paged_attention import PagedKeys, paged_attention, paged_block_mask
+from tts_gateway.engine.cosyvoice2.serving.paged_attention import PagedKeys, paged_attention, paged_block_mask
 
 HEADS, DIM, PAGE, CHUNK, Q_BLOCK = 2, 16, 16, 10, 16
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cosyvoice2.settings import CosyVoice2Settings
+from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings
 
 
 @pytest.mark.parametrize("flow_steps", [0, -3, 2.5, True, "10"])

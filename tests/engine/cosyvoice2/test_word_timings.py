@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 import pytest_asyncio
 
-from engine.base import UtteranceOptions
-from engine.cosyvoice2.engine import CosyVoice2Engine
-from gateway.client import Alignment, TTSClient
+from tts_gateway.engine.base import UtteranceOptions
+from tts_gateway.engine.cosyvoice2.engine import CosyVoice2Engine
+from tts_gateway.gateway.client import Alignment, TTSClient
 from tests.conftest import make_config, running_gateway, until, ws_url
 from tests.engine.cosyvoice2.test_engine import cv2_engine  # noqa: F401 (the engine fixture)
 

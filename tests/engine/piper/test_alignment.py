@@ -7,10 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from engine.base import WordTiming
-from engine.piper.alignment import SourceTiming, WordJoiner, label_phonemes, phoneme_times, time_words
-from engine.text import Segmenter, TextNormalizer
-from engine.text.spoken_words import SpokenWord, SpokenWords
+from tts_gateway.engine.base import WordTiming
+from tts_gateway.engine.piper.alignment import SourceTiming, WordJoiner, label_phonemes, phoneme_times, time_words
+from tts_gateway.engine.text import Segmenter, TextNormalizer
+from tts_gateway.engine.text.spoken_words import SpokenWord, SpokenWords
 
 from tests.engine.test_text import TRICKY_TEXTS
 

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import pytest_asyncio
 
-from engine.base import UnknownVoice, UtteranceOptions
-from engine.piper.engine import PiperEngine
-from engine.piper.settings import PiperSettings
+from tts_gateway.engine.base import UnknownVoice, UtteranceOptions
+from tts_gateway.engine.piper.engine import PiperEngine
+from tts_gateway.engine.piper.settings import PiperSettings
 
 from tests.conftest import eventually, until
 

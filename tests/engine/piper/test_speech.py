@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 from pocketsphinx import Decoder
 
-from gateway.audio import decode
-from gateway.client import TTSClient
+from tts_gateway.gateway.audio import decode
+from tts_gateway.gateway.client import TTSClient
 
 from tests.conftest import until, ws_url
 

@@ -16,8 +16,8 @@ import numpy as np
 import soxr
 from pocketsphinx import Decoder
 
-from engine.base import UtteranceOptions, WordTiming
-from gateway.client import TTSClient
+from tts_gateway.engine.base import UtteranceOptions, WordTiming
+from tts_gateway.gateway.client import TTSClient
 
 from tests.conftest import until, ws_url
 

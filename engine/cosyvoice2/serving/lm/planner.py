@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.cosyvoice2.modeldir.configs import UnifiedVocab
+from tts_gateway.engine.cosyvoice2.modeldir.configs import UnifiedVocab
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.cosyvoice2.modeldir.configs import SamplingConfig
+from tts_gateway.engine.cosyvoice2.modeldir.configs import SamplingConfig
 
 # (log-probabilities over the speech classes, classes decoded so far) -> the next class
 Sampler = Callable[[torch.Tensor, Sequence[int]], int]

@@ -3,7 +3,7 @@
 The engine talks to one small interface, so the plain-torch stage (:mod:`.torch_stage`:
 CPU tests, small deployments) and the vLLM stage (:mod:`.vllm_stage`: continuous batching
 on a GPU) are interchangeable. Both follow the official bistream semantics through
-:class:`~engine.cosyvoice2.serving.lm.planner.BistreamPlanner`: 5 text tokens in, up to 15 speech tokens
+:class:`~tts_gateway.engine.cosyvoice2.serving.lm.planner.BistreamPlanner`: 5 text tokens in, up to 15 speech tokens
 out, a fill token asks for more text and is never fed back, and at the end of input the
 rest of the text plus ``task_id`` is appended and decoding runs to eos.
 

@@ -2,7 +2,7 @@
 small deployments).
 
 :class:`TorchLMBackend` runs decoding plans (:mod:`.planner`) on a
-:class:`~engine.cosyvoice2.model.llm.CosyVoice2LM` with a KV cache; :class:`TorchLMStage`
+:class:`~tts_gateway.engine.cosyvoice2.model.llm.CosyVoice2LM` with a KV cache; :class:`TorchLMStage`
 puts one backend per utterance behind the stage interface (:mod:`.stage`).
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from engine.cosyvoice2.model.llm import CosyVoice2LM
-from engine.cosyvoice2.serving.lm.planner import BistreamPlanner, Chunk, offline_chunk
-from engine.cosyvoice2.serving.lm.sampling import Sampler, make_sampler
-from engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
+from tts_gateway.engine.cosyvoice2.model.llm import CosyVoice2LM
+from tts_gateway.engine.cosyvoice2.serving.lm.planner import BistreamPlanner, Chunk, offline_chunk
+from tts_gateway.engine.cosyvoice2.serving.lm.sampling import Sampler, make_sampler
+from tts_gateway.engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
 
 log = logging.getLogger(__name__)
 

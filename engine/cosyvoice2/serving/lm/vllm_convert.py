@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from engine.cosyvoice2.modeldir.configs import LLMConfig, UnifiedVocab
-from engine.cosyvoice2.modeldir.staging import staged_directory
+from tts_gateway.engine.cosyvoice2.modeldir.configs import LLMConfig, UnifiedVocab
+from tts_gateway.engine.cosyvoice2.modeldir.staging import staged_directory
 
 ARCHITECTURE = "CosyVoice2ForVLLM"
 CONVERTER_VERSION = 1

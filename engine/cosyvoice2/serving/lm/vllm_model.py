@@ -1,7 +1,7 @@
 """The CosyVoice2 LM as a vLLM model, and its per-request logits processor (imports vLLM).
 
-Registered with vLLM in each of its processes by :mod:`engine.cosyvoice2.serving.lm.vllm_plugin`;
-loads a directory written by :mod:`engine.cosyvoice2.serving.lm.vllm_convert`.
+Registered with vLLM in each of its processes by :mod:`tts_gateway.engine.cosyvoice2.serving.lm.vllm_plugin`;
+loads a directory written by :mod:`tts_gateway.engine.cosyvoice2.serving.lm.vllm_convert`.
 
 :class:`CosyVoice2ForVLLM` is vLLM's own Qwen2 backbone (so it gets vLLM's attention
 kernels, prefix caching, torch.compile and CUDA graphs) over one unified vocabulary: the
@@ -13,7 +13,7 @@ of the vocabulary it was given.
 :class:`CosyVoice2LogitsProcessor` applies each request's :class:`RoundRule` inside vLLM's
 sampler: which special classes the round may take, and repetition-aware sampling as the
 exact distribution of the official two-draw procedure
-(:func:`engine.cosyvoice2.serving.lm.sampling.ras_log_probs`).
+(:func:`tts_gateway.engine.cosyvoice2.serving.lm.sampling.ras_log_probs`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.sequence import IntermediateTensors
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from engine.cosyvoice2.modeldir.configs import UnifiedVocab
-from engine.cosyvoice2.serving.lm.sampling import ras_log_probs
-from engine.cosyvoice2.serving.lm.vllm_rounds import RoundRule
+from tts_gateway.engine.cosyvoice2.modeldir.configs import UnifiedVocab
+from tts_gateway.engine.cosyvoice2.serving.lm.sampling import ras_log_probs
+from tts_gateway.engine.cosyvoice2.serving.lm.vllm_rounds import RoundRule
 
 
 def _vocab(hf_config) -> UnifiedVocab:

@@ -7,11 +7,11 @@ by name, so this imports neither the model nor CUDA.
 
 from __future__ import annotations
 
-from engine.cosyvoice2.serving.lm.vllm_convert import ARCHITECTURE
+from tts_gateway.engine.cosyvoice2.serving.lm.vllm_convert import ARCHITECTURE
 
 
 def register() -> None:
     from vllm import ModelRegistry
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, "engine.cosyvoice2.serving.lm.vllm_model:CosyVoice2ForVLLM")
+        ModelRegistry.register_model(ARCHITECTURE, "tts_gateway.engine.cosyvoice2.serving.lm.vllm_model:CosyVoice2ForVLLM")

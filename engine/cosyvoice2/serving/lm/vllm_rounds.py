@@ -34,9 +34,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.cosyvoice2.modeldir.configs import UnifiedVocab
-from engine.cosyvoice2.serving.lm.planner import Chunk
-from engine.cosyvoice2.modeldir.configs import SamplingConfig
+from tts_gateway.engine.cosyvoice2.modeldir.configs import UnifiedVocab
+from tts_gateway.engine.cosyvoice2.serving.lm.planner import Chunk
+from tts_gateway.engine.cosyvoice2.modeldir.configs import SamplingConfig
 
 # The key of SamplingParams.extra_args that carries a RoundRule.
 EXTRA_ARGS_KEY = "cosyvoice2"

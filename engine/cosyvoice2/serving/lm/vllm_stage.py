@@ -3,7 +3,7 @@
 vLLM batches all utterances' decoding steps continuously on the GPU. Per utterance:
 
 - the :class:`~engine.cosyvoice2.model.llm.BistreamPlanner` turns arriving text into rounds;
-- each round is one ``StreamingInput`` (:mod:`engine.cosyvoice2.serving.lm.vllm_rounds` has the
+- each round is one ``StreamingInput`` (:mod:`tts_gateway.engine.cosyvoice2.serving.lm.vllm_rounds` has the
   translation), given to vLLM only once the previous round has ended, because the planner
   needs the speech tokens of one round to plan the next;
 - speech tokens are handed to the engine as vLLM returns them;
@@ -29,16 +29,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.cosyvoice2.modeldir.configs import LLMConfig
-from engine.cosyvoice2.serving.lm.planner import BistreamPlanner, Chunk, offline_chunk
-from engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
-from engine.cosyvoice2.modeldir.configs import SamplingConfig
-from engine.cosyvoice2.serving.lm.vllm_rounds import RoundRequest, RoundTracker, round_request
-from engine.cosyvoice2.settings import VLLMSettings
+from tts_gateway.engine.cosyvoice2.modeldir.configs import LLMConfig
+from tts_gateway.engine.cosyvoice2.serving.lm.planner import BistreamPlanner, Chunk, offline_chunk
+from tts_gateway.engine.cosyvoice2.serving.lm.stage import LMStage, LMStream
+from tts_gateway.engine.cosyvoice2.modeldir.configs import SamplingConfig
+from tts_gateway.engine.cosyvoice2.serving.lm.vllm_rounds import RoundRequest, RoundTracker, round_request
+from tts_gateway.engine.cosyvoice2.settings import VLLMSettings
 
 log = logging.getLogger(__name__)
 
-LOGITS_PROCESSOR = "engine.cosyvoice2.serving.lm.vllm_model:CosyVoice2LogitsProcessor"
+LOGITS_PROCESSOR = "tts_gateway.engine.cosyvoice2.serving.lm.vllm_model:CosyVoice2LogitsProcessor"
 
 
 @dataclass
@@ -119,7 +119,7 @@ def start_engine(settings: VLLMSettings, model_path: str, counters: LLMStageCoun
     """An AsyncLLM serving the converted LM at ``model_path``."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from engine.cosyvoice2.serving.lm.vllm_plugin import register
+    from tts_gateway.engine.cosyvoice2.serving.lm.vllm_plugin import register
 
     register()  # this process; vLLM's own processes run the entry point
     # vLLM forks its engine process by default. A fork after this process has run torch's

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from testkit import checkpoint as ckpt
-from engine.cosyvoice2.frontend import features
-from engine.cosyvoice2.frontend.prompt import (
+from tts_gateway.testkit import checkpoint as ckpt
+from tts_gateway.engine.cosyvoice2.frontend import features
+from tts_gateway.engine.cosyvoice2.frontend.prompt import (
     CosyVoice2Frontend,
     PreparedVoice,
     PromptAudioError,
@@ -31,7 +31,7 @@ from engine.cosyvoice2.frontend.prompt import (
     check_prompt_audio,
     read_wav,
 )
-from engine.cosyvoice2.frontend.voices import (
+from tts_gateway.engine.cosyvoice2.frontend.voices import (
     UnknownVoiceError,
     VoiceModelMismatch,
     VoiceNameTaken,

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.estimator import Estimator, attention_bias, chunk_attention_mask
-from engine.cosyvoice2.model.flow import Flow
-from engine.cosyvoice2.modeldir.configs import EstimatorConfig, FlowConfig
+from tts_gateway.engine.cosyvoice2.model.estimator import Estimator, attention_bias, chunk_attention_mask
+from tts_gateway.engine.cosyvoice2.model.flow import Flow
+from tts_gateway.engine.cosyvoice2.modeldir.configs import EstimatorConfig, FlowConfig
 from tests.engine.cosyvoice2.flow_pairs import (
     STEPS,
     TOLERANCE,

@@ -1,4 +1,4 @@
-"""engine.cosyvoice2.model.flow_encoder against the official CosyVoice2 flow (same random weights).
+"""tts_gateway.engine.cosyvoice2.model.flow_encoder against the official CosyVoice2 flow (same random weights).
 
 The official ``UpsampleConformerEncoder`` hard-codes 512 channels for its look-ahead
 and upsampling convs. For narrow test models the official module gets those two
@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.flow_encoder import TokenEncoder, UpsampleConformerEncoder, encode_tokens
-from engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState, IncrementalEncoder
-from engine.cosyvoice2.modeldir.configs import FlowEncoderConfig
+from tts_gateway.engine.cosyvoice2.model.flow_encoder import TokenEncoder, UpsampleConformerEncoder, encode_tokens
+from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState, IncrementalEncoder
+from tts_gateway.engine.cosyvoice2.modeldir.configs import FlowEncoderConfig
 from tests.reference import official
 from tests.reference import randomize as reference_randomize
 from tests.paths import ROOT

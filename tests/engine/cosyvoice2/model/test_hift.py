@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.hift import HiFT
-from engine.cosyvoice2.modeldir.configs import F0PredictorConfig, HiFTConfig
+from tts_gateway.engine.cosyvoice2.model.hift import HiFT
+from tts_gateway.engine.cosyvoice2.modeldir.configs import F0PredictorConfig, HiFTConfig
 from tests.reference import official
 from tests.paths import ROOT
 
@@ -287,7 +287,7 @@ def test_hift_runtime_imports_no_reference_stack() -> None:
 
 def test_overlap_add_istft_is_torch_istft() -> None:
     """The vocoder's capture-safe inverse STFT computes what torch.istft does."""
-    from engine.cosyvoice2.model.hift import overlap_add_istft
+    from tts_gateway.engine.cosyvoice2.model.hift import overlap_add_istft
 
     generator = torch.Generator().manual_seed(5)
     window = torch.hann_window(16, periodic=True, dtype=torch.float64).to(torch.float32)

@@ -26,11 +26,11 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, Qwen2ForCausalLM
 
-from engine.cosyvoice2.model.llm import OFFICIAL_TARGET, CosyVoice2LM, load_llm, qwen2_config
-from engine.cosyvoice2.modeldir.configs import LLMConfig, UnifiedVocab
-from engine.cosyvoice2.serving.lm.planner import BistreamPlanner, Chunk, offline_chunk
-from engine.cosyvoice2.serving.lm.torch_stage import TorchLMBackend
-from engine.cosyvoice2.serving.lm.sampling import (
+from tts_gateway.engine.cosyvoice2.model.llm import OFFICIAL_TARGET, CosyVoice2LM, load_llm, qwen2_config
+from tts_gateway.engine.cosyvoice2.modeldir.configs import LLMConfig, UnifiedVocab
+from tts_gateway.engine.cosyvoice2.serving.lm.planner import BistreamPlanner, Chunk, offline_chunk
+from tts_gateway.engine.cosyvoice2.serving.lm.torch_stage import TorchLMBackend
+from tts_gateway.engine.cosyvoice2.serving.lm.sampling import (
     greedy_sampling,
     make_sampler,
     nucleus_sampling,

@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, solve_after_prefix
-from engine.cosyvoice2.modeldir.configs import CFMConfig
-from engine.cosyvoice2.serving.buckets import FlowBuckets, GraphKey, pad_inputs, pad_rows
-from engine.cosyvoice2.serving.flow_graphs import FlowGraphs, _CapturedSolve, solve_after_padded, solve_padded, step_program
-from engine.cosyvoice2.serving.turn_pool import TurnRows, TurnStatePool, pad_turn_rows, solve_paged
+from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
+from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, solve_after_prefix
+from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig
+from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets, GraphKey, pad_inputs, pad_rows
+from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs, _CapturedSolve, solve_after_padded, solve_padded, step_program
+from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnRows, TurnStatePool, pad_turn_rows, solve_paged
 from tests.engine.cosyvoice2.flow_pairs import STEPS
 from tests.reference import randomize
 

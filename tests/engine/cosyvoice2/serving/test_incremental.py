@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.serving.incremental import CFMStreamCache, FlowStreamCache, forward_chunk, inference_chunk
+from tts_gateway.engine.cosyvoice2.serving.incremental import CFMStreamCache, FlowStreamCache, forward_chunk, inference_chunk
 from tests.engine.cosyvoice2.flow_pairs import (
     STEPS, TOLERANCE, Utterance, decoder_inputs, max_err, official_steps, utterance,
 )

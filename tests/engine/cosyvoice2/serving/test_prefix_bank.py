@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.cfm import N_TIMESTEPS
-from engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, flow_after_prefix, voice_prefix
+from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
+from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, flow_after_prefix, voice_prefix
 from tests.engine.cosyvoice2.flow_pairs import STEPS, TOLERANCE, decoder_inputs, max_err, official_steps, utterance
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cosyvoice2.serving.request import Request, RequestStatus
+from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus
 
 S = RequestStatus
 FORWARD = [S.OPEN, S.INPUT_ENDED, S.TOKENS_DONE, S.FINISHED]

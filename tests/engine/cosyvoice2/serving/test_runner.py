@@ -18,17 +18,17 @@ import torch
 
 import dataclasses
 
-from engine.cosyvoice2.model.cfm import N_TIMESTEPS
-from engine.cosyvoice2.model.loading import load_models
-from engine.cosyvoice2.serving import call_plan as call_plan_module
-from engine.cosyvoice2.serving import runner as runner_module
-from engine.cosyvoice2.serving.buckets import FlowBuckets
-from engine.cosyvoice2.serving.chunking import ChunkSchedule
-from engine.cosyvoice2.serving.flow_graphs import FlowGraphs
-from engine.cosyvoice2.serving.request import Request, RequestStatus, StreamState, VoicePrompt
-from engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
-from engine.cosyvoice2.serving.turn_pool import TurnStatePool
-from testkit.checkpoint import make_checkpoint
+from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
+from tts_gateway.engine.cosyvoice2.model.loading import load_models
+from tts_gateway.engine.cosyvoice2.serving import call_plan as call_plan_module
+from tts_gateway.engine.cosyvoice2.serving import runner as runner_module
+from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets
+from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkSchedule
+from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
+from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus, StreamState, VoicePrompt
+from tts_gateway.engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
+from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnStatePool
+from tts_gateway.testkit.checkpoint import make_checkpoint
 from tests.engine.cosyvoice2.flow_pairs import STEPS, official_steps
 from tests.reference import official, official_modules
 
@@ -524,7 +524,7 @@ def test_chunk_shapes_are_what_streaming_gives_the_vocoder(models, voice, tokens
 
 
 def test_hift_graph_keys():
-    from engine.cosyvoice2.serving.hift_graphs import HiftKey, batch_buckets, graph_key
+    from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftKey, batch_buckets, graph_key
 
     assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64) and batch_buckets(12) == (1, 2, 4, 8, 12)
     shapes = {(58, 3840), (20, 0)}
@@ -539,7 +539,7 @@ def test_hift_graph_keys():
 def test_vocoder_rows_are_independent_under_padding(models):
     """Graph batches are padded with copies of row 0: a real row's audio must not depend on
     the rows beside it (same per-row random draws)."""
-    from engine.cosyvoice2.serving.hift_graphs import pad_rows
+    from tts_gateway.engine.cosyvoice2.serving.hift_graphs import pad_rows
 
     hift = models.hift
     mel = torch.randn(2, hift.config.in_channels, 30, generator=torch.Generator().manual_seed(3))

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from engine.cosyvoice2.model.cfm import N_TIMESTEPS
-from engine.cosyvoice2.serving.prefix_bank import PrefixBank, voice_prefix
-from engine.cosyvoice2.serving.turn_pool import TurnRows, TurnStatePool, flow_paged, solve_paged
+from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
+from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, voice_prefix
+from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnRows, TurnStatePool, flow_paged, solve_paged
 from tests.engine.cosyvoice2.flow_pairs import STEPS, TOLERANCE, max_err, official_steps, utterance
 
 

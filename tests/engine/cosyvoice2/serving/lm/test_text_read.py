@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 
-from engine.cosyvoice2.serving.lm.planner import BistreamPlanner, offline_chunk
-from engine.cosyvoice2.serving.lm.torch_stage import TorchLMStage
+from tts_gateway.engine.cosyvoice2.serving.lm.planner import BistreamPlanner, offline_chunk
+from tts_gateway.engine.cosyvoice2.serving.lm.torch_stage import TorchLMStage
 from tests.engine.cosyvoice2.serving.lm.test_vllm import (  # noqa: F401 (plain_inputs: a fixture)
     PROMPT_SPEECH,
     PROMPT_TEXT,

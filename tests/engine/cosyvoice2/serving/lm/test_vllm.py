@@ -29,18 +29,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.cosyvoice2.serving.lm import vllm_stage as lm_vllm
-from testkit.checkpoint import make_checkpoint
-from engine.cosyvoice2.model.llm import CosyVoice2LM
-from engine.cosyvoice2.modeldir.configs import LLMConfig
-from engine.cosyvoice2.serving.lm.planner import Chunk, offline_chunk
-from engine.cosyvoice2.serving.lm.torch_stage import TorchLMBackend
-from engine.cosyvoice2.modeldir.configs import SamplingConfig
-from engine.cosyvoice2.serving.lm.sampling import greedy_sampling, ras_log_probs, ras_sampling
-from engine.cosyvoice2.serving.lm.vllm_convert import ARCHITECTURE, convert
-from engine.cosyvoice2.serving.lm.vllm_rounds import RoundRule, RoundTracker, round_request
-from engine.cosyvoice2.modeldir.reading import load_model_configs
-from engine.cosyvoice2.settings import VLLMSettings
+from tts_gateway.engine.cosyvoice2.serving.lm import vllm_stage as lm_vllm
+from tts_gateway.testkit.checkpoint import make_checkpoint
+from tts_gateway.engine.cosyvoice2.model.llm import CosyVoice2LM
+from tts_gateway.engine.cosyvoice2.modeldir.configs import LLMConfig
+from tts_gateway.engine.cosyvoice2.serving.lm.planner import Chunk, offline_chunk
+from tts_gateway.engine.cosyvoice2.serving.lm.torch_stage import TorchLMBackend
+from tts_gateway.engine.cosyvoice2.modeldir.configs import SamplingConfig
+from tts_gateway.engine.cosyvoice2.serving.lm.sampling import greedy_sampling, ras_log_probs, ras_sampling
+from tts_gateway.engine.cosyvoice2.serving.lm.vllm_convert import ARCHITECTURE, convert
+from tts_gateway.engine.cosyvoice2.serving.lm.vllm_rounds import RoundRule, RoundTracker, round_request
+from tts_gateway.engine.cosyvoice2.modeldir.reading import load_model_configs
+from tts_gateway.engine.cosyvoice2.settings import VLLMSettings
 from tests.reference import randomize_lm
 
 CONFIG = LLMConfig.tiny()
@@ -416,9 +416,9 @@ async def test_teacher_forced_replay_scores_what_the_backend_chose(plain_inputs)
 
 
 async def test_the_vllm_backend_asks_for_a_gpu(tiny_dir) -> None:
-    from engine.base import EngineError
-    from engine.cosyvoice2.engine import CosyVoice2Engine
-    from engine.cosyvoice2.settings import CosyVoice2Settings
+    from tts_gateway.engine.base import EngineError
+    from tts_gateway.engine.cosyvoice2.engine import CosyVoice2Engine
+    from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings
 
     engine = CosyVoice2Engine(CosyVoice2Settings(model_dir=str(tiny_dir), device="cpu", llm_backend="vllm"))
     with pytest.raises(EngineError, match="needs a CUDA GPU"):
@@ -427,7 +427,7 @@ async def test_the_vllm_backend_asks_for_a_gpu(tiny_dir) -> None:
 
 # ----------------------------------------------------------------------------- the logits processor
 
-VLLM_MODEL = "engine.cosyvoice2.serving.lm.vllm_model"
+VLLM_MODEL = "tts_gateway.engine.cosyvoice2.serving.lm.vllm_model"
 EOS_ID, UNUSED_ID, FILL_ID = VOCAB.speech(EOS), VOCAB.speech(EOS + 1), VOCAB.speech(FILL)
 SPEECH = slice(VOCAB.speech_offset, VOCAB.size)  # the speech classes' columns, specials included
 
@@ -451,7 +451,7 @@ class BatchUpdate:
 
 @pytest.fixture
 def vllm_model(monkeypatch):
-    """engine.cosyvoice2.serving.lm.vllm_model imported over stand-ins for the vLLM names it uses.
+    """tts_gateway.engine.cosyvoice2.serving.lm.vllm_model imported over stand-ins for the vLLM names it uses.
 
     The stand-ins live in sys.modules for this test only, and the module imported over
     them is dropped afterwards, so no other test sees a fake vLLM.
@@ -484,7 +484,7 @@ def vllm_model(monkeypatch):
         LogitsProcessor=type("LogitsProcessor", (), {}),
         MoveDirectionality=MoveDirectionality,
     )
-    package = importlib.import_module("engine.cosyvoice2")
+    package = importlib.import_module("tts_gateway.engine.cosyvoice2")
     had_attribute = hasattr(package, "vllm_model")
     monkeypatch.delitem(sys.modules, VLLM_MODEL, raising=False)
     yield importlib.import_module(VLLM_MODEL)
