@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1
 # Packages the GPU image lacks (websockets, orjson, soxr), then this repo itself, so that
 # vLLM's processes find the cosyvoice2 plugin entry point.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 if [ -d .gpu/balancer ]; then
     # HAProxy for --through-balancer, unpacked beside the system (not over it); a wrapper on

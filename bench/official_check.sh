@@ -12,7 +12,9 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/official-site .official/whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:/tmp/official-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/site:/tmp/official-site${PYTHONPATH:+:$PYTHONPATH}
+# This checkout, importable as tts_gateway (pyproject.toml maps its folders there).
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 arm=torch
 for ((i = 1; i <= $#; i++)); do [ "${!i}" = --arm ] && { j=$((i + 1)); arm=${!j}; }; done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"

@@ -230,7 +230,7 @@ def piper_gateway(send_buffer_bytes: int):
         "TTS_GATEWAY__SERVER__LOG_LEVEL": "warning",
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env
+        [sys.executable, "-m", "tts_gateway.gateway", "serve", "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env
     )
     try:
         base = f"http://127.0.0.1:{port}"

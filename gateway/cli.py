@@ -33,7 +33,7 @@ def _needs_extra(extra: str, command: str) -> Iterator[None]:
     try:
         yield
     except ModuleNotFoundError as exc:
-        if exc.name is None or exc.name.partition(".")[0] in ("gateway", "engine", "testkit"):
+        if exc.name is None or exc.name.partition(".")[0] == "tts_gateway":
             raise  # this package's own module is missing: a broken install, not a missing extra
         raise MissingExtra(
             f"`tts-gateway {command}` needs the {extra} extra (no module named {exc.name!r}); "

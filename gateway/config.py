@@ -12,6 +12,7 @@ names the key, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import tomllib
 import typing
@@ -24,8 +25,15 @@ from tts_gateway.engine.registry import DEFAULT_ENGINE, ENGINES
 from tts_gateway.gateway.wire import ENCODINGS, SAMPLE_RATES
 
 ENV_PREFIX = "TTS_GATEWAY__"
-DEFAULT_WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 MIN_TOKEN_SECRET_CHARS = 32  # 32 random characters are past guessing
+
+
+def shipped_web_dir() -> Path:
+    """The web client's and the dashboard's files: package data of tts_gateway.web (web/ in a
+    checkout, tts_gateway/web in site-packages). A folder of files without Python, so a
+    namespace package: its first directory on the import path is the one."""
+    spec = importlib.util.find_spec("tts_gateway.web")
+    return next(Path(entry) for entry in spec.submodule_search_locations if Path(entry).is_dir())
 
 
 class ConfigError(Exception):
@@ -82,7 +90,7 @@ class ServerSettings:
 
     @property
     def web_path(self) -> Path:
-        return Path(self.web_dir) if self.web_dir else DEFAULT_WEB_DIR
+        return Path(self.web_dir) if self.web_dir else shipped_web_dir()
 
     @property
     def tls(self) -> bool:

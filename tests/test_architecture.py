@@ -17,13 +17,15 @@ from pathlib import Path
 from tts_gateway.engine.registry import ENGINES
 from tests.paths import ROOT
 
+# The folders of the repo, imported as tts_gateway.<folder> (pyproject.toml maps them).
+PARENT = "tts_gateway"
 PACKAGES = ("gateway", "engine", "testkit", "integrations")
 # What a module the gateway reads on any machine must not pull in, through any of our modules.
 HEAVY = frozenset({"torch", "numpy", "transformers"})
 # The gateway's way into engine/: the engine interface, the registry, and the text leaf.
 GATEWAY_MAY_IMPORT = ("tts_gateway.engine.base", "tts_gateway.engine.registry", "tts_gateway.engine.text")
 # Framework adapters speak only the public protocol, as any client does.
-INTEGRATIONS_MAY_IMPORT = ("tts_gateway.gateway.client", "tts_gateway.gateway.wire", "integrations")
+INTEGRATIONS_MAY_IMPORT = ("tts_gateway.gateway.client", "tts_gateway.gateway.wire", "tts_gateway.integrations")
 # Being rewritten elsewhere: their import cycles are reported apart (see the last cycle test).
 REWRITTEN_ELSEWHERE = ("tts_gateway.engine.cosyvoice2.engine", "tts_gateway.engine.cosyvoice2.serving")
 
@@ -44,7 +46,7 @@ def read_imports() -> Imports:
     for module, path in files.items():
         ours[module], theirs[module], unresolved[module] = set(), set(), set()
         for name in _imported_names(module, path, files):
-            if name.partition(".")[0] not in PACKAGES:
+            if not _within(name, PARENT):
                 theirs[module].add(name.partition(".")[0])
                 continue
             if name not in files:
@@ -59,7 +61,7 @@ def read_imports() -> Imports:
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join((PARENT, *(parts[:-1] if parts[-1] == "__init__" else parts)))
 
 
 def _imported_names(module: str, path: Path, files: dict[str, Path]) -> set[str]:
@@ -167,7 +169,7 @@ def torch_free_modules() -> set[str]:
     model-directory layer, and the engines' doctor checks."""
     modules = set(read_imports().ours)
     named = {"tts_gateway.engine.descriptor"}
-    named |= {m for m in modules if m.startswith("engine.") and m.rpartition(".")[2] in ("descriptor", "settings")}
+    named |= {m for m in modules if m.startswith("tts_gateway.engine.") and m.rpartition(".")[2] in ("descriptor", "settings")}
     named |= {m for m in modules if _within(m, "tts_gateway.engine.cosyvoice2.modeldir")}
     named |= {engine.settings.__module__ for engine in ENGINES.values()}
     named |= {engine.doctor.partition(":")[0] for engine in ENGINES.values() if engine.doctor}
@@ -184,7 +186,7 @@ def test_every_import_of_our_packages_names_a_module():
 
 def gateway_and_engine_cycles() -> list[list[str]]:
     ours = read_imports().ours
-    return import_cycles({m: targets for m, targets in ours.items() if _in(m, ("gateway", "engine"))})
+    return import_cycles({m: targets for m, targets in ours.items() if _in(m, ("tts_gateway.gateway", "tts_gateway.engine"))})
 
 
 def test_no_import_cycles():
@@ -203,22 +205,22 @@ def test_no_import_cycles_through_the_cosyvoice2_engine_or_serving_layer():
 def test_the_gateway_imports_engines_only_through_the_registry():
     wrong = sorted(
         f"{module} imports {target}"
-        for module, targets in read_imports().ours.items() if _within(module, "gateway")
+        for module, targets in read_imports().ours.items() if _within(module, "tts_gateway.gateway")
         for target in targets
-        if _within(target, "testkit") or (target.startswith("engine.") and not _in(target, GATEWAY_MAY_IMPORT))
+        if _within(target, "tts_gateway.testkit") or (target.startswith("tts_gateway.engine.") and not _in(target, GATEWAY_MAY_IMPORT))
     )
     assert wrong == []
 
 
 def test_integrations_are_clients_of_the_public_protocol():
     imports = read_imports().ours
-    adapters = [module for module in imports if _within(module, "integrations")]
+    adapters = [module for module in imports if _within(module, "tts_gateway.integrations")]
     assert {"tts_gateway.integrations.pipecat.tts", "tts_gateway.integrations.livekit.tts"} <= set(adapters)  # so this cannot pass by checking nothing
     wrong = sorted(
         f"{module} imports {target}"
         for module in adapters
         for target in imports[module]
-        if not _in(target, INTEGRATIONS_MAY_IMPORT) and target != "gateway"
+        if not _in(target, INTEGRATIONS_MAY_IMPORT) and target != "tts_gateway.gateway"
     )
     assert wrong == []
 

@@ -22,7 +22,7 @@ from tests.gateway.test_server import LONG_TEXT
 from tests.paths import ROOT
 
 
-CLI = [sys.executable, "-m", "gateway"]
+CLI = [sys.executable, "-m", "tts_gateway.gateway"]
 
 
 def free_port() -> int:

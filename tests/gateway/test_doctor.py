@@ -21,7 +21,7 @@ from tts_gateway.gateway import doctor
 from tts_gateway.gateway.config import load_config
 from tts_gateway.gateway.doctor import Probe
 
-CLI = [sys.executable, "-m", "gateway"]
+CLI = [sys.executable, "-m", "tts_gateway.gateway"]
 CHECKS = (
     "python", "torch", "gpu", "driver", "vllm", "vllm_torch", "vllm_plugin", "model_dir", "voices", "vram", "mps",
     "nvml",

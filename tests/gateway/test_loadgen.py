@@ -153,7 +153,7 @@ async def test_start_spread_must_fit_the_level():
 
 
 def test_bench_help():
-    result = subprocess.run([sys.executable, "-m", "gateway", "bench", "--help"],
+    result = subprocess.run([sys.executable, "-m", "tts_gateway.gateway", "bench", "--help"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "--workload" in result.stdout and "--ramp" in result.stdout

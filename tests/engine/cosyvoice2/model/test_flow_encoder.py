@@ -386,4 +386,4 @@ def test_flow_encoder_runtime_imports() -> None:
             imported |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add((node.module or "").split(".")[0])
-    assert imported <= {"__future__", "dataclasses", "math", "collections", "typing", "torch", "engine"}, imported
+    assert imported <= {"__future__", "dataclasses", "math", "collections", "typing", "torch", "tts_gateway"}, imported
