@@ -1,12 +1,14 @@
 """``tts-gateway doctor``: check this machine and config for what would stop the gateway.
 
 Each check returns a :class:`Finding` (ok, warn, fail or skip) with what it saw and,
-when something is wrong, the fix. The checks here are the gateway's own (Python, torch,
-the GPUs, their driver, NVML); each engine adds its own through its descriptor (CosyVoice2:
-vLLM, the model directory, voices, GPU memory, CUDA MPS), run between the driver and NVML.
-Checks that need a GPU are ``skip`` on a machine without one, saying what is missing. A
-missing optional package (torch, nvidia-ml-py) is a finding, never a crash. A problem is a
-``fail`` when the configured engine (or backend) needs what is missing, else a ``warn``.
+when something is wrong, the fix. Only what the configured engine needs is checked: Python
+always; torch, the GPUs, their driver and NVML for an engine that runs on torch; and the
+engine's own checks through its descriptor (CosyVoice2: vLLM, the model directory, voices,
+GPU memory, CUDA MPS), run between the driver and NVML. So a CPU-only Piper setup hears
+nothing of torch or vLLM. Checks that need a GPU are ``skip`` on a machine without one,
+saying what is missing. A missing optional package (torch, nvidia-ml-py) is a finding, never
+a crash. A problem is a ``fail`` when the configured engine (or backend) needs what is
+missing, else a ``warn``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ class Probe:
     nvml_error: str
 
     @classmethod
-    def load(cls) -> Probe:
+    def load(cls, uses_torch: bool = True) -> Probe:
+        """What is installed; without ``uses_torch`` (an engine that runs without torch), neither
+        torch nor NVML is loaded: nothing would read them."""
+        if not uses_torch:
+            return cls(None, "the configured engine does not use torch", None, "the configured engine uses no GPU")
         try:
             import torch
         except Exception as exc:  # ImportError, or a broken install (missing libs): both are findings
@@ -65,23 +71,17 @@ def check_python(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> Find
 
 
 def check_torch(probe: Probe, config: Config) -> Finding:
-    """Torch is there, as the engines that use it need it (their descriptors say what they need)."""
+    """Torch is there, as the configured engine needs it (its descriptor says what it needs)."""
     torch = probe.torch
-    needs = {engine.name: engine.torch_need(getattr(config.engine, engine.name))
-             for engine in ENGINES.values() if engine.torch_need is not None}
-    selected = needs.get(config.engine.name)
+    need = ENGINES[config.engine.name].torch_need(config.engine.selected)
     if torch is None:
-        if not needs:
-            return Finding("torch", "skip", f"torch does not import ({probe.torch_error}); no engine needs it")
-        users = f"the {' and '.join(needs)} engine" + ("s need" if len(needs) > 1 else " needs")
-        return Finding("torch", "fail" if selected else "warn",
-                       f"torch does not import ({probe.torch_error}); {users} it",
-                       (selected or next(iter(needs.values()))).install)
+        return Finding("torch", "fail", f"torch does not import ({probe.torch_error}); the {config.engine.name} "
+                       "engine needs it", need.install)
     if torch.version.cuda is None:
-        if selected and selected.cuda_for:
+        if need.cuda_for:
             return Finding("torch", "fail",
-                           f"torch {torch.__version__} is a CPU-only build; {selected.cuda_for} needs CUDA",
-                           selected.cuda_install)
+                           f"torch {torch.__version__} is a CPU-only build; {need.cuda_for} needs CUDA",
+                           need.cuda_install)
         return Finding("torch", "ok", f"torch {torch.__version__}, CPU-only build")
     return Finding("torch", "ok", f"torch {torch.__version__}, built for CUDA {torch.version.cuda}")
 
@@ -143,12 +143,21 @@ def check_nvml(probe: Probe) -> Finding:
                    "pip install 'tts-gateway[gpu]' (nvidia-ml-py)")
 
 
+def uses_torch(config: Config) -> bool:
+    return ENGINES[config.engine.name].torch_need is not None
+
+
 def run_checks(config: Config, probe: Probe, environ: Mapping[str, str] = os.environ) -> list[Finding]:
-    findings = [check_python(), check_torch(probe, config), check_gpus(probe), check_driver(probe)]
-    for engine in ENGINES.values():
-        if engine.doctor:
-            findings += resolve(engine.doctor)(engine_checkup(engine.name, config, probe, environ))
-    findings.append(check_nvml(probe))
+    """The checks of what the configured engine needs, and of nothing else."""
+    engine = ENGINES[config.engine.name]
+    on_torch = uses_torch(config)
+    findings = [check_python()]
+    if on_torch:
+        findings += [check_torch(probe, config), check_gpus(probe), check_driver(probe)]
+    if engine.doctor:
+        findings += resolve(engine.doctor)(engine_checkup(engine.name, config, probe, environ))
+    if on_torch:
+        findings.append(check_nvml(probe))
     return findings
 
 
@@ -175,7 +184,7 @@ def format_table(findings: list[Finding]) -> str:
 
 def run_doctor(config: Config, *, as_json: bool = False) -> int:
     """Print the findings; 1 if any failed, else 0."""
-    probe = Probe.load()
+    probe = Probe.load(uses_torch(config))
     try:
         findings = run_checks(config, probe)
     finally:

@@ -53,11 +53,24 @@ def checkup(config, machine: Probe | None = None, environ: dict | None = None) -
 # ---------------------------------------------------------------- this CPU machine, through the CLI
 
 
-def test_cpu_machine_says_what_is_missing_and_passes(tmp_path):
+def test_a_cpu_piper_setup_is_checked_for_what_piper_needs_only(tmp_path):
+    """The default config runs the Piper voice: no torch, vLLM or GPU check has anything to say."""
     code, report = run_doctor(tmp_path)
+    assert code == 0 and report["ok"] is True
+    assert [(f["name"], f["status"]) for f in report["findings"]] == [("python", "ok")]
+    table = subprocess.run([*CLI, "doctor"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0, table.stderr
+    assert "torch" not in table.stdout.lower() and "vllm" not in table.stdout.lower(), table.stdout
+
+
+COSYVOICE2_ON_TORCH = {"TTS_GATEWAY__ENGINE__NAME": "cosyvoice2"}
+
+
+def test_cpu_machine_says_what_cosyvoice2_misses(tmp_path):
+    code, report = run_doctor(tmp_path, env=COSYVOICE2_ON_TORCH)
     findings = by_name(report)
     assert tuple(findings) == CHECKS
-    assert code == 0 and report["ok"] is True
+    assert code == 1 and report["ok"] is False  # no model directory
     assert findings["python"]["status"] == "ok"
     assert findings["torch"]["status"] == "ok" and "CPU-only" in findings["torch"]["detail"]
     for name in ("gpu", "driver", "vram", "mps"):
@@ -65,17 +78,17 @@ def test_cpu_machine_says_what_is_missing_and_passes(tmp_path):
         assert "no CUDA GPU visible" in findings[name]["detail"]
         assert "CPU-only build" in findings[name]["detail"]
     assert findings["nvml"]["status"] == "skip" and "nvidia-ml-py is not installed" in findings["nvml"]["detail"]
-    # vllm is not installed here; with the piper engine selected that is a warning, with its fix.
+    # vllm is not installed here; the torch backend is configured, so that is a warning, with its fix.
     assert findings["vllm"]["status"] == "warn"
     assert "not installed" in findings["vllm"]["detail"] and "pip install -e '.[vllm]'" in findings["vllm"]["fix"]
     assert findings["vllm_torch"]["status"] == "skip"
     # The test command installs this checkout, which registers the plugin entry point.
     assert findings["vllm_plugin"]["status"] == "ok" and "vllm_plugin:register" in findings["vllm_plugin"]["detail"]
-    assert findings["model_dir"]["status"] == "skip" and "model_dir is not set" in findings["model_dir"]["detail"]
+    assert findings["model_dir"]["status"] == "fail" and "model_dir is not set" in findings["model_dir"]["detail"]
 
 
 def test_vllm_backend_configured_without_vllm_fails(tmp_path):
-    env = {"TTS_GATEWAY__ENGINE__NAME": "cosyvoice2", "TTS_GATEWAY__ENGINE__COSYVOICE2__LLM_BACKEND": "vllm"}
+    env = {**COSYVOICE2_ON_TORCH, "TTS_GATEWAY__ENGINE__COSYVOICE2__LLM_BACKEND": "vllm"}
     code, report = run_doctor(tmp_path, env=env)
     findings = by_name(report)
     assert code == 1 and report["ok"] is False
@@ -85,11 +98,13 @@ def test_vllm_backend_configured_without_vllm_fails(tmp_path):
 
 
 def test_table_output_names_each_check_and_its_fix(tmp_path):
-    result = subprocess.run([*CLI, "doctor"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    result = subprocess.run([*CLI, "doctor"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **COSYVOICE2_ON_TORCH})
+    assert result.returncode == 1, result.stderr
     lines = result.stdout.splitlines()
     assert any(line.startswith("warn") and "vllm " in line for line in lines)
     assert any("fix: on a machine with an NVIDIA GPU" in line for line in lines)
+    assert any(line.startswith("fail") and "model_dir " in line for line in lines)
     assert lines[-1].endswith("skip")
 
 
