@@ -254,6 +254,12 @@ def _engine_verb(config: Config, args: argparse.Namespace) -> int:
     from tts_gateway.engine.registry import CommandError, resolve
 
     engine_name, verb = args.verb
+    if engine_name != config.engine.name:
+        # The verb works on its own engine's files and settings, which the configured engine never reads.
+        print(f"tts-gateway: `tts-gateway {args.command}` is for the {engine_name} engine, and the configured "
+              f"engine is {config.engine.name} (its voices: GET /v1/voices on a running gateway); to use it, "
+              f"set [engine] name = \"{engine_name}\" (or TTS_GATEWAY__ENGINE__NAME={engine_name})", file=sys.stderr)
+        return 2
     with _needs_extra(verb.extra, args.command):
         try:
             return resolve(verb.run)(getattr(config.engine, engine_name), args)

@@ -167,9 +167,19 @@ def TTSClient_session(port: int):
 
 
 def test_voice_commands_say_to_set_the_model_dir(tmp_path):
-    result = subprocess.run([*CLI, "voice", "list"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([*CLI, "voice", "list"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "TTS_GATEWAY__ENGINE__NAME": "cosyvoice2"})
     assert result.returncode == 2
     assert "tts-gateway: set engine.cosyvoice2.model_dir" in result.stderr
+
+
+def test_voice_commands_on_piper_say_they_are_cosyvoice2s(tmp_path):
+    """The default config runs the Piper voice: CosyVoice2's model directory is nothing to it."""
+    for command in (["voice", "list"], ["voice", "add", "narrator", "--wav", "prompt.wav", "--text", "Hello."]):
+        result = subprocess.run([*CLI, *command], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2
+        assert "`tts-gateway voice` is for the cosyvoice2 engine, and the configured engine is piper" in result.stderr
+        assert "model_dir" not in result.stderr
 
 
 def test_make_checkpoint_then_voice_add_and_list(tmp_path):
@@ -183,7 +193,7 @@ def test_make_checkpoint_then_voice_add_and_list(tmp_path):
     assert made.stdout.strip() == str(model)
     wav = tmp_path / "prompt.wav"
     wav.write_bytes(prompt_wav())
-    env = {**os.environ, "TTS_GATEWAY__ENGINE__COSYVOICE2__MODEL_DIR": str(model)}
+    env = {**os.environ, "TTS_GATEWAY__ENGINE__NAME": "cosyvoice2", "TTS_GATEWAY__ENGINE__COSYVOICE2__MODEL_DIR": str(model)}
 
     def voice(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([*CLI, "voice", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
