@@ -40,6 +40,7 @@ from tts_gateway.gateway.codecs import CONTENT_TYPES, SPEECH_RATE, SpeechEncoder
 from tts_gateway.gateway.config import Config
 from tts_gateway.gateway.key_limits import KeyLimits, Refusal
 from tts_gateway.gateway.metrics import Metrics
+from tts_gateway.gateway.one_port import log_request
 from tts_gateway.gateway.protocol import ContextFinished, quoted
 from tts_gateway.gateway.stats import parse_window
 from tts_gateway.gateway.wire import SPEED_RANGE, ErrorCode, control_character_error
@@ -166,10 +167,10 @@ class HttpApi:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            log.info("%s %s from %s: %d %s", request.method, request.path, request.remote, exc.status, exc.reason)
             response = _error(exc.status, "not_found" if exc.status == 404 else "bad_request",
                               f"{exc.reason}: {request.method} {request.path}")
         response.force_close()
+        log_request(request.method, request.path, response.status)
         return response
 
     @web.middleware

@@ -37,6 +37,21 @@ MAX_HEAD_BYTES = 64 * 1024
 END_OF_HEAD = b"\r\n\r\n"
 
 
+def log_request(method: str, path: str, status: int) -> None:
+    """The one INFO line each request on the port gets, whichever library served it. The path
+    without its query, which may hold an API key."""
+    log.info("%s %s %d", method, path, status)
+
+
+class WebSocketsLog(logging.LoggerAdapter):
+    """The logger handed to websockets: its INFO lines (connection open, rejected, closed; server
+    listening, closing) go to DEBUG. They name no path (a plain GET of the stream path gave two
+    of them), and :func:`log_request` already says what each handshake did."""
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        super().log(logging.DEBUG if level == logging.INFO else level, msg, *args, **kwargs)
+
+
 class FrontDoor(asyncio.Protocol):
     """A new connection until its first request head is read; then the protocol that serves it."""
 

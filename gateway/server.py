@@ -34,7 +34,7 @@ from tts_gateway.gateway.config import Config, ConfigError, ServerSettings
 from tts_gateway.gateway.http_api import HttpApi
 from tts_gateway.gateway.key_limits import KeyLimits
 from tts_gateway.gateway.metrics import Metrics
-from tts_gateway.gateway.one_port import FrontDoor
+from tts_gateway.gateway.one_port import FrontDoor, WebSocketsLog, log_request
 from tts_gateway.gateway.protocol import (
     Action,
     CancelUtterance,
@@ -102,6 +102,8 @@ class Gateway:
             self.config.server.host,
             self.config.server.port,
             process_request=self._process_request,
+            process_response=self._log_handshake,
+            logger=WebSocketsLog(logging.getLogger("websockets.server")),
             max_size=limits.max_message_bytes,
             # Client messages are consumed at once; a short queue bounds memory.
             max_queue=16,
@@ -235,6 +237,9 @@ class Gateway:
         if not self.ready:
             return _response(connection, 503, b"engine not ready\n")
         return None  # go on with the WebSocket handshake
+
+    def _log_handshake(self, connection: ServerConnection, request: Request, response: Response) -> None:
+        log_request("GET", urlsplit(request.path).path, response.status_code)
 
     # ------------------------------------------------------------ WebSocket
 

@@ -7,6 +7,7 @@ import struct
 import time
 
 import asyncio
+import logging
 import socket
 
 import aiohttp
@@ -222,6 +223,23 @@ async def test_every_http_answer_is_a_clear_one(gateway):
         async with http.put(base + "/v1/audio/speech", json={}) as response:
             assert response.status == 405
             assert (await response.json())["error"]["code"] == "bad_request"
+
+
+async def test_each_request_is_one_info_line_with_method_path_and_status(gateway, caplog):
+    """Whichever library serves the path; the query (it may hold an API key) is left out."""
+    base = f"http://127.0.0.1:{gateway.port}"
+    with caplog.at_level(logging.INFO):
+        async with aiohttp.ClientSession() as http:
+            for path, status in (("/dashboard", 200), ("/v1/nothing", 404), ("/v1/stream?api_key=secret", 426)):
+                async with http.get(base + path) as response:
+                    assert response.status == status
+        async with connect(ws_url(gateway, "api_key=secret")) as ws:
+            await recv_json(ws)  # ready
+    lines = [(record.name, record.levelname, record.getMessage()) for record in caplog.records
+             if record.name.startswith(("tts_gateway.http", "websockets")) and record.levelno >= logging.INFO]
+    assert lines == [("tts_gateway.http", "INFO", "GET /dashboard 200"), ("tts_gateway.http", "INFO", "GET /v1/nothing 404"),
+                     ("tts_gateway.http", "INFO", "GET /v1/stream 426"), ("tts_gateway.http", "INFO", "GET /v1/stream 101")]
+    assert "secret" not in caplog.text
 
 
 async def _raw_exchange(gw, data: bytes) -> bytes:
