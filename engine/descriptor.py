@@ -35,16 +35,15 @@ class Checkup:
     """What an engine's doctor checks look at: its settings and the machine."""
 
     settings: Any  # the engine's [engine.<name>] section
-    selected: bool  # the config runs this engine
     torch: Any | None  # the torch module; None where it does not import
     nvml: Any | None  # pynvml, initialised, with at least one GPU; None without
     no_gpu: str  # why no CUDA GPU can be used here; "" when one can
     environ: Mapping[str, str]
 
     def problem(self, needed: bool = True) -> str:
-        """A problem's status: ``fail`` when this engine is selected and, as configured, ``needed``
-        what is wrong (a backend's package, say), so that it cannot serve; else ``warn``."""
-        return "fail" if self.selected and needed else "warn"
+        """A problem's status: ``fail`` when the engine, as configured, ``needed`` what is wrong
+        (a backend's package, say), so that it cannot serve; else ``warn``."""
+        return "fail" if needed else "warn"
 
 
 @dataclass(frozen=True)

@@ -162,8 +162,8 @@ def run_checks(config: Config, probe: Probe, environ: Mapping[str, str] = os.env
 
 
 def engine_checkup(name: str, config: Config, probe: Probe, environ: Mapping[str, str] = os.environ) -> Checkup:
-    """What the checks of engine ``name`` see: its settings, whether it is selected, the machine."""
-    return Checkup(settings=getattr(config.engine, name), selected=config.engine.name == name,
+    """What the checks of engine ``name`` see: its settings and the machine."""
+    return Checkup(settings=getattr(config.engine, name),
                    torch=probe.torch, nvml=probe.nvml, no_gpu=_no_gpu(probe), environ=environ)
 
 

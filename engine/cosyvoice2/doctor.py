@@ -3,9 +3,9 @@ directory, the voices, GPU memory and CUDA MPS.
 
 Each check takes a :class:`Checkup` and returns a :class:`Finding`. A missing optional
 package (vllm) is a finding, never a crash; torch is not imported here (the checkup carries
-it), so the checks run where it is missing. A problem is ``fail`` when it stops the
-configured engine (CosyVoice2 selected; for what only the vLLM backend needs, that backend
-too), else ``warn``.
+it), so the checks run where it is missing. They run when CosyVoice2 is the configured
+engine; a problem is ``fail`` when it stops the engine as configured (for what only the vLLM
+backend needs, when that backend is configured), else ``warn``.
 """
 
 from __future__ import annotations
@@ -99,12 +99,9 @@ def check_vllm_plugin(checkup: Checkup) -> Finding:
 def check_model_dir(checkup: Checkup) -> Finding:
     settings: CosyVoice2Settings = checkup.settings
     if not settings.model_dir:
-        if checkup.selected:
-            return Finding("model_dir", "fail", "engine.cosyvoice2.model_dir is not set",
-                           "set it to the CosyVoice2-0.5B directory (config.toml or "
-                           "TTS_GATEWAY__ENGINE__COSYVOICE2__MODEL_DIR)")
-        return Finding("model_dir", "skip",
-                       "engine.cosyvoice2.model_dir is not set (the cosyvoice2 engine is not selected)")
+        return Finding("model_dir", "fail", "engine.cosyvoice2.model_dir is not set",
+                       "set it to the CosyVoice2-0.5B directory (config.toml or "
+                       "TTS_GATEWAY__ENGINE__COSYVOICE2__MODEL_DIR)")
     root = Path(settings.model_dir)
     fix = f"put the complete official CosyVoice2-0.5B directory at {root}, or point engine.cosyvoice2.model_dir at it"
     if not root.is_dir():
@@ -168,7 +165,7 @@ def check_mps(checkup: Checkup) -> Finding:
     each stage waits for the other's; an MPS daemon lets them run side by side."""
     if checkup.no_gpu:
         return Finding("mps", "skip", checkup.no_gpu)
-    if not (checkup.selected and _uses_vllm(checkup)):
+    if not _uses_vllm(checkup):
         return Finding("mps", "skip", "only the vllm backend runs two GPU processes")
     pipe = Path(checkup.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE)
     if (pipe / "control").exists():

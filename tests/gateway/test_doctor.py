@@ -211,7 +211,7 @@ def test_free_vram_below_the_budget_fails_with_the_vllm_backend():
     finding = cv2_doctor.check_vram(checkup(vllm, probe(small_card)))
     assert finding.status == "fail" and "needs 32.0 GiB" in finding.detail
     assert "gpu_memory_utilization" in finding.fix
-    assert cv2_doctor.check_vram(checkup(config_with(), probe(small_card))).status == "warn"  # piper selected
+    assert cv2_doctor.check_vram(checkup(config_with(), probe(small_card))).status == "warn"  # the torch backend takes no vLLM share
     large_card = fake_torch(free=40 * GIB, total=141 * GIB)
     assert cv2_doctor.check_vram(checkup(config_with(), probe(large_card))).status == "warn"
     idle_card = fake_torch(free=140 * GIB, total=141 * GIB)
