@@ -33,7 +33,11 @@ def shipped_web_dir() -> Path:
     checkout, tts_gateway/web in site-packages). A folder of files without Python, so a
     namespace package: its first directory on the import path is the one."""
     spec = importlib.util.find_spec("tts_gateway.web")
-    return next(Path(entry) for entry in spec.submodule_search_locations if Path(entry).is_dir())
+    folders = [Path(entry) for entry in (spec.submodule_search_locations if spec else ()) if Path(entry).is_dir()]
+    if not folders:
+        raise FileNotFoundError("the web client's files (tts_gateway.web) are not installed: reinstall tts-gateway, "
+                                "or point [server] web_dir at a copy of web/")
+    return folders[0]
 
 
 class ConfigError(Exception):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -27,6 +28,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from tts_gateway.gateway.config import shipped_web_dir
 
 from tests.conftest import ws_url
 from tests.paths import ROOT
@@ -51,21 +54,25 @@ def wheel(tmp_path_factory) -> Path:
         else:
             shutil.copy2(ROOT / name, source / name)
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--no-build-isolation",
-                    "-w", str(out), str(source)], check=True, capture_output=True, timeout=300)
+    succeed([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--no-build-isolation",
+             "-w", str(out), str(source)])
     [built] = out.glob("tts_gateway-*.whl")
     return built
 
 
+def succeed(command: list, cwd: Path | None = None) -> str:
+    """``command``'s output; a failure shows what it said."""
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{command}: {result.stderr}"
+    return result.stdout
+
+
 def fresh_venv(path: Path, wheel: Path) -> Path:
     """A venv with the wheel installed and no dependency; returns its site-packages."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=60)
+    succeed([sys.executable, "-m", "venv", "--without-pip", str(path)])
     python = path / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
-                    str(wheel)], check=True, capture_output=True, timeout=300)
-    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
-    return Path(purelib)
+    succeed([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)])
+    return Path(succeed([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
 
 
 def link_distribution(name: str, site: Path) -> None:
@@ -81,12 +88,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def isolated(venv: Path, code: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``code`` run by the venv's Python, in isolated mode: no PYTHONPATH, no checkout on sys.path."""
-    return subprocess.run([venv / "bin" / "python", "-I", "-c", code], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
 
 
 def test_pyproject_lists_every_package_of_the_repo():
@@ -147,17 +148,19 @@ def test_the_installed_gateway_serves_its_pages_and_bench_runs(wheel, tmp_path):
     venv = tmp_path / "server"
     site = fresh_venv(venv, wheel)
     (site / "suite-dependencies.pth").write_text(f"{SITE_PACKAGES}\n")  # after the venv's own site-packages
-    where = isolated(venv, WHERE, tmp_path)
-    assert where.returncode == 0, where.stderr
-    assert all(Path(file).is_relative_to(site / "tts_gateway") for file in where.stdout.split()), where.stdout
+    # Isolated mode (-I): no PYTHONPATH, and the checkout is not on sys.path.
+    where = succeed([venv / "bin" / "python", "-I", "-c", WHERE], cwd=tmp_path).split()
+    assert all(Path(file).is_relative_to(site / "tts_gateway") for file in where), where
     port = free_port()
     env = {**os.environ, "TTS_GATEWAY__ENGINE__NAME": "piper", "TTS_GATEWAY__SERVER__LOG_LEVEL": "warning"}
     env.pop("PYTHONPATH", None)
-    server = subprocess.Popen([venv / "bin" / "tts-gateway", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                              cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "gateway.log"  # a file, not a pipe: nothing reads it while the gateway runs
+    with open(log, "w") as stderr:
+        server = subprocess.Popen([venv / "bin" / "tts-gateway", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                                  cwd=tmp_path, env=env, stderr=stderr)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(server, base)
+        wait_ready(server, base, log)
         for path, marker in (("/", "<html"), ("/dashboard", "<html"), ("/app.js", "")):
             with urllib.request.urlopen(base + path, timeout=10) as response:
                 assert response.status == 200 and marker in response.read().decode().lower(), path
@@ -172,11 +175,11 @@ def test_the_installed_gateway_serves_its_pages_and_bench_runs(wheel, tmp_path):
         server.wait(30)
 
 
-def wait_ready(server: subprocess.Popen, base: str, timeout: float = 120) -> None:
+def wait_ready(server: subprocess.Popen, base: str, log: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise AssertionError(f"the gateway exited with {server.returncode}: {server.stderr.read()}")
+            raise AssertionError(f"the gateway exited with {server.returncode}: {log.read_text()}")
         try:
             with urllib.request.urlopen(f"{base}/readyz", timeout=2) as response:
                 if response.status == 200:
@@ -184,3 +187,10 @@ def wait_ready(server: subprocess.Popen, base: str, timeout: float = 120) -> Non
         except OSError:
             time.sleep(0.3)
     raise AssertionError(f"the gateway was not ready within {timeout} s")
+
+
+def test_the_web_folder_is_found_through_the_import_system(monkeypatch):
+    assert shipped_web_dir() == ROOT / "web"  # this checkout, installed editable
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # an install without it
+    with pytest.raises(FileNotFoundError, match=r"web client's files \(tts_gateway.web\) are not installed"):
+        shipped_web_dir()
