@@ -17,6 +17,7 @@ from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from tts_gateway.gateway.config import ServerSettings
+from tts_gateway.gateway.protocol import quoted
 
 ANY_ORIGIN = "*"
 
@@ -35,9 +36,9 @@ class AccessPolicy:
     def refusal(self, host: str | None, origin: str | None) -> Denied | None:
         """Why a request with these Host and Origin headers is refused, or None."""
         if self._hosts and (not host or _host_name(host) not in self._hosts):
-            return Denied(421, "misdirected", f"this gateway does not serve the host {(host or '')[:64]!r}")
+            return Denied(421, "misdirected", f"this gateway does not serve the host {quoted(host or '')}")
         if not self._origin_allowed(origin, host):
-            return Denied(403, "forbidden_origin", f"pages of the origin {origin[:64]!r} may not call this "
+            return Denied(403, "forbidden_origin", f"pages of the origin {quoted(origin)} may not call this "
                                                     "gateway ([server] allowed_origins)")
         return None
 

@@ -195,6 +195,9 @@ class HttpApi:
             return self._error(401, "unauthorized", str(exc))
         return None
 
+    def _body_too_slow(self) -> web.Response:
+        return self._error(408, ErrorCode.BAD_MESSAGE, f"the body did not arrive within {self.request_timeout_s:g} s")
+
     def _limited(self, refusal: Refusal) -> web.Response:
         """A per-key limit's refusal: 429, and when to retry where that is known."""
         response = self._error(429, ErrorCode.OVERLOADED, refusal.message)
@@ -307,7 +310,7 @@ class HttpApi:
         except ValueError:
             return self._error(400, ErrorCode.BAD_MESSAGE, "the body must be JSON")
         except TimeoutError:
-            return self._error(408, ErrorCode.BAD_MESSAGE, f"the body did not arrive within {self.request_timeout_s:g} s")
+            return self._body_too_slow()
         try:
             speech = self._speech_request(body)
         except _BadRequest as exc:
@@ -348,7 +351,7 @@ class HttpApi:
         except orjson.JSONDecodeError:
             return self._error(400, ErrorCode.BAD_MESSAGE, "the body must be JSON (or empty)")
         except TimeoutError:
-            return self._error(408, ErrorCode.BAD_MESSAGE, f"the body did not arrive within {self.request_timeout_s:g} s")
+            return self._body_too_slow()
         try:
             ttl_s, max_sessions = self._token_options(options)
         except _BadRequest as exc:
