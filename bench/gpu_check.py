@@ -180,7 +180,7 @@ def load_clients(sessions: int) -> list[tuple[int, int]]:
             for k, start in enumerate(range(0, sessions, SESSIONS_PER_CLIENT))]
 
 
-def run_load(url: str, workload: str, sessions: int, start_spread: float, args) -> dict:
+def run_load(url: str, workload: str, sessions: int, start_spread: float, args, word_timings: bool = True) -> dict:
     """One level, its sessions spread over load-generator processes; returns the merged summary."""
     procs = []
     for k, (seed, count) in enumerate(load_clients(sessions)):
@@ -190,6 +190,7 @@ def run_load(url: str, workload: str, sessions: int, start_spread: float, args) 
                "--duration", str(args.duration), "--tokens-per-second", str(args.tokens_per_second),
                "--seed", str(seed), "--start-spread", str(start_spread), "--json", str(path)]
         cmd += ["--back-to-back"] if args.back_to_back else ["--turn-gap", args.turn_gap]
+        cmd += [] if word_timings else ["--no-word-timings"]
         procs.append((path, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     records = []
     for path, proc in procs:
@@ -448,14 +449,15 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
     url = gateway.stream_url
     gateway_pid = gateway.sampled_pid
     levels = []
-    plan = [("full-barge-in", n) for n in args.first_audio_sessions] + [("full", n) for n in args.full_sessions]
-    plan += [(args.workload, n) for n in args.sessions]
-    for (workload, sessions), start_spread in itertools.product(plan, args.start_spread):
+    plan = [("full-barge-in", n, word_timings) for n in args.first_audio_sessions
+            for word_timings in ((True, False) if args.first_audio_without_word_timings else (True,))]
+    plan += [("full", n, True) for n in args.full_sessions] + [(args.workload, n, True) for n in args.sessions]
+    for (workload, sessions, word_timings), start_spread in itertools.product(plan, args.start_spread):
         idle_wait_s = wait_idle(f"{http}/metrics")
         before = scrape(f"{http}/metrics")
         take_profile(gateway_pid, profile_path)
         started = time.perf_counter()
-        summary = await asyncio.to_thread(run_load, url, workload, sessions, start_spread, args)
+        summary = await asyncio.to_thread(run_load, url, workload, sessions, start_spread, args, word_timings)
         elapsed = time.perf_counter() - started
         after = scrape(f"{http}/metrics")
         queried = counter_delta(before, after, "tts_llm_prefix_cache_queried_tokens_total")
@@ -465,6 +467,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
             "sessions": sessions,
             "start_spread_s": start_spread,
             "turn_gap_s": args.turn_gap_s,
+            "word_timings": word_timings,
             "summary": summary,
             "stall_free": loadgen.stall_free(summary, args.ttfa_p95_ms),
             "gpu": gpu_memory(),
@@ -480,7 +483,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
     if args.kernel_profile_s and plan:
         # A pass of its own: stopping the profiler holds the gateway (GIL) for tens of seconds
         # while it sums the records, so the load results of this pass are not reported.
-        workload, sessions = kernel_profile_level(plan)
+        workload, sessions, _ = kernel_profile_level(plan)
         kernels = asyncio.create_task(profile_kernels(
             gateway_pid, profile_path.with_suffix(".kernels.json"), max(0.0, (args.duration - args.kernel_profile_s) / 2),
             args.kernel_profile_s))
@@ -488,7 +491,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
         report.put("kernel_profile", {"workload": workload, "sessions": sessions, **(await kernels or {})})
 
 
-def kernel_profile_level(plan: list[tuple[str, int]]) -> tuple[str, int]:
+def kernel_profile_level(plan: list[tuple[str, int, bool]]) -> tuple[str, int, bool]:
     """The level the kernel profile pass repeats: the largest whole-reply level, else the largest."""
     return max(plan, key=lambda level: (level[0] == "full", level[1]))
 
@@ -559,6 +562,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-flow-cudnn-attention", action="store_true",
                         help="the flow's attention left on the kernel vLLM's import leaves it (the memory-efficient "
                         "one; flow_cudnn_attention = false)")
+    parser.add_argument("--first-audio-without-word-timings", action="store_true",
+                        help="each first-audio level again with sessions that ask for no word timings (their cost)")
     parser.add_argument("--kernel-profile-s", type=float, default=0.0,
                         help="after the levels, one more pass of the largest whole-reply level with the gateway's "
                         "GPU kernels profiled for this many seconds in its middle (torch profiler; its load "

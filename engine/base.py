@@ -59,6 +59,9 @@ class AudioChunk:
 class UtteranceOptions:
     voice: str
     speed: float = 1.0
+    # False: the client wants no word timings (the gateway sends none; an engine may skip
+    # the work of estimating them).
+    word_timings: bool = True
 
 
 @dataclass(frozen=True, slots=True)

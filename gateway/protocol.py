@@ -240,6 +240,7 @@ class Session:
     sample_rate: int = 0
     encoding: str = ""
     inactivity_timeout_s: float = 0.0
+    word_timings: bool = True  # alignment frames wanted (the word_timings query parameter)
     last_active_at: float = 0.0
     draining: bool = False
     closed: bool = False
@@ -275,6 +276,8 @@ class Session:
                 self.encoding = self._check_encoding(query["encoding"])
             if "inactivity_timeout" in query:
                 self.inactivity_timeout_s = self._check_inactivity_timeout(query["inactivity_timeout"])
+            if "word_timings" in query:
+                self.word_timings = self._check_word_timings(query["word_timings"])
         except ProtocolError as exc:
             return self._refuse(exc.code, exc.message, CloseCode.POLICY, exc.message)
         return [
@@ -490,6 +493,12 @@ class Session:
             )
         return voice
 
+    @staticmethod
+    def _check_word_timings(value: str) -> bool:
+        if value not in ("true", "false"):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"word_timings must be true or false, got {quoted(value)}")
+        return value == "true"
+
     def _check_inactivity_timeout(self, value: str) -> float:
         longest = self.settings.max_inactivity_timeout_s
         try:
@@ -533,6 +542,8 @@ class Session:
         offset_ms = context.audio_s * 1000.0
         data, n = context.encoder.encode(samples)
         actions = self._send_audio(context, data, n, now)
+        if not self.word_timings:
+            return actions
         timings = [
             {
                 "text": w.text,

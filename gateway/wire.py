@@ -21,7 +21,9 @@ STREAM_PATH = "/v1/stream"
 # Query parameters of the WebSocket URL: the session's defaults, its inactivity timeout in
 # seconds, and the API key or a browser token (POST /v1/tokens) where no Authorization
 # header can be sent (browsers).
-SESSION_QUERY_PARAMETERS = frozenset({"voice", "sample_rate", "encoding", "inactivity_timeout", "api_key", "token"})
+SESSION_QUERY_PARAMETERS = frozenset(
+    {"voice", "sample_rate", "encoding", "inactivity_timeout", "word_timings", "api_key", "token"}
+)
 # How often the Python client pings an otherwise quiet session, so that the gateway's
 # inactivity timeout (60 s unless the session chose another) never closes it.
 CLIENT_PING_INTERVAL_S = 10.0

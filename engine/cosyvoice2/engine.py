@@ -260,7 +260,7 @@ class CosyVoice2Engine(Engine):
         if failure is not None:
             raise EngineError(f"the engine can serve no more: {failure}")
         prompt, prompt_text, prompt_speech = self._prompt(options.voice)
-        utterance = CosyVoice2Utterance(self, prompt, prompt_text, prompt_speech, options.speed)
+        utterance = CosyVoice2Utterance(self, prompt, prompt_text, prompt_speech, options.speed, options.word_timings)
         self._utterances.add(utterance)
         return utterance
 
@@ -282,7 +282,9 @@ class CosyVoice2Utterance(Utterance):
     """One utterance: its text goes to the LM stage, its speech tokens and audio through its
     :class:`Request`, whose status says where it stands."""
 
-    def __init__(self, engine: CosyVoice2Engine, prompt: VoicePrompt, prompt_text, prompt_speech, speed: float):
+    def __init__(
+        self, engine: CosyVoice2Engine, prompt: VoicePrompt, prompt_text, prompt_speech, speed: float, word_timings: bool
+    ):
         self._engine = engine
         self._scheduler = engine.scheduler
         self._speed = speed
@@ -291,11 +293,13 @@ class CosyVoice2Utterance(Utterance):
         self._spoken_words = SpokenWords()
         schedule = engine.runner.schedule
         pace = len(prompt_speech) / max(len(prompt_text), 1)  # the voice's speech tokens per text token
-        self._words = WordClock(schedule.mel_ratio * schedule.samples_per_frame, pace)
+        # None when the client wants no word timings: none of their bookkeeping either.
+        self._words = WordClock(schedule.mel_ratio * schedule.samples_per_frame, pace) if word_timings else None
         self.request = Request(prompt, engine.runner.new_stream(), asyncio.Queue())
         self._scheduler.add(self.request)
         self._lm: LMStream = engine.lm.open(
-            prompt_text, prompt_speech, self._tokens, self._lm_done, on_text_read=self._words.text_read
+            prompt_text, prompt_speech, self._tokens, self._lm_done,
+            on_text_read=self._words.text_read if self._words is not None else None,
         )
 
     def push_text(self, text: str) -> None:
@@ -315,13 +319,18 @@ class CosyVoice2Utterance(Utterance):
     def _send(self, text: str) -> None:
         if text:
             self._scheduler.text_sent(self.request)
-            self._spoken_words.feed(text, self._normalizer.take_spans())
+            spans = self._normalizer.take_spans()  # taken either way, so that they do not pile up
+            if self._words is None:
+                self._lm.push_text_ids(self._tokenizer.encode(text))
+                return
+            self._spoken_words.feed(text, spans)
             ids, ends = self._tokenizer.encode_with_ends(text)
             self._words.add_text(text, ends, self._spoken_words.words_of(text))
             self._lm.push_text_ids(ids)
 
     def _tokens(self, tokens: list[int]) -> None:
-        self._words.speech(len(tokens))
+        if self._words is not None:
+            self._words.speech(len(tokens))
         self._scheduler.push_tokens(self.request, tokens)
 
     def cancel(self) -> None:
@@ -337,7 +346,8 @@ class CosyVoice2Utterance(Utterance):
 
     def _lm_done(self, error: BaseException | None) -> None:
         if error is None:
-            self._words.speech_ended()
+            if self._words is not None:
+                self._words.speech_ended()
             self._scheduler.tokens_done(self.request)
             return
         log.error("speech token generation failed: %s", error)
@@ -359,7 +369,7 @@ class CosyVoice2Utterance(Utterance):
                 made = len(samples)
                 if self._speed != 1.0:
                     samples = _change_speed(samples, self._speed)
-                words = self._words.chunk(made, len(samples) / self._engine.sample_rate, final)
+                words = self._words.chunk(made, len(samples) / self._engine.sample_rate, final) if self._words is not None else ()
                 yield AudioChunk(samples, words=words, compute_s=compute_s)
         finally:
             self._engine._utterances.discard(self)

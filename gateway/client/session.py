@@ -77,6 +77,7 @@ class TTSClient:
         sample_rate: int | None = None,
         encoding: str | None = None,
         inactivity_timeout: float | None = None,
+        word_timings: bool | None = None,
         use_header: bool = True,
         ready_timeout: float = 10.0,
         max_queued_chunks: int = 1024,
@@ -93,7 +94,8 @@ class TTSClient:
         audio instead of after its own default; the client pings a quiet session
         on its own (every ``CLIENT_PING_INTERVAL_S`` seconds, or twice per
         inactivity timeout if that is shorter; ``ping_interval=None`` turns it
-        off), so a session lives as long as its client does. ``api_key`` travels in an
+        off), so a session lives as long as its client does. ``word_timings=False``
+        asks for no ``alignment`` frames. ``api_key`` travels in an
         ``Authorization: Bearer`` header, or in the ``api_key`` query
         parameter when ``use_header`` is False. Other keyword arguments go to
         ``websockets.asyncio.client.connect``; compression is off by default
@@ -106,7 +108,8 @@ class TTSClient:
         ``TimeoutError`` when it cannot be reached.
         """
         query = {"voice": voice, "sample_rate": sample_rate, "encoding": encoding,
-                 "inactivity_timeout": inactivity_timeout}
+                 "inactivity_timeout": inactivity_timeout,
+                 "word_timings": None if word_timings is None else str(word_timings).lower()}
         if api_key is not None and not use_header:
             query["api_key"] = api_key
         headers = dict(ws_kwargs.pop("additional_headers", None) or {})

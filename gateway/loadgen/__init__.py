@@ -97,14 +97,15 @@ async def run(url: str, *, sessions: int = 1, workload: str = "llm", duration: f
               lang: str = "en", seed: int = 0, ramp: list[int] | None = None, ttfa_p95_ms: float = 500.0,
               corpus: Path | None = None, json_path: Path | None = None, plots: Path | None = None,
               markdown: Path | None = None, start_spread: float = DEFAULT_START_SPREAD_S,
-              turn_gap: tuple[float, float] | None = DEFAULT_TURN_GAP_S) -> dict:
+              turn_gap: tuple[float, float] | None = DEFAULT_TURN_GAP_S, word_timings: bool = True) -> dict:
     """Run the benchmark (one level, or each ``ramp`` level in turn) and return the result.
 
     ``start_spread``: each agent starts its first turn at a seeded moment within this many
     seconds of the level's start. The default starts them all at once (a burst of new turns);
     a spread of several seconds staggers them, as sessions arriving over time would be.
     ``turn_gap``: (min, max) seconds of the user's turn after a reply has been heard out;
-    None sends the next reply as soon as the last is done (back to back)."""
+    None sends the next reply as soon as the last is done (back to back).
+    ``word_timings``: False asks the gateway for no alignment frames."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}")
     check_start_spread(start_spread, duration)
@@ -112,7 +113,7 @@ async def run(url: str, *, sessions: int = 1, workload: str = "llm", duration: f
         turn_gap = check_turn_gap(turn_gap)
     args = argparse.Namespace(url=url, workload=workload, tokens_per_second=tokens_per_second, api_key=api_key,
                               sample_rate=sample_rate, seed=seed, duration=duration, start_spread=start_spread,
-                              turn_gap=turn_gap)
+                              turn_gap=turn_gap, word_timings=word_timings)
     replies = load_corpus(lang, corpus)
     loop = asyncio.get_running_loop()
     levels: list[tuple[int, list[Record]]] = []
@@ -125,7 +126,7 @@ async def run(url: str, *, sessions: int = 1, workload: str = "llm", duration: f
               "tokens_per_second": tokens_per_second, "sample_rate": sample_rate, "lang": lang, "seed": seed,
               "corpus": str(corpus) if corpus else f"built-in ({lang})", "replies": len(replies),
               "ttfa_p95_ms_limit": ttfa_p95_ms, "start_spread_s": start_spread,
-              "turn_gap_s": None if turn_gap is None else list(turn_gap)}
+              "turn_gap_s": None if turn_gap is None else list(turn_gap), "word_timings": word_timings}
     result = ramp_result(config, levels, ttfa_p95_ms)
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="MIN,MAX seconds of the user's turn after a reply has been heard out (default: %(default)s)")
     parser.add_argument("--back-to-back", action="store_true",
                         help="send the next reply as soon as the last is done (no listening, no user turn)")
+    parser.add_argument("--no-word-timings", action="store_true", help="ask the gateway for no alignment frames")
     parser.add_argument("--ramp", help="concurrency levels to run in turn, e.g. 1,2,4,8 (overrides --sessions)")
     parser.add_argument("--ttfa-p95-ms", type=float, default=500.0, help="TTFA p95 limit for stall-free capacity")
     parser.add_argument("--plots", type=Path, help="write PNG charts into this directory (needs matplotlib)")
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                tokens_per_second=args.tokens_per_second, api_key=args.api_key, sample_rate=args.sample_rate,
                lang=args.lang, seed=args.seed, ramp=ramp, ttfa_p95_ms=args.ttfa_p95_ms, corpus=args.corpus,
                json_path=args.json, plots=args.plots, markdown=args.markdown, start_spread=args.start_spread,
-               turn_gap=turn_gap)
+               turn_gap=turn_gap, word_timings=not args.no_word_timings)
     try:
         import uvloop
     except ImportError:

@@ -80,6 +80,7 @@ class Record:
     # ms (negative: how long the listener had been waiting for it, a stall). How close each
     # chunk came to a stall, also when none was late.
     slack_ms: list[float] = dataclasses.field(default_factory=list)
+    words: int = 0  # word timings received (alignment frames' words)
 
 
 class Playback:
@@ -165,6 +166,7 @@ async def _speak(tts: TTSClient, text: str, record: Record, rng: random.Random, 
         for task in (*tasks, receiver):
             task.cancel()
         await asyncio.gather(*tasks, receiver, return_exceptions=True)
+        record.words = len(ctx.alignments)
     if ctx.cancelled:
         record.outcome = "cancelled"
     elif ctx.done is not None:
@@ -187,7 +189,8 @@ async def run_agent(index: int, sessions: int, args: argparse.Namespace, replies
     await asyncio.sleep(rng.uniform(0, args.start_spread))  # each agent's first turn starts at its own moment
     while loop.time() < deadline:
         try:
-            async with TTSClient.connect(args.url, api_key=args.api_key, sample_rate=args.sample_rate) as tts:
+            async with TTSClient.connect(args.url, api_key=args.api_key, sample_rate=args.sample_rate,
+                                         word_timings=None if args.word_timings else False) as tts:
                 while loop.time() < deadline:
                     text = rng.choice(replies)
                     record = Record(sessions, index, args.workload, len(text),

@@ -75,6 +75,7 @@ def summarize(records: list[Record]) -> dict:
         "slack_ms_by_chunk": slack_ms_by_chunk(records),
         "rtf_p50": None if not rtf else round(sorted(rtf)[len(rtf) // 2], 3),
         "audio_s": round(sum(r.audio_ms for r in records) / 1000, 2),
+        "words_timed": sum(r.words for r in records),
         "errors": sum(errors.values()),
         "errors_by_code": errors,
     }

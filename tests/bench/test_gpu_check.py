@@ -112,8 +112,10 @@ def test_a_level_starts_once_the_gateway_is_idle(monkeypatch):
 
 
 def test_the_kernel_profile_repeats_the_largest_whole_reply_level():
-    assert gpu_check.kernel_profile_level([("full-barge-in", 1), ("full", 64), ("full", 16), ("llm", 256)]) == ("full", 64)
-    assert gpu_check.kernel_profile_level([("full-barge-in", 1), ("llm", 16), ("llm", 128)]) == ("llm", 128)
+    plan = [("full-barge-in", 1, True), ("full", 64, True), ("full", 16, True), ("llm", 256, True)]
+    assert gpu_check.kernel_profile_level(plan) == ("full", 64, True)
+    plan = [("full-barge-in", 1, True), ("full-barge-in", 1, False), ("llm", 16, True), ("llm", 128, True)]
+    assert gpu_check.kernel_profile_level(plan) == ("llm", 128, True)
 
 
 def test_stall_free_capacity_by_workload_and_start_spread():

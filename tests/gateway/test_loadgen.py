@@ -15,7 +15,7 @@ import tts_gateway.gateway.loadgen as loadgen
 from tests.conftest import ws_url
 
 SUMMARY_KEYS = {"contexts", "outcomes", "ttfa_ms", "stall_free_fraction", "stalls", "stall_ms", "rtf_p50",
-                "audio_s", "errors", "errors_by_code", "stalls_by_audio_s", "slack_ms_by_chunk"}
+                "audio_s", "errors", "errors_by_code", "stalls_by_audio_s", "slack_ms_by_chunk", "words_timed"}
 
 
 def test_a_stall_is_placed_by_the_audio_before_it():
@@ -68,6 +68,7 @@ async def test_llm_run_writes_json_markdown_and_plots(gateway, tmp_path):
     assert any(r["outcome"] == "done" and r["rtf"] > 0 and r["audio_ms"] > 0 for r in records)
     assert SUMMARY_KEYS <= result["summary"].keys()
     assert result["summary"]["errors"] == 0
+    assert result["summary"]["words_timed"] > 0  # the Piper voice times its words
     assert {"p50", "p95", "p99"} <= result["summary"]["ttfa_ms"].keys()
     assert json.loads((tmp_path / "out.json").read_text())["config"]["workload"] == "llm"
     assert "| sessions |" in (tmp_path / "out.md").read_text()
@@ -82,6 +83,12 @@ async def test_barge_in_cancels(gateway, workload):
     assert result["summary"]["outcomes"].get("cancelled", 0) >= 1
     assert result["summary"]["errors"] == 0
     assert result["summary"]["ttfa_ms"]["n"] >= 2
+
+
+async def test_sessions_can_ask_for_no_word_timings(gateway):
+    result = await loadgen.run(ws_url(gateway), sessions=1, workload="full", duration=3, word_timings=False)
+    assert result["summary"]["ttfa_ms"]["n"] >= 1 and result["summary"]["words_timed"] == 0
+    assert result["config"]["word_timings"] is False
 
 
 async def test_ramp_reports_a_capacity(gateway):

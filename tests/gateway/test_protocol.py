@@ -162,6 +162,23 @@ def test_alignment_is_placed_on_the_context_timeline():
     assert alignment["words"] == [{"text": "world", "start_ms": 600.0, "end_ms": 900.0}]
 
 
+def test_a_session_may_ask_for_no_word_timings():
+    session = make_session()
+    assert frames(session.open({"word_timings": "false"}, 0.0))[0]["type"] == "ready"
+    assert not session.word_timings
+    session.receive_message(msg(type="text", text="Hello world"), now=0.0)
+    actions = session.audio_ready(0, tone(0.5), [Word("Hello", 0.0, 0.3)], 0.0, now=0.1)
+    assert frames(actions, "audio") and not frames(actions, "alignment")
+    wanting = make_session()
+    wanting.open({"word_timings": "true"}, 0.0)
+    assert wanting.word_timings
+    for value in ("no", "0", "False", ""):
+        actions = make_session().open({"word_timings": value}, 0.0)
+        error = only_error(actions)
+        assert error["code"] == "bad_message" and "word_timings must be true or false" in error["message"], value
+        assert actions[-1] == CloseSession(1008, error["message"])
+
+
 def test_cancel_stops_engine_and_drops_late_audio():
     session = make_session()
     session.receive_message(msg(type="text", context_id="c1", text="Hello"), now=0.0)

@@ -91,3 +91,19 @@ async def _events(reply, deltas):
         await reply.send_text(delta)
     await reply.end()
     return [event async for event in reply.events()]
+
+
+
+async def test_a_client_that_wants_no_word_timings_gets_no_alignment_frames(short_replies):
+    utterance = short_replies.open_utterance(UtteranceOptions(short_replies.default_voice, word_timings=False))
+    for delta in DELTAS:
+        utterance.push_text(delta)
+    utterance.end_input()
+    chunks = await until(_collect(utterance), 120)
+    assert chunks and not any(chunk.words for chunk in chunks)  # the engine skipped them
+    async with running_gateway(make_config(engine={"name": "cosyvoice2"}), short_replies) as gateway:
+        async with TTSClient.connect(ws_url(gateway), word_timings=False) as tts:
+            reply = tts.context()
+            events = await until(_events(reply, DELTAS), 120)
+    assert not [event for event in events if isinstance(event, Alignment)]
+    assert reply.done.audio_ms > 0
