@@ -97,7 +97,8 @@ class TTSClient:
         off), so a session lives as long as its client does. ``word_timings=False``
         asks for no ``alignment`` frames. ``api_key`` travels in an
         ``Authorization: Bearer`` header, or in the ``api_key`` query
-        parameter when ``use_header`` is False. Other keyword arguments go to
+        parameter when ``use_header`` is False; a short-lived token from
+        ``POST /v1/tokens`` may stand in for it in the header. Other keyword arguments go to
         ``websockets.asyncio.client.connect``; compression is off by default
         because PCM barely compresses and deflate only adds latency.
 

@@ -12,6 +12,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from tts_gateway.gateway.client import TTSClient
 from tts_gateway.gateway.tokens import TokenSigner, key_id
 from tests.conftest import make_config, running_gateway, until, ws_url
 from tests.gateway.test_server import read_context, recv_json
@@ -67,6 +68,8 @@ async def test_a_token_speaks_on_both_routes_in_place_of_the_key(piper_engine):
         assert await get(gw, "/v1/voices", bearer) == 200
         status, audio, _ = await post(gw, "/v1/audio/speech", bearer, json={"input": "Hello.", "response_format": "pcm"})
         assert status == 200 and len(audio) > 10_000
+        async with TTSClient.connect(ws_url(gw), api_key=token) as tts:  # the Python client passes it as the key
+            assert len(await tts.context().speak("Hello there.")) > 10_000
         # Neither a token nor a key: refused as before.
         assert (await handshake_refusal(ws_url(gw)))[0] == 401
         assert await get(gw, "/v1/voices") == 401
