@@ -20,6 +20,7 @@ Writes $OUT/paged_attention.json: milliseconds per layer call, and per chunk (x 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -87,8 +88,12 @@ def measure(sessions: int, stored: int, new: int, page: int, q_block: int, steps
 
     block_mask = build_mask()
 
+    # The kernel's tiles must divide the mask's blocks (its default tiles on Hopper are larger
+    # than a 64-frame page).
+    attend = functools.partial(flex, kernel_options={"BLOCK_M": q_block, "BLOCK_N": page})
+
     def in_place():
-        return paged_attention(query, key_pool, value_pool, block_mask, attend=flex)
+        return paged_attention(query, key_pool, value_pool, block_mask, attend=attend)
 
     contiguous_k = torch.randn(rows, HEADS, frames, DIM, device=device, dtype=dtype)
 
