@@ -11,6 +11,7 @@ from bench import flow_graphs as bench_flow_graphs
 from bench import flow_profile as bench_flow_profile
 from bench import gpu_sharing as bench_gpu_sharing
 from bench import sdpa_choice as bench_sdpa_choice
+from bench import word_timings_cost as bench_word_timings_cost
 
 
 def test_bench_flow_graphs_smoke_cpu(tmp_path, capsys) -> None:
@@ -79,3 +80,13 @@ def test_bench_sdpa_choice_smoke_cpu(tmp_path) -> None:
         assert hasattr(bench_sdpa_choice.SDPBackend, case["choice"]) and case["choice_ms"] > 0
         assert "cudnn_ms" not in case
     assert json.loads((tmp_path / "sdpa.json").read_text()) == report
+
+
+
+def test_word_timings_cost_reports_the_difference(tmp_path) -> None:
+    """bench/word_timings_cost.py replays replies with and without word timings (CPU)."""
+    out = tmp_path / "cost.json"
+    assert bench_word_timings_cost.main(["--replies", "5", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["replies"] == 5
+    assert result["with_word_timings_ms_per_reply"] > 0 and result["without_ms_per_reply"] > 0
