@@ -452,7 +452,8 @@ class SessionRunner:
         # Counted first: the context finishes (and is counted out) whether or not it opens.
         self.gateway.metrics.context_started()
         try:
-            utterance = self.gateway.engine.open_utterance(UtteranceOptions(voice=voice, speed=speed, word_timings=self.session.word_timings))
+            options = UtteranceOptions(voice=voice, speed=speed, word_timings=self.session.word_timings)
+            utterance = self.gateway.engine.open_utterance(options)
         except EngineError as exc:
             log.warning("session %s: engine refused an utterance: %s", self.session.session_id, exc)
             self._utterance_failed(key, str(exc))

@@ -282,9 +282,8 @@ class CosyVoice2Utterance(Utterance):
     """One utterance: its text goes to the LM stage, its speech tokens and audio through its
     :class:`Request`, whose status says where it stands."""
 
-    def __init__(
-        self, engine: CosyVoice2Engine, prompt: VoicePrompt, prompt_text, prompt_speech, speed: float, word_timings: bool
-    ):
+    def __init__(self, engine: CosyVoice2Engine, prompt: VoicePrompt, prompt_text, prompt_speech, speed: float,
+                 word_timings: bool):
         self._engine = engine
         self._scheduler = engine.scheduler
         self._speed = speed
@@ -369,7 +368,8 @@ class CosyVoice2Utterance(Utterance):
                 made = len(samples)
                 if self._speed != 1.0:
                     samples = _change_speed(samples, self._speed)
-                words = self._words.chunk(made, len(samples) / self._engine.sample_rate, final) if self._words is not None else ()
+                played_s = len(samples) / self._engine.sample_rate
+                words = () if self._words is None else self._words.chunk(made, played_s, final)
                 yield AudioChunk(samples, words=words, compute_s=compute_s)
         finally:
             self._engine._utterances.discard(self)

@@ -82,7 +82,6 @@ def test_bench_sdpa_choice_smoke_cpu(tmp_path) -> None:
     assert json.loads((tmp_path / "sdpa.json").read_text()) == report
 
 
-
 def test_word_timings_cost_reports_the_difference(tmp_path) -> None:
     """bench/word_timings_cost.py replays replies with and without word timings (CPU)."""
     out = tmp_path / "cost.json"

@@ -93,7 +93,6 @@ async def _events(reply, deltas):
     return [event async for event in reply.events()]
 
 
-
 async def test_a_client_that_wants_no_word_timings_gets_no_alignment_frames(short_replies):
     utterance = short_replies.open_utterance(UtteranceOptions(short_replies.default_voice, word_timings=False))
     for delta in DELTAS:
