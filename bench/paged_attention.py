@@ -61,7 +61,7 @@ def timed(fn, repeats: int, device: torch.device) -> float:
 
 
 def measure(sessions: int, stored: int, new: int, page: int, q_block: int, steps: int, repeats: int, flex,
-            device: torch.device, dtype: torch.dtype) -> dict:
+            device: torch.device, dtype: torch.dtype, stages: int = 1) -> dict:
     rows = 2 * sessions
     frames = PREFIX + stored + new
     per_row = -(-frames // page)
@@ -89,8 +89,9 @@ def measure(sessions: int, stored: int, new: int, page: int, q_block: int, steps
     block_mask = build_mask()
 
     # The kernel's tiles must divide the mask's blocks (its default tiles on Hopper are larger
-    # than a 64-frame page).
-    attend = functools.partial(flex, kernel_options={"BLOCK_M": q_block, "BLOCK_N": page})
+    # than a 64-frame page), and its pipeline must fit shared memory (the H100 refused the
+    # default stages at 64x64 tiles: 256000 bytes asked, 232448 there).
+    attend = functools.partial(flex, kernel_options={"BLOCK_M": q_block, "BLOCK_N": page, "num_stages": stages})
 
     def in_place():
         return paged_attention(query, key_pool, value_pool, block_mask, attend=attend)
@@ -100,7 +101,7 @@ def measure(sessions: int, stored: int, new: int, page: int, q_block: int, steps
     def contiguous():
         return F.scaled_dot_product_attention(query, contiguous_k, contiguous_k)
 
-    result = {"sessions": sessions, "stored": stored, "new": new, "page": page, "q_block": q_block}
+    result = {"sessions": sessions, "stored": stored, "new": new, "page": page, "q_block": q_block, "stages": stages}
     for name, fn in (("gathered", gathered), ("in_place", in_place), ("contiguous", contiguous),
                      ("block_mask_build", build_mask)):
         ms = timed(fn, repeats, device)
@@ -118,6 +119,7 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=50, help="new frames per row (one chunk)")
     parser.add_argument("--page", type=int, default=64, help="frames per page (the key block size)")
     parser.add_argument("--q-block", type=int, default=64)
+    parser.add_argument("--stages", type=int, default=1, help="the in-place kernel's pipeline stages")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
@@ -130,7 +132,7 @@ def main() -> int:
         for stored in (int(n) for n in args.stored.split(",")):
             try:
                 row = measure(sessions, stored, args.new, args.page, args.q_block, args.steps, args.repeats, flex,
-                              torch.device("cuda"), torch.bfloat16)
+                              torch.device("cuda"), torch.bfloat16, args.stages)
             except Exception as error:  # noqa: BLE001 - recorded, and the next shape still runs
                 row = {"sessions": sessions, "stored": stored, "error": f"{type(error).__name__}: {error}"[:2000]}
             report["results"].append(row)
