@@ -60,6 +60,7 @@ if str(ROOT) not in sys.path:
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check  # noqa: E402
 from tts_gateway.gateway import loadgen  # noqa: E402
+from tts_gateway.gateway.loadgen.report import percentile  # noqa: E402
 
 PROMPT_TEXT = "This is the voice of the prompt, spoken clearly and slowly."  # .gpu/prompt.wav says this
 VOICE_ID = "narrator"
@@ -160,9 +161,11 @@ def leftover_llm_threads() -> int:
     return sum(thread.name.endswith("(llm_job)") for thread in threading.enumerate())
 
 
-def run(speak: Speak, args: argparse.Namespace, config: dict, write: Callable[[dict], None] | None = None) -> dict:
+def run(speak: Speak, args: argparse.Namespace, config: dict, write: Callable[[dict], None] | None = None,
+        stages: StageTimes | None = None) -> dict:
     """Each level in turn; the result has the load generator's shape (loadgen.ramp_result), with
-    each level's wall time, drain time and first errors added. ``write`` gets it after each level."""
+    each level's wall time, drain time, first errors and (given ``stages``) upstream's stage times
+    added. ``write`` gets it after each level."""
     replies = loadgen.load_corpus(args.lang, args.corpus)
     config = {"workload": "full", "sessions": args.levels, "duration_s": args.duration, "tokens_per_second": None,
               "sample_rate": args.sample_rate, "lang": args.lang, "seed": "per level and group, as bench/gpu_check.py",
@@ -173,7 +176,11 @@ def run(speak: Speak, args: argparse.Namespace, config: dict, write: Callable[[d
     infos = []
     result: dict = {}
     for level in args.levels:
+        if stages is not None:
+            stages.reset()
         records, info = run_level(level, speak, replies, args)
+        if stages is not None:
+            info["upstream_stages"] = stages.summary()
         levels.append((level, records))
         infos.append(info)
         result = loadgen.ramp_result(config, levels, args.ttfa_p95_ms)
@@ -341,6 +348,53 @@ def cap_reply_length(llm, ratio: float, patches: list[str]) -> None:
     patches.append(f"max_token_text_ratio = {ratio:g} (the gateway's max_speech_per_text_token)")
 
 
+class StageTimes:
+    """Where upstream's time goes, observed from outside: its LM's generator and its ``token2wav``
+    are wrapped with clocks and do what they did. Per level: the LM's first speech token after
+    the call (prefill), the gaps between later tokens (one decode step each, every thread's LM
+    sharing the GPU and the GIL), and each token2wav call (the flow over the turn so far + HiFT)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._times: dict[str, list[float]] = {"lm_first_token_ms": [], "lm_token_gap_ms": [], "token2wav_ms": []}
+
+    def _add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._times[name].append(seconds * 1000.0)
+
+    def observe(self, model) -> None:
+        inference = model.llm.inference
+        token2wav = model.token2wav
+
+        def timed_inference(*args, **kwargs):
+            last = time.perf_counter()
+            name = "lm_first_token_ms"
+            for token in inference(*args, **kwargs):
+                now = time.perf_counter()
+                self._add(name, now - last)
+                last, name = now, "lm_token_gap_ms"
+                yield token
+
+        def timed_token2wav(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return token2wav(*args, **kwargs)
+            finally:
+                self._add("token2wav_ms", time.perf_counter() - started)
+
+        model.llm.inference = timed_inference
+        model.token2wav = timed_token2wav
+
+    def summary(self) -> dict:
+        with self._lock:
+            return {name: {"p50": percentile(values, 50), "p95": percentile(values, 95),
+                           "n": len(values)} for name, values in self._times.items()}
+
+
 def load_official(args: argparse.Namespace, patches: list[str]):
     """The official CosyVoice2, patched as listed, with the voice registered once."""
     import torch
@@ -445,7 +499,11 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"official_{args.arm}.json"
     patches: list[str] = []
     prepare_imports(args.upstream, patches)
+    print(f"[official] loading upstream's CosyVoice2 ({args.arm} arm) from {args.model_dir}", flush=True)
     cosyvoice, loaded = load_official(args, patches)
+    print(f"[official] loaded in {loaded['load_s']} s, the voice registered", flush=True)
+    stages = StageTimes()
+    stages.observe(cosyvoice.model)
     args.sample_rate = loaded["sample_rate"]
     config = {"arm": args.arm, "model_dir": str(args.model_dir),
               "max_speech_per_text_token": args.max_speech_per_text_token,
@@ -456,8 +514,9 @@ def main(argv: list[str] | None = None) -> int:
 
     speak = official_speaker(cosyvoice, args.prompt_text, str(args.prompt_wav))
     config["warm_up"] = warm_up(speak)
+    config["warm_up"]["upstream_stages"] = stages.summary()
     print(f"[official] warm-up: {config['warm_up']}", flush=True)
-    result = run(speak, args, config, write)
+    result = run(speak, args, config, write, stages)
     print(loadgen.markdown_table(result))
     print(f"[official] wrote {path}")
     return 0 if result["levels"] and any(lv["summary"]["ttfa_ms"]["n"] for lv in result["levels"]) else 1

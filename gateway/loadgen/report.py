@@ -8,7 +8,7 @@ from pathlib import Path
 from tts_gateway.gateway.loadgen.agents import WHOLE_REPLY_WORKLOADS, Record
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -46,7 +46,7 @@ def slack_ms_by_chunk(records: list[Record]) -> dict[str, dict]:
         for index, slack in enumerate(record.slack_ms, start=2):
             key = str(index) if index <= SLACK_CHUNKS else f"{SLACK_CHUNKS + 1}+"
             by_chunk.setdefault(key, []).append(slack)
-    return {key: {"p5": _percentile(values, 5), "p50": _percentile(values, 50), "n": len(values)}
+    return {key: {"p5": percentile(values, 5), "p50": percentile(values, 50), "n": len(values)}
             for key, values in sorted(by_chunk.items())}
 
 
@@ -66,7 +66,7 @@ def summarize(records: list[Record]) -> dict:
         "outcomes": outcomes,
         "no_audio": len(records) - len(spoken),  # contexts whose listener heard nothing (errors included)
         "truncated": outcomes.get("truncated", 0),  # still running when the level's time was up
-        "ttfa_ms": {"p50": _percentile(ttfa, 50), "p95": _percentile(ttfa, 95), "p99": _percentile(ttfa, 99),
+        "ttfa_ms": {"p50": percentile(ttfa, 50), "p95": percentile(ttfa, 95), "p99": percentile(ttfa, 99),
                     "n": len(ttfa)},
         "stall_free_fraction": round(sum(r.stalls == 0 for r in spoken) / len(spoken), 3) if spoken else None,
         "stalls": sum(r.stalls for r in records),

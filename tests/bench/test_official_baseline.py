@@ -198,3 +198,44 @@ def test_the_warm_up_speaks_one_whole_reply_and_reports_its_first_chunk():
     result = official.warm_up(speak)
     assert spoken == [official.WARM_UP_TEXT]
     assert result["samples"] == 1440 and 0.04 <= result["first_chunk_s"] <= result["seconds"]
+
+
+def test_stage_times_observe_upstreams_lm_and_token2wav_without_changing_them():
+    """A stand-in shaped like upstream's model (an LM generator, token2wav on the model): the
+    wrapped calls return what they returned, the LM's first token is timed apart from the gaps
+    after it, a failing token2wav is timed and still raises, and a level's run reports its own."""
+    class LM:
+        def inference(self, text, **kwargs):
+            for token in (7, 8, 9):
+                time.sleep(0.03 if token == 7 else 0.01)
+                yield token
+
+    class Model:
+        def __init__(self):
+            self.llm = LM()
+
+        def token2wav(self, token, **kwargs):
+            time.sleep(0.02)
+            if token is None:
+                raise ValueError("no tokens")
+            return [token] * 2
+
+    model, stages = Model(), official.StageTimes()
+    stages.observe(model)
+    assert list(model.llm.inference(text="x", uuid="u")) == [7, 8, 9]
+    assert model.token2wav(token=5, uuid="u") == [5, 5]
+    with pytest.raises(ValueError):
+        model.token2wav(token=None)
+    times = stages.summary()
+    assert times["lm_first_token_ms"]["n"] == 1 and times["lm_first_token_ms"]["p50"] >= 25
+    assert times["lm_token_gap_ms"]["n"] == 2 and 8 <= times["lm_token_gap_ms"]["p50"] < 25
+    assert times["token2wav_ms"]["n"] == 2 and times["token2wav_ms"]["p50"] >= 15
+
+    def speak(text):
+        list(model.llm.inference(text=text))
+        yield 480
+
+    result = official.run(speak, _args(levels=[1, 2]), {"arm": "fake"}, stages=stages)
+    per_level = [lv["upstream_stages"]["lm_token_gap_ms"]["n"] for lv in result["levels"]]
+    replies = [lv["summary"]["contexts"] for lv in result["levels"]]
+    assert per_level == [2 * n for n in replies]  # reset per level: each counts its own replies only
