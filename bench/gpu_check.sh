@@ -31,7 +31,8 @@ if [ -d .gpu/balancer ]; then
     haproxy -v | head -1 || echo "gpu_check: the bundled HAProxy does not run here" >&2
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv > "$OUT/gpu.txt"
-timeout 570 python3 bench/gpu_check.py --out "$OUT" "$@" 2>&1 | tail -c 200000 > "$OUT/check.log"
-status=${PIPESTATUS[0]}
+# Written as it comes, so that a call cut off by its time limit still returns the log so far.
+timeout 570 python3 bench/gpu_check.py --out "$OUT" "$@" > "$OUT/check.log" 2>&1
+status=$?
 tail -40 "$OUT/check.log"
 exit "$status"
