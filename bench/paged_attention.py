@@ -89,19 +89,33 @@ def measure(sessions: int, stored: int, new: int, page: int, q_block: int, steps
     block_mask = build_mask()
 
     # The kernel's tiles must divide the mask's blocks (its default tiles on Hopper are larger
-    # than a 64-frame page), and its pipeline must fit shared memory (the H100 refused the
-    # default stages at 64x64 tiles: 256000 bytes asked, 232448 there).
-    attend = functools.partial(flex, kernel_options={"BLOCK_M": q_block, "BLOCK_N": page, "num_stages": stages})
+    # than a 64-frame page), and its pipeline must fit shared memory (on the H100, 64x64 tiles
+    # asked 256000 bytes of the 232448 there). The first of these tile/stage choices that compiles
+    # is measured, and named in the result.
+    tilings = [(q_block, page, stages)] + [(tile, tile, 1) for tile in (32, 16) if tile < min(q_block, page)]
+    failures = []
+    for block_m, block_n, num_stages in tilings:
+        kernel_options = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_stages": num_stages}
+        attend = functools.partial(flex, kernel_options=kernel_options)
 
-    def in_place():
-        return paged_attention(query, key_pool, value_pool, block_mask, attend=attend)
+        def in_place(attend=attend):
+            return paged_attention(query, key_pool, value_pool, block_mask, attend=attend)
+
+        try:
+            in_place()
+            break
+        except Exception as error:  # noqa: BLE001 - the next tiling is tried; each failure is reported
+            failures.append({**kernel_options, "error": f"{type(error).__name__}: {error}"[:300]})
+    else:
+        raise RuntimeError(f"no tiling of the in-place kernel compiled: {failures}")
 
     contiguous_k = torch.randn(rows, HEADS, frames, DIM, device=device, dtype=dtype)
 
     def contiguous():
         return F.scaled_dot_product_attention(query, contiguous_k, contiguous_k)
 
-    result = {"sessions": sessions, "stored": stored, "new": new, "page": page, "q_block": q_block, "stages": stages}
+    result = {"sessions": sessions, "stored": stored, "new": new, "page": page, "q_block": q_block,
+              "kernel_options": kernel_options, "tilings_failed": failures}
     for name, fn in (("gathered", gathered), ("in_place", in_place), ("contiguous", contiguous),
                      ("block_mask_build", build_mask)):
         ms = timed(fn, repeats, device)
@@ -125,6 +139,9 @@ def main() -> int:
     args = parser.parse_args()
     from torch.nn.attention.flex_attention import flex_attention
 
+    # One compile per shape and tiling: more than dynamo's default limit of 8 in one run, past
+    # which it would silently fall back to the eager kernel and time that instead.
+    torch._dynamo.config.recompile_limit = 64
     flex = torch.compile(flex_attention, dynamic=False)
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": []}
