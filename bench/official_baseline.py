@@ -27,7 +27,7 @@ Runtime patches, each listed in the result's ``patches`` (docs/benchmarks.md exp
 - stubs (bench/official_stubs/): ``modelscope`` (downloads only; never called with a local
   model_dir) and ``matcha.utils``'s package init (Matcha's training helpers: hydra, wget, gdown) is skipped;
 - vLLM arm: ``typing.Union`` made visible to upstream's vLLM model file and ``embed_input_ids``
-  aliased to its ``get_input_embeddings`` (vLLM 0.26 names), the model registered at import.
+  added, delegating to its Qwen2Model's ``embed_input_ids`` (vLLM 0.26 names), the model registered at import.
 - CPU only, where torchaudio has no build for the installed torch: a stand-in torchaudio from
   this repository's features (``load``, ``transforms.Resample``, ``compliance.kaldi.fbank``).
 
@@ -306,7 +306,13 @@ def register_vllm_model() -> None:
     from cosyvoice.vllm.cosyvoice2 import CosyVoice2ForCausalLM
 
     if not hasattr(CosyVoice2ForCausalLM, "embed_input_ids"):
-        CosyVoice2ForCausalLM.embed_input_ids = CosyVoice2ForCausalLM.get_input_embeddings
+        # vLLM 0.26 embeds generated tokens through embed_input_ids, and its Qwen2Model has only
+        # that name: upstream's get_input_embeddings calls self.model.get_input_embeddings, which
+        # no longer exists, so an alias of it would fail at the first decoded token.
+        def embed_input_ids(self, input_ids):
+            return self.model.embed_input_ids(input_ids)
+
+        CosyVoice2ForCausalLM.embed_input_ids = embed_input_ids
     ModelRegistry.register_model("CosyVoice2ForCausalLM", CosyVoice2ForCausalLM)
 
 
@@ -404,7 +410,7 @@ def load_official(args: argparse.Namespace, patches: list[str]):
         os.environ["TTS_OFFICIAL_UPSTREAM"] = str(args.upstream)
         register_vllm_model()
         patches.append("vLLM 0.26: typing.Union visible to cosyvoice/vllm/cosyvoice2.py, "
-                       "embed_input_ids = get_input_embeddings, model registered at import")
+                       "embed_input_ids added (its Qwen2Model's embed_input_ids), model registered at import")
     llm_module = importlib.import_module("cosyvoice.llm.llm")
     if not any(p.suffix in (".safetensors", ".bin") for p in (args.model_dir / "CosyVoice-BlankEN").iterdir()):
         llm_module.Qwen2ForCausalLM = _Qwen2FromConfig
