@@ -9,6 +9,9 @@ this measures the lever on its own, at the shapes a call has (rows = 2 x session
 - ``gathered``: the pages gathered by index, concatenated behind the prefix, a dense
   chunk-causal mask, SDPA (what serving/turn_pool.py's PagedView does in every layer);
 - ``in_place``: compiled FlexAttention walking the page table (serving/paged_attention.py);
+- ``varlen``: vLLM's paged FlashAttention kernel, one query piece per chunk, pages of 16 frames
+  (serving/paged_varlen.py; needs the vLLM bundle: ``. /root/vllm-env.sh`` first, else the
+  result says why it did not run);
 - ``contiguous``: SDPA over keys already contiguous, no mask (a floor: the keys read once).
 
 GPU only. Device call (no vLLM needed):
@@ -33,8 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tts_gateway.engine.cosyvoice2.serving.paged_attention import PagedKeys, paged_attention, paged_block_mask  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.paged_varlen import chunk_sequences, flash_attend  # noqa: E402
 
 HEADS, DIM, LAYERS, CHUNK, PREFIX = 8, 64, 56, 50, 300
+VARLEN_PAGE = 16  # the kernel's page size must be a multiple of 16 frames
 
 
 def pages_of(rows: int, frames: int, page: int, pool_pages: int, device) -> tuple[PagedKeys, torch.Tensor]:
@@ -44,6 +49,29 @@ def pages_of(rows: int, frames: int, page: int, pool_pages: int, device) -> tupl
     base = torch.arange(per_row, device=device).expand(rows, -1) * page
     count = (frames - base).clamp(0, page)
     return PagedKeys(order, base, count), order
+
+
+def varlen_call(rows: int, frames: int, new: int, device, dtype):
+    """The varlen arm: every row's frames on 16-frame pages scattered over a pool, its new frames'
+    queries one chunk-aligned piece each. Returns (the call, the plan's build), or why it cannot run."""
+    try:
+        attend = flash_attend(DIM)
+    except Exception as error:  # noqa: BLE001 - reported in the result; the other arms still run
+        return f"{type(error).__name__}: {error}"[:300], None
+    per_row = -(-frames // VARLEN_PAGE)
+    pool_pages = rows * per_row + 64
+    key_pages = torch.randn(pool_pages, VARLEN_PAGE, HEADS, DIM, device=device, dtype=dtype)
+    value_pages = torch.randn_like(key_pages)
+    table = torch.randperm(pool_pages, device=device)[: rows * per_row].view(rows, per_row)
+    query = torch.randn(rows * new, HEADS, DIM, device=device, dtype=dtype)
+    starts = torch.full((rows,), frames - new, device=device)
+    news = torch.full((rows,), new, device=device)
+
+    def build_plan():
+        return chunk_sequences(table, starts, news, new, CHUNK, VARLEN_PAGE)
+
+    plan = build_plan()
+    return (lambda: attend(query, key_pages, value_pages, plan)), build_plan
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:
@@ -107,20 +135,27 @@ def measure(sessions: int, stored: int, new: int, page: int, q_block: int, steps
         except Exception as error:  # noqa: BLE001 - the next tiling is tried; each failure is reported
             failures.append({**kernel_options, "error": f"{type(error).__name__}: {error}"[:300]})
     else:
-        raise RuntimeError(f"no tiling of the in-place kernel compiled: {failures}")
+        in_place = None  # no tiling compiled: the failures say why, and the other arms still run
 
     contiguous_k = torch.randn(rows, HEADS, frames, DIM, device=device, dtype=dtype)
+    varlen, build_plan = varlen_call(rows, frames, new, device, dtype)
 
     def contiguous():
         return F.scaled_dot_product_attention(query, contiguous_k, contiguous_k)
 
     result = {"sessions": sessions, "stored": stored, "new": new, "page": page, "q_block": q_block,
               "kernel_options": kernel_options, "tilings_failed": failures}
-    for name, fn in (("gathered", gathered), ("in_place", in_place), ("contiguous", contiguous),
-                     ("block_mask_build", build_mask)):
+    arms = [("gathered", gathered), ("contiguous", contiguous), ("block_mask_build", build_mask)]
+    if in_place is not None:
+        arms.append(("in_place", in_place))
+    if isinstance(varlen, str):
+        result["varlen_error"] = varlen
+    else:
+        arms += [("varlen", varlen), ("varlen_plan_build", build_plan)]
+    for name, fn in arms:
         ms = timed(fn, repeats, device)
         result[f"{name}_ms"] = round(ms, 4)
-        if name != "block_mask_build":
+        if not name.endswith("_build"):
             result[f"{name}_ms_per_chunk"] = round(ms * LAYERS * steps, 1)
     return result
 
