@@ -239,3 +239,41 @@ def test_stage_times_observe_upstreams_lm_and_token2wav_without_changing_them():
     per_level = [lv["upstream_stages"]["lm_token_gap_ms"]["n"] for lv in result["levels"]]
     replies = [lv["summary"]["contexts"] for lv in result["levels"]]
     assert per_level == [2 * n for n in replies]  # reset per level: each counts its own replies only
+
+
+def test_vllm_shim_embeds_through_the_vllm_model_s_own_method(monkeypatch):
+    """vLLM 0.26 embeds decoded tokens with ``embed_input_ids``; upstream's model class has only
+    ``get_input_embeddings``, which calls a method vLLM 0.26's Qwen2 model lacks. The shim must
+    reach the inner model's ``embed_input_ids`` (an alias of the old name failed at the first
+    decoded token, and upstream's caller then waited forever)."""
+    import types
+
+    class InnerModel:  # vLLM 0.26's Qwen2Model: embed_input_ids, no get_input_embeddings
+        def embed_input_ids(self, input_ids):
+            return ("embedded", input_ids)
+
+    class UpstreamModel:  # shaped like upstream's CosyVoice2ForCausalLM
+        def __init__(self):
+            self.model = InnerModel()
+
+        def get_input_embeddings(self, input_ids):
+            return self.model.get_input_embeddings(input_ids)
+
+    registered = {}
+    vllm = types.ModuleType("vllm")
+    vllm.ModelRegistry = types.SimpleNamespace(register_model=lambda name, cls: registered.update({name: cls}))
+    upstream = types.ModuleType("cosyvoice.vllm.cosyvoice2")
+    upstream.CosyVoice2ForCausalLM = UpstreamModel
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "cosyvoice", types.ModuleType("cosyvoice"))
+    monkeypatch.setitem(sys.modules, "cosyvoice.vllm", types.ModuleType("cosyvoice.vllm"))
+    monkeypatch.setitem(sys.modules, "cosyvoice.vllm.cosyvoice2", upstream)
+    import builtins
+    import typing
+
+    monkeypatch.setattr(builtins, "Union", typing.Union, raising=False)  # the shim's other name, undone after
+
+    official.register_vllm_model()
+
+    assert registered == {"CosyVoice2ForCausalLM": UpstreamModel}
+    assert UpstreamModel().embed_input_ids([7, 8]) == ("embedded", [7, 8])
