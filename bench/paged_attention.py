@@ -14,8 +14,10 @@ this measures the lever on its own, at the shapes a call has (rows = 2 x session
   result says why it did not run);
 - ``contiguous``: SDPA over keys already contiguous, no mask (a floor: the keys read once).
 
-GPU only. Device call (no vLLM needed):
-    python3 -m pip install -q --no-deps --no-build-isolation -e . && python3 bench/paged_attention.py --out $OUT
+GPU only. Device call, after the vLLM bundle's staging calls (without them every arm but
+``varlen`` still runs):
+    . /root/vllm-env.sh && python3 -m pip install -q --no-deps --no-build-isolation -e . \
+        && python3 bench/paged_attention.py --out $OUT
 Writes $OUT/paged_attention.json: milliseconds per layer call, and per chunk (x 56 layers x
 ``--steps`` Euler steps), for each shape.
 """
