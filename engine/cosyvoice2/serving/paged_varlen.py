@@ -61,7 +61,7 @@ def chunk_sequences(block_table: Tensor, query_start: Tensor, new_frames: Tensor
     # row's first position, capped at its new frames; the last piece holds the padding.
     first = (chunk - query_start % chunk)[:, None]
     step = torch.arange(per_row + 1, device=device) - 1
-    bounds = torch.minimum(first + step * chunk, new_frames[:, None]).clamp(min=0)
+    bounds = torch.minimum(first + step * chunk, new_frames[:, None])
     bounds[:, 0] = 0
     bounds[:, -1] = queries
     starts = bounds[:, :-1] + torch.arange(rows, device=device)[:, None] * queries
@@ -100,7 +100,7 @@ def flash_attend(head_dim: int) -> Callable[[Tensor, Tensor, Tensor, ChunkSequen
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    version = get_flash_attn_version(head_size=head_dim)  # FA3 on Hopper (the bundle ships no FA2 kernel)
+    version = get_flash_attn_version(head_size=head_dim)  # FA3 on Hopper (vLLM 0.26's wheel has no FA2 kernel)
 
     def attend(query: Tensor, key_pages: Tensor, value_pages: Tensor, plan: ChunkSequences) -> Tensor:
         return flash_attn_varlen_func(
