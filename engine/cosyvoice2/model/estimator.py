@@ -14,7 +14,8 @@ call into the additive bias SDPA takes.
 Cached frames: a call may compute only new frames that continue earlier ones (a voice's
 shared prompt prefix, or an utterance's committed chunks). The estimator then reads the
 earlier frames' state through a :class:`CachedFrames` view that every causal convolution
-and attention layer consults: the layer asks for its left context, or its keys and values.
+and attention layer consults: a convolution asks for its left context, an attention layer
+hands over its new frames' queries, keys and values to be attended over all frames.
 Where that state is kept, and for how long, is the serving layer's business
 (engine/cosyvoice2/serving/prefix_bank.py, incremental.py); the module only computes.
 """
@@ -40,11 +41,30 @@ class CachedFrames(Protocol):
     def conv_input(self, slot: int, x: Tensor) -> Tensor:
         """``x`` (the new frames) with the convolution's left context in front."""
 
-    def keys_values(self, slot: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """The layer's keys and values of the earlier frames, then the new ones'."""
+    def attend(self, slot: int, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+        """The layer's attention of the new frames over the earlier frames and themselves:
+        ``query``, ``key``, ``value`` and the result ``[B, T, heads, head_dim]``; ``mask`` is
+        what ``attention_mask`` gave, as an additive bias."""
 
-    def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> Tensor:
-        """The chunk mask of the new frames (queries) over the earlier and new frames (keys)."""
+    def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> Tensor | None:
+        """The chunk mask of the new frames (queries) over the earlier and new frames (keys),
+        or None where ``attend`` applies the chunk rule itself."""
+
+
+class StoredKeysValues(Protocol):
+    """A view that hands the earlier frames' keys and values to SDPA (``attend_over_stored``)."""
+
+    def keys_values(self, slot: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """The layer's keys and values ``[B, heads, frames, head_dim]`` of the earlier frames,
+        then the new ones'."""
+
+
+def attend_over_stored(
+    view: StoredKeysValues, slot: int, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
+) -> Tensor:
+    """``CachedFrames.attend`` by SDPA over the keys and values ``view`` returns in full."""
+    key, value = view.keys_values(slot, key.transpose(1, 2), value.transpose(1, 2))
+    return F.scaled_dot_product_attention(query.transpose(1, 2), key, value, attn_mask=mask).transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------- masks
@@ -147,17 +167,20 @@ class SelfAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
         self.cache_slot = -1  # set by Estimator
 
-    def forward(self, x: Tensor, mask: Tensor, view: CachedFrames | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None, view: CachedFrames | None) -> Tensor:
         batch, frames, _ = x.shape
 
         def heads(h: Tensor) -> Tensor:
-            return h.view(batch, frames, self.heads, self.head_dim).transpose(1, 2)
+            return h.view(batch, frames, self.heads, self.head_dim)
 
         query, key, value = heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x))
-        if view is not None:
-            key, value = view.keys_values(self.cache_slot, key, value)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
-        return self.to_out[0](out.transpose(1, 2).reshape(batch, frames, self.heads * self.head_dim))
+        if view is None:
+            out = F.scaled_dot_product_attention(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask
+            ).transpose(1, 2)
+        else:
+            out = view.attend(self.cache_slot, query, key, value, mask)
+        return self.to_out[0](out.reshape(batch, frames, self.heads * self.head_dim))
 
 
 class GeluProjection(nn.Module):
@@ -197,7 +220,7 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim, act_fn)
 
-    def forward(self, x: Tensor, mask: Tensor, view: CachedFrames | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None, view: CachedFrames | None) -> Tensor:
         x = x + self.attn1(self.norm1(x), mask, view)
         return x + self.ff(self.norm3(x))
 
@@ -298,7 +321,8 @@ class Estimator(nn.Module):
         # One additive bias for every attention layer. Given the boolean mask, SDPA would build
         # this bias itself in each of its calls: on the H200 that was 5-13% of a solve
         # (bench/flow_profile.py). The scores come out bit for bit the same.
-        attn_mask = attention_bias(attn_mask, x.dtype)
+        if attn_mask is not None:
+            attn_mask = attention_bias(attn_mask, x.dtype)
 
         def transform(h: Tensor, blocks: nn.ModuleList) -> Tensor:
             h = h.transpose(1, 2)

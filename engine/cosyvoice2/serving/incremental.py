@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from tts_gateway.engine.cosyvoice2.model.estimator import SelfAttention, chunk_attention_mask
+from tts_gateway.engine.cosyvoice2.model.estimator import SelfAttention, attend_over_stored, chunk_attention_mask
 from tts_gateway.engine.cosyvoice2.model.flow import Flow, gather_frames
 from tts_gateway.engine.cosyvoice2.model.flow_encoder import project_speaker
 from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState, IncrementalEncoder
@@ -99,6 +99,9 @@ class StepView:
         key_pos = torch.arange(self.key_len, device=positions.device)
         key_valid = key_pos < (self.start + new_frames)[:, None]
         return chunk_attention_mask(key_valid, self.start[:, None] + positions, chunk)
+
+    def attend(self, slot: int, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+        return attend_over_stored(self, slot, query, key, value, mask)
 
     def keys_values(self, slot: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """Writes the new frames' keys/values at their absolute positions; returns all of them.

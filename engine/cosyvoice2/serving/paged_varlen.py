@@ -68,7 +68,9 @@ def chunk_sequences(block_table: Tensor, query_start: Tensor, new_frames: Tensor
     cu_seqlens_q = torch.cat([starts.reshape(-1), torch.full((1,), rows * queries, device=device)])
     ends = query_start + new_frames
     first_position = query_start[:, None] + bounds[:, :-1]
-    seqused_k = torch.minimum((first_position // chunk + 1) * chunk, ends[:, None])
+    # At least one key: only a padding piece of a row with no key at all would have none, and
+    # the kernel's output there (never read) must not be NaN, which later layers would carry.
+    seqused_k = torch.minimum((first_position // chunk + 1) * chunk, ends[:, None]).clamp(min=1)
     return ChunkSequences(
         cu_seqlens_q.to(torch.int32), seqused_k.reshape(-1).to(torch.int32),
         block_table.to(torch.int32).repeat_interleave(per_row, dim=0), queries, pages * page_frames,
@@ -84,7 +86,7 @@ def attend_reference(query: Tensor, key_pages: Tensor, value_pages: Tensor, plan
     used = plan.seqused_k.tolist()
     page_frames = key_pages.shape[1]
     for piece, (begin, end) in enumerate(zip(cu[:-1], cu[1:])):
-        if end == begin or used[piece] == 0:
+        if end == begin:
             continue
         pages = plan.block_table[piece, : -(-used[piece] // page_frames)].long()
         keys = key_pages[pages].flatten(0, 1)[: used[piece]]  # [keys, heads, dim]

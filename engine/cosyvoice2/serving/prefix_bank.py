@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from tts_gateway.engine.cosyvoice2.model.estimator import chunk_attention_mask
+from tts_gateway.engine.cosyvoice2.model.estimator import attend_over_stored, chunk_attention_mask
 from tts_gateway.engine.cosyvoice2.model.flow import Flow, gather_frames
 from tts_gateway.engine.cosyvoice2.model.flow_encoder import encode_tokens
 from tts_gateway.engine.cosyvoice2.serving.incremental import CFMStreamCache, forward_chunk, zero_conv_context
@@ -80,6 +80,7 @@ class PrefixBank:
             like.new_zeros(steps, slots, 2, conv.in_channels, conv.context) for conv in cfm.estimator.causal_convs
         ]
         self.start = torch.zeros(slots, dtype=torch.long, device=like.device)
+        self.generation = [0] * slots  # how often each slot was written (copies of it go stale)
 
     def put(self, slot: int, prefix: VoicePrefix) -> None:
         if prefix.steps != self.steps:
@@ -95,6 +96,7 @@ class PrefixBank:
             step, conv = divmod(index, self.n_conv)
             self.conv_context[conv][step, slot] = part
         self.start[slot] = prefix.frames
+        self.generation[slot] += 1
 
     @property
     def nbytes(self) -> int:
@@ -136,6 +138,9 @@ class PrefixView:
         key_pos = torch.cat([prefix_pos.expand(len(start), -1), start[:, None] + positions], dim=1)
         key_valid = torch.cat([prefix_pos < start[:, None], positions < new_frames[:, None]], dim=1)
         return chunk_attention_mask(key_valid, start[:, None] + positions, chunk, key_pos)
+
+    def attend(self, slot: int, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+        return attend_over_stored(self, slot, query, key, value, mask)
 
     def keys_values(self, slot: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         keys, values = self.bank.keys[slot], self.bank.values[slot]

@@ -6,46 +6,68 @@ and the chunks before it, and every convolution is causal. So once a turn's chun
 step and CFG row, the keys and values of every attention layer, and each causal
 convolution's input at its last frames. A later call may start its decoder after the
 turn's committed chunks and attend to their stored keys and values instead of recomputing
-them, as a call after the voice prefix does (prefix_bank.py). The same mel, for the cost of
-the new frames.
+them. The same mel, for the cost of the new frames.
 
-That state is large (~2.3 MB per frame at full size in bf16, 10 steps x 2 rows x 56 layers
-x K and V x 512 values at the official step count; it scales with ``flow_steps``), so it
-lives in a pool of fixed pages of one attention chunk each, sized by a memory budget, and a
-turn holds pages only while it is being generated: they go back the moment it ends or is
-cancelled. When the pool is full a turn keeps what it has and its call recomputes from its
-last stored chunk (a fallback, counted), so nothing fails.
+Layout. Keys and values live in pages of 16 frames, ``[pages, 16, heads, head_dim]`` per
+layer, the layout of vLLM's paged FlashAttention kernel, which reads them where they lie
+(paged_varlen.py: a call's attention is one varlen call, a query piece per attention chunk,
+so the chunk-causal rule needs no mask). A row's page table lists, position by position,
+its voice prefix's pages (shared by every turn of that voice, copied from the prefix bank
+when a voice takes a bank slot), then its turn's own pages. The prefix's last page, when the
+prefix ends inside it, is copied into the turn's first own page, since the turn's frames
+continue in it. Every attention layer first writes the new frames' keys and values into
+their pages (all of them: the kernel reads only pages), then attends. A logical page ``p``
+is one page per Euler step and CFG row: physical page ``(step * 2 + row) * (pages + 1) + p``,
+so one page table serves every step and row by an offset. Conv context stays per turn slot.
 
-Rows of one call may hold different numbers of pages: each row reads its voice prefix from
-the bank, its pages through a page table padded with a scratch page (masked), then its new
-frames. Every shape depends on the bucket only, so a CUDA graph of an Euler step reads and
-writes the pool in place (flow_graphs.py). Committed chunks are written to their pages in
-the same pass; rows that commit nothing write to the scratch page and scratch slot, which
-no real row reads.
+Memory: ~2.3 MB per frame at full size in bf16 (10 steps x 2 rows x 56 layers x K and V x
+512 values), so the pool is sized by a budget and a turn holds pages only while it is being
+generated: they go back the moment it ends or is cancelled. A call allocates the pages its
+new frames need first; a row that cannot get them (the pool is full, or its turn outgrew the
+page table) gives its pages back and runs on the recompute path instead (a fallback,
+counted), so nothing fails.
+
+Every shape depends on the call's bucket only (the page table has a fixed width), so a CUDA
+graph of an Euler step reads and writes the pool in place (flow_graphs.py).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from tts_gateway.engine.cosyvoice2.model.estimator import chunk_attention_mask
 from tts_gateway.engine.cosyvoice2.model.flow import Flow, gather_frames
+from tts_gateway.engine.cosyvoice2.serving.paged_varlen import ChunkSequences, attend_reference, chunk_sequences
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView
+
+# The paged kernel's page size (a multiple of 16 frames): small pages waste little at a
+# prefix's or a turn's end.
+PAGE_FRAMES = 16
+# Pages of a row's table: positions up to 8192 frames (164 s, voice prefix included). A turn
+# longer than that runs its later chunks on the recompute path.
+TABLE_PAGES = 512
+# Turn slots (conv context) per page of the pool: a turn holds a few pages at least.
+PAGES_PER_TURN_SLOT = 4
+
+# (query [rows * queries, heads, dim], key pages, value pages, plan) -> output like query
+PagedAttention = Callable[[Tensor, Tensor, Tensor, ChunkSequences], Tensor]
 
 
 @dataclass
 class TurnState:
-    """One turn's share of the pool: its pages (committed chunks after the voice prefix, in
-    order) and the slot of its convolutions' left context."""
+    """One turn's share of the pool: its own pages (positions from the page its voice prefix
+    ends in, in order), its conv-context slot, and how many frames after the voice prefix
+    are committed (their state is final)."""
 
     slot: int
     pages: list[int] = field(default_factory=list)
+    frames: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,55 +75,62 @@ class TurnRows:
     """Where each row of a call stands in the bank and the pool (B rows; what a CUDA graph of a
     paged call takes as static inputs besides the decoder's).
 
-    slots ``[B]``: the voice prefix's bank slot; page_table ``[B, P]``: the row's stored pages,
-    then the scratch page; cached ``[B]``: how many of them are its; turn_slot ``[B]``: its
-    conv-context slot (scratch without one); write_pages ``[B, W]``: where the call's new
-    chunks go (chunk c of the new frames to page c; scratch where not committed); commit
-    ``[B]``: new frames committed (whole chunks).
+    slots ``[B]``: the voice prefix's bank slot; page_table ``[B, TABLE_PAGES]``: the logical
+    page of each 16-frame span of the row's positions (scratch past its own); stored ``[B]``:
+    frames committed after the prefix (the call starts there); turn_slot ``[B]``: its
+    conv-context slot (scratch for a padding row); commit ``[B]``: new frames this call
+    commits (whole chunks).
     """
 
     slots: Tensor
     page_table: Tensor
-    cached: Tensor
+    stored: Tensor
     turn_slot: Tensor
-    write_pages: Tensor
     commit: Tensor
 
     def as_tuple(self) -> tuple[Tensor, ...]:
-        return self.slots, self.page_table, self.cached, self.turn_slot, self.write_pages, self.commit
+        return self.slots, self.page_table, self.stored, self.turn_slot, self.commit
 
 
 class TurnStatePool:
-    """Decoder state of turns in flight, in pages of one attention chunk (see the module).
+    """Decoder state of turns in flight and of the voice prefixes they continue (see the module).
 
-    ``keys[layer]`` / ``values[layer]``: ``[steps, pages + 1, 2, heads, page_frames, head_dim]``;
-    ``conv_context[conv]``: ``[steps, pages + 1, 2, channels, kernel - 1]`` by turn slot (a turn
-    holding state holds a page, so there are as many slots as pages). The last page and slot
-    are scratch. ``steps``: the Euler steps of the solves over the pool (the voice-prefix bank
-    they read must be laid out for as many). Thread-safe: turns grow on the token2wav thread
-    and are released from others.
+    ``keys[layer]`` / ``values[layer]``: ``[steps * 2 * (pages + 1), 16, heads, head_dim]``;
+    ``conv_context[conv]``: ``[steps, turn_slots + 1, 2, channels, kernel - 1]``. The last
+    logical page and the last slot are scratch. ``attend``: the paged attention
+    (paged_varlen.flash_attend on a GPU; the reference by default). Thread-safe bookkeeping:
+    turns grow on the token2wav thread and are released from others.
     """
 
-    def __init__(self, cfm: CFM, pages: int, like: Tensor, steps: int = N_TIMESTEPS) -> None:
+    def __init__(
+        self, cfm: CFM, pages: int, like: Tensor, steps: int = N_TIMESTEPS, attend: PagedAttention = attend_reference,
+    ) -> None:
         if pages < 1:
             raise ValueError(f"a turn-state pool needs >= 1 page, got {pages}")
         self.steps = steps
         self.pages = pages
-        self.page_frames = cfm.config.estimator.static_chunk_size
-        self.scratch = pages  # the index of the scratch page and of the scratch slot
+        self.page_frames = PAGE_FRAMES
+        self.chunk = cfm.config.estimator.static_chunk_size
+        self.scratch = pages  # the logical scratch page, and the scratch turn slot's index below
+        self.turn_slots = max(1, pages // PAGES_PER_TURN_SLOT)
+        self.slot_scratch = self.turn_slots
+        self.attend = attend
+        physical = steps * 2 * (pages + 1)
         self.keys = [
-            like.new_zeros(steps, pages + 1, 2, layer.heads, self.page_frames, layer.head_dim)
-            for layer in cfm.estimator.attention_layers
+            like.new_zeros(physical, PAGE_FRAMES, layer.heads, layer.head_dim) for layer in cfm.estimator.attention_layers
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.conv_context = [
-            like.new_zeros(steps, pages + 1, 2, conv.in_channels, conv.context) for conv in cfm.estimator.causal_convs
+            like.new_zeros(steps, self.turn_slots + 1, 2, conv.in_channels, conv.context)
+            for conv in cfm.estimator.causal_convs
         ]
         self._lock = threading.Lock()
         self._free_pages = list(range(pages - 1, -1, -1))
-        self._free_slots = list(range(pages - 1, -1, -1))
-        # Running totals (the engine exports them): the most pages held at once, pages and
-        # turns given state, and calls of a turn that could not store its new chunks.
+        self._free_slots = list(range(self.turn_slots - 1, -1, -1))
+        # Bank slot -> (the bank, its generation of that slot, the prefix's pages).
+        self._prefixes: dict[int, tuple[PrefixBank, int, list[int]]] = {}
+        # Running totals (the engine exports them): the most pages held by turns at once, pages
+        # and turns given state, and calls of a turn that ran on the recompute path instead.
         self.peak_pages = 0
         self.pages_stored = 0
         self.turns = 0
@@ -109,19 +138,21 @@ class TurnStatePool:
 
     @staticmethod
     def page_bytes(cfm: CFM, dtype: torch.dtype, steps: int = N_TIMESTEPS) -> int:
-        """Bytes of one page (and its share of a conv slot) at this size, dtype and step count."""
-        chunk = cfm.config.estimator.static_chunk_size
-        attention = sum(2 * layer.heads * layer.head_dim * chunk for layer in cfm.estimator.attention_layers)
+        """Bytes of one logical page (and its share of a turn slot) at this size, dtype and step count."""
+        attention = sum(2 * layer.heads * layer.head_dim * PAGE_FRAMES for layer in cfm.estimator.attention_layers)
         conv = sum(conv.in_channels * conv.context for conv in cfm.estimator.causal_convs)
-        return steps * 2 * (attention + conv) * torch.empty(0, dtype=dtype).element_size()
+        per_page = steps * 2 * (attention * PAGES_PER_TURN_SLOT + conv) * torch.empty(0, dtype=dtype).element_size()
+        return per_page // PAGES_PER_TURN_SLOT
 
     @classmethod
-    def within(cls, cfm: CFM, budget_bytes: int, like: Tensor, steps: int = N_TIMESTEPS) -> TurnStatePool:
+    def within(
+        cls, cfm: CFM, budget_bytes: int, like: Tensor, steps: int = N_TIMESTEPS, attend: PagedAttention = attend_reference,
+    ) -> TurnStatePool:
         """The largest pool (plus its scratch page) that fits ``budget_bytes``."""
         pages = budget_bytes // cls.page_bytes(cfm, like.dtype, steps) - 1
         if pages < 1:
             raise ValueError(f"a budget of {budget_bytes / 2**30:.2f} GiB holds no page of decoder state")
-        return cls(cfm, pages, like, steps)
+        return cls(cfm, pages, like, steps, attend)
 
     @property
     def nbytes(self) -> int:
@@ -138,129 +169,176 @@ class TurnStatePool:
 
     @property
     def pages_in_use(self) -> int:
+        """Pages held by turns (voice prefixes' pages aside)."""
         with self._lock:
-            return self.pages - len(self._free_pages)
+            return self._turn_pages()
+
+    def _turn_pages(self) -> int:
+        return self.pages - len(self._free_pages) - sum(len(p) for _, _, p in self._prefixes.values())
+
+    # ------------------------------------------------------------------ pages
+
+    def _take(self, count: int) -> list[int] | None:
+        if len(self._free_pages) < count:
+            return None
+        return [self._free_pages.pop() for _ in range(count)]
 
     def grow(self, turn: TurnState | None, pages: int) -> TurnState | None:
         """``turn`` (a new one when None) with ``pages`` more pages, or None when the pool has
-        too few free (then nothing is taken, and the call counts as a fallback)."""
+        too few free (then nothing is taken)."""
         with self._lock:
-            if len(self._free_pages) < pages or (turn is None and not self._free_slots):
-                self.fallbacks += 1
+            if turn is None and not self._free_slots:
+                return None
+            taken = self._take(pages)
+            if taken is None:
                 return None
             if turn is None:
                 turn = TurnState(self._free_slots.pop())
                 self.turns += 1
-            turn.pages += [self._free_pages.pop() for _ in range(pages)]
+            turn.pages += taken
             self.pages_stored += pages
-            self.peak_pages = max(self.peak_pages, self.pages - len(self._free_pages))
+            self.peak_pages = max(self.peak_pages, self._turn_pages())
             return turn
 
-    def release(self, turn: TurnState) -> None:
-        """Give a turn's pages and slot back (the turn ended, or was cancelled)."""
+    def release(self, turn: TurnState, fell_back: bool = False) -> None:
+        """Give a turn's pages and slot back (the turn ended, was cancelled, or, ``fell_back``,
+        goes on by recompute: counted)."""
         with self._lock:
             self._free_pages += turn.pages
             self._free_slots.append(turn.slot)
             turn.pages = []
+            turn.frames = 0
+            self.fallbacks += fell_back
+
+    def fall_back(self) -> None:
+        """Count a call of a turn with no state that could get none."""
+        with self._lock:
+            self.fallbacks += 1
+
+    def prefix_pages(self, bank: PrefixBank, slot: int) -> list[int] | None:
+        """The pages holding bank slot ``slot``'s voice prefix, copied from the bank when the
+        slot's prefix is new to the pool; None when the pool has no room for it."""
+        held = self._prefixes.get(slot)
+        if held is not None and held[0] is bank and held[1] == bank.generation[slot]:
+            return held[2]
+        frames = int(bank.start[slot])
+        with self._lock:
+            if held is not None:
+                self._free_pages += held[2]
+                del self._prefixes[slot]
+            pages = self._take(-(-frames // PAGE_FRAMES))
+            if pages is None:
+                return None
+            self._prefixes[slot] = (bank, bank.generation[slot], pages)
+        index = torch.tensor(pages, device=bank.start.device)
+        for ours, theirs in ((self.keys, bank.keys), (self.values, bank.values)):
+            for layer, stored in zip(ours, theirs):
+                # [steps, 2, heads, frames, dim] -> pages of [16, heads, dim] per step and row
+                prefix = stored[:, slot, :, :, :frames].transpose(2, 3)
+                prefix = torch.nn.functional.pad(prefix, (0, 0, 0, 0, 0, len(pages) * PAGE_FRAMES - frames))
+                self._logical(layer)[:, :, index] = prefix.reshape(*prefix.shape[:2], len(pages), PAGE_FRAMES, *prefix.shape[3:])
+        return pages
+
+    def _logical(self, stored: Tensor) -> Tensor:
+        """A pool tensor as ``[steps, 2, pages + 1, 16, heads, dim]``."""
+        return stored.view(self.steps, 2, self.pages + 1, *stored.shape[1:])
+
+    def copy_page(self, source: int, target: int) -> None:
+        """Logical page ``source`` into ``target``, every layer, step and row."""
+        for stored in (*self.keys, *self.values):
+            logical = self._logical(stored)
+            logical[:, :, target] = logical[:, :, source]
 
 
 class PagedView(PrefixView):
-    """One Euler step of a call whose rows start after their voice prefix and their stored
-    chunks: keys are the bank's prefix frames, the row's pages, then the new frames; the new
-    chunks a row commits are written to its pages, and its conv context to its slot."""
+    """One Euler step of a call whose rows start after their voice prefix and stored frames:
+    every attention layer writes the new frames' keys and values into the rows' pages, then
+    attends over the pages (one varlen call, see paged_varlen.py); the conv context comes from
+    the turn's slot (the bank's for a turn with nothing stored) and the context at the commit
+    boundary goes back to it."""
 
-    def __init__(self, bank: PrefixBank, pool: TurnStatePool, rows: TurnRows) -> None:
+    def __init__(self, bank: PrefixBank, pool: TurnStatePool, rows: TurnRows, mask: Tensor) -> None:
         if bank.steps != pool.steps:
             raise ValueError(f"a bank of {bank.steps} Euler steps with a pool of {pool.steps}")
         super().__init__(bank, rows.slots)
         self.pool = pool
-        self.prefix_len = self.start
-        self.page_table = rows.page_table.repeat(2, 1)
-        self.cached = rows.cached.repeat(2)
-        self.write_pages = rows.write_pages.repeat(2, 1)
+        self.stored = rows.stored.repeat(2)
         self.commit = rows.commit.repeat(2)
         self.read_slot = rows.turn_slot.repeat(2)
-        self.write_slot = torch.where(self.commit > 0, self.read_slot, pool.scratch)
-        self.start = self.prefix_len + self.cached * pool.page_frames
+        self.write_slot = torch.where(self.commit > 0, self.read_slot, pool.slot_scratch)
+        self.start = self.start + self.stored
+        device = mask.device
+        frames = mask.shape[2]
+        new_frames = mask[:, 0].sum(dim=1, dtype=torch.long).repeat(2)
+        # Logical page p of CFG row r at step 0 is physical page r * (pages + 1) + p.
+        table = rows.page_table.repeat(2, 1) + self.branch[:, None] * (pool.pages + 1)
+        positions = self.start[:, None] + torch.arange(frames, device=device)
+        column = (positions // PAGE_FRAMES).clamp(max=table.shape[1] - 1)
+        page = torch.where(
+            torch.arange(frames, device=device) < new_frames[:, None],
+            table.gather(1, column), pool.scratch + self.branch[:, None] * (pool.pages + 1),
+        )
+        self._write0 = (page * PAGE_FRAMES + positions % PAGE_FRAMES).reshape(-1)
+        self._plan0 = chunk_sequences(table, self.start, new_frames, frames, pool.chunk, PAGE_FRAMES)
+        self._write, self._plan = self._write0, self._plan0
 
-    def _index(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(step, index, CFG row) into a pool tensor, the step and row shaped to broadcast with
-        ``index`` (``[2B]`` or ``[2B, n]``)."""
-        shape = (len(self.branch),) + (1,) * (index.dim() - 1)
+    def at_step(self, step: int | Tensor) -> PagedView:
+        super().at_step(step)
+        offset = step * 2 * (self.pool.pages + 1)  # physical pages of one Euler step
+        if isinstance(offset, Tensor):
+            offset = offset.to(torch.int32)
+        self._write = self._write0 + offset * PAGE_FRAMES
+        self._plan = replace(self._plan0, block_table=self._plan0.block_table + offset)
+        return self
+
+    def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> None:
+        return None  # the plan's pieces are the chunk rule
+
+    def attend(self, slot: int, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+        rows, frames, heads, dim = query.shape
+        key_pages, value_pages = self.pool.keys[slot], self.pool.values[slot]
+        key_pages.view(-1, heads, dim).index_copy_(0, self._write, key.reshape(-1, heads, dim))
+        value_pages.view(-1, heads, dim).index_copy_(0, self._write, value.reshape(-1, heads, dim))
+        out = self.pool.attend(query.reshape(-1, heads, dim), key_pages, value_pages, self._plan)
+        return out.view(rows, frames, heads, dim)
+
+    def _at(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(step, turn slot, CFG row) into a conv-context tensor for rows ``index`` ``[2B]``."""
         step = self.step if isinstance(self.step, Tensor) else torch.full((1,), self.step, device=index.device)
-        return step.expand(len(self.branch)).view(shape), index, self.branch.view(shape)
-
-    def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> Tensor:
-        page_span = torch.arange(self.page_table.shape[1] * self.pool.page_frames, device=positions.device)
-        prefix_pos = torch.arange(self.bank.frames, device=positions.device).expand(len(self.start), -1)
-        key_pos = torch.cat([prefix_pos, self.prefix_len[:, None] + page_span, self.start[:, None] + positions], dim=1)
-        key_valid = torch.cat([
-            prefix_pos < self.prefix_len[:, None],
-            page_span < (self.cached * self.pool.page_frames)[:, None],
-            positions < new_frames[:, None],
-        ], dim=1)
-        return chunk_attention_mask(key_valid, self.start[:, None] + positions, chunk, key_pos)
-
-    def keys_values(self, slot: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        out = []
-        for bank_part, pool_part, new in ((self.bank.keys, self.pool.keys, key), (self.bank.values, self.pool.values, value)):
-            stored = pool_part[slot]
-            self._write_chunks(stored, new)
-            pages = stored[self._index(self.page_table)]  # [2B, P, heads, F, head_dim]
-            rows, count, heads, frames, dim = pages.shape
-            pages = pages.permute(0, 2, 1, 3, 4).reshape(rows, heads, count * frames, dim)
-            out.append(torch.cat([self._rows(bank_part[slot]), pages, new], dim=2))
-        return out[0], out[1]
-
-    def _write_chunks(self, stored: Tensor, new: Tensor) -> None:
-        """Chunk c of the new frames' keys (or values) to page ``write_pages[:, c]``."""
-        rows, heads, frames, dim = new.shape
-        width = self.write_pages.shape[1] * self.pool.page_frames
-        if frames > width:
-            raise ValueError(f"{frames} new frames, but pages for {width}")
-        if frames < width:
-            new = torch.nn.functional.pad(new, (0, 0, 0, width - frames))
-        chunks = new.view(rows, heads, -1, self.pool.page_frames, dim).transpose(1, 2)
-        stored.index_put_(self._index(self.write_pages), chunks)
+        return step.expand(len(index)), index, self.branch
 
     def conv_input(self, slot: int, x: Tensor) -> Tensor:
         stored = self.pool.conv_context[slot]
-        from_turn = stored[self._index(self.read_slot)]
-        context = torch.where((self.cached > 0)[:, None, None], from_turn, self._rows(self.bank.conv_context[slot]))
+        from_turn = stored[self._at(self.read_slot)]
+        context = torch.where((self.stored > 0)[:, None, None], from_turn, self._rows(self.bank.conv_context[slot]))
         extended = torch.cat([context, x], dim=2)
         # extended[:, :, e] is frame start - context + e: the context after the committed
         # frames is extended[:, :, commit : commit + context].
         take = self.commit[:, None] + torch.arange(context.shape[2], device=x.device)
-        stored.index_put_(self._index(self.write_slot), extended.gather(2, take[:, None].expand(-1, x.shape[1], -1)))
+        stored.index_put_(self._at(self.write_slot), extended.gather(2, take[:, None].expand(-1, x.shape[1], -1)))
         return extended
 
 
-def pad_turn_rows(rows: TurnRows, pool: TurnStatePool, batch: int, pages: int, frames: int) -> TurnRows:
-    """``rows`` padded to a graph's shape: ``batch`` rows, page tables ``pages`` wide, pages to
-    write for ``frames`` new frames. Padding rows read row 0's state and keep nothing (scratch
-    slot and pages, commit 0); tables and pages to write are padded with the scratch page."""
-    scratch = pool.scratch
-    writes = -(-frames // pool.page_frames)
+def pad_turn_rows(rows: TurnRows, pool: TurnStatePool, batch: int) -> TurnRows:
+    """``rows`` padded to a graph's ``batch`` rows: padding rows take row 0's prefix slot and
+    start, but every page, and their conv slot, is scratch, so they keep nothing and overwrite
+    no row's state."""
+    extra = batch - len(rows.slots)
 
-    def padded(index: Tensor, width: int, fill: int | None) -> Tensor:
-        index = torch.nn.functional.pad(index, (0, width - index.shape[1]), value=scratch)
-        extra = batch - index.shape[0]
-        tail = index[:1].expand(extra, -1) if fill is None else index.new_full((extra, width), fill)
+    def padded(index: Tensor, fill: int | None) -> Tensor:
+        tail = index[:1].expand(extra, *index.shape[1:]) if fill is None else index.new_full((extra, *index.shape[1:]), fill)
         return torch.cat([index, tail])
 
-    def one(index: Tensor, fill: int | None) -> Tensor:
-        return padded(index[:, None], 1, fill)[:, 0]
-
     return TurnRows(
-        one(rows.slots, None), padded(rows.page_table, pages, None), one(rows.cached, None),
-        one(rows.turn_slot, scratch), padded(rows.write_pages, writes, scratch), one(rows.commit, 0),
+        padded(rows.slots, None), padded(rows.page_table, pool.scratch), padded(rows.stored, None),
+        padded(rows.turn_slot, pool.slot_scratch), padded(rows.commit, 0),
     )
 
 
-def paged_noise(cfm: CFM, bank: PrefixBank, pool: TurnStatePool, rows: TurnRows, frames: int) -> Tensor:
-    """The fixed noise of ``frames`` frames from each row's start (after its prefix and pages)."""
-    start = bank.start[rows.slots] + rows.cached * pool.page_frames
-    widest = bank.frames + rows.page_table.shape[1] * pool.page_frames + frames
+def paged_noise(cfm: CFM, bank: PrefixBank, rows: TurnRows, frames: int) -> Tensor:
+    """The fixed noise of ``frames`` frames from each row's start (after its prefix and stored frames)."""
+    start = bank.start[rows.slots] + rows.stored
+    widest = rows.page_table.shape[1] * PAGE_FRAMES + frames
     noise = cfm.noise[:, :, :widest].expand(len(start), -1, -1)
     return gather_frames(noise, start, frames)
 
@@ -269,11 +347,11 @@ def solve_paged(
     cfm: CFM, bank: PrefixBank, pool: TurnStatePool, rows: TurnRows, mu: Tensor, mask: Tensor, spks: Tensor,
     cond: Tensor,
 ) -> Tensor:
-    """Streaming-mode mel of each row's frames after its voice prefix and stored chunks (row b's
-    column i is frame ``bank.start[slots[b]] + cached[b] * page_frames + i``), storing the
-    chunks each row commits. Equals the same frames of a whole streaming solve."""
-    view = PagedView(bank, pool, rows)
-    noise = paged_noise(cfm, bank, pool, rows, mu.shape[2]).to(mu.dtype)
+    """Streaming-mode mel of each row's frames after its voice prefix and stored frames (row b's
+    column i is frame ``bank.start[slots[b]] + stored[b] + i``), writing their state to the
+    rows' pages. Equals the same frames of a whole streaming solve."""
+    view = PagedView(bank, pool, rows, mask)
+    noise = paged_noise(cfm, bank, rows, mu.shape[2]).to(mu.dtype)
     return cfm.solve(noise, mask, mu, spks, cond, True, pool.steps, view.at_step)
 
 
@@ -281,14 +359,64 @@ def solve_paged(
 SolvePaged = Callable[[TurnRows, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
+def turn_rows(
+    bank: PrefixBank, pool: TurnStatePool, slots: list[int], turns: list[TurnState | None], end: list[int],
+    commit: list[int],
+) -> tuple[TurnRows | None, list[TurnState | None], list[bool]]:
+    """The rows of a paged call whose row b ends at position ``end[b]`` (its turn's pages grown
+    to cover it; a new turn's first page copied from its prefix's last), and which rows it
+    serves: a row whose pages cannot be had gives its turn's pages back (its turn becomes
+    None) and is not served. ``commit``: frames each row commits."""
+    turns = list(turns)
+    served = [False] * len(slots)
+    table = np.full((len(slots), TABLE_PAGES), pool.scratch, dtype=np.int64)
+    for b, (slot, turn) in enumerate(zip(slots, turns)):
+        prefix = int(bank.start[slot])
+        prefix_pages = pool.prefix_pages(bank, slot)
+        first = prefix // PAGE_FRAMES  # the page the prefix ends in: the turn's own from here
+        need = -(-end[b] // PAGE_FRAMES) - first
+        grown = None
+        if prefix_pages is not None and -(-end[b] // PAGE_FRAMES) <= TABLE_PAGES:
+            have = len(turn.pages) if turn is not None else 0
+            grown = pool.grow(turn, max(0, need - have))
+        if grown is None:
+            if turn is not None:
+                pool.release(turn, fell_back=True)
+            else:
+                pool.fall_back()
+            turns[b] = None
+            continue
+        if turn is None and prefix % PAGE_FRAMES:
+            pool.copy_page(prefix_pages[first], grown.pages[0])
+        turns[b] = grown
+        served[b] = True
+        table[b, :first] = prefix_pages[:first]
+        table[b, first : first + len(grown.pages)] = grown.pages
+    rows = [b for b in range(len(slots)) if served[b]]
+    if not rows:
+        return None, turns, served
+    device = bank.start.device
+
+    def column(values: list[int]) -> Tensor:
+        return torch.tensor([values[b] for b in rows], dtype=torch.long).to(device)
+
+    stored = [turns[b].frames for b in range(len(slots)) if served[b]]
+    return TurnRows(
+        column(slots), torch.from_numpy(table[rows]).to(device), torch.tensor(stored, dtype=torch.long).to(device),
+        column([t.slot if t is not None else pool.slot_scratch for t in turns]), column(commit),
+    ), turns, served
+
+
 @dataclass(frozen=True)
 class PagedResult:
-    """A paged call's decoder mel ``[B, 80, width]``: row b's column i is frame start[b] + i, up
-    to end[b] (frames counted from the start of the prompt)."""
+    """A paged call's decoder mel ``[B', 80, width]`` for the rows it served (``served``, B'
+    of them): row b's column i is frame start[b] + i, up to end[b] (frames counted from the
+    start of the prompt); ``start`` and ``end`` cover every row."""
 
-    mel: Tensor
+    mel: Tensor | None
     start: Tensor
     end: Tensor
+    served: list[bool]
 
 
 @torch.inference_mode()
@@ -297,44 +425,29 @@ def flow_paged(
     args: tuple[Tensor, ...], finalize: bool, keep: list[bool], solve: SolvePaged | None = None,
 ) -> tuple[PagedResult, list[TurnState | None]]:
     """A streaming flow call of these rows (``args`` as ``Flow.decoder_inputs``) that starts each
-    row after its voice prefix (bank slot ``slots[b]``) and its turn's stored chunks
-    (``turns[b]``, None: none yet), and stores the whole chunks it completes for the rows
-    that ``keep`` state (not on the last chunk: nothing follows it). Returns the mel and the
-    turns (one that could not grow, the pool being full, keeps what it had).
+    row after its voice prefix (bank slot ``slots[b]``) and its turn's stored frames
+    (``turns[b]``, None: none yet), and commits the whole chunks it completes for the rows
+    that ``keep`` state (not on the last chunk: nothing follows it). Returns the mel of the
+    rows it served and the turns (a row not served has none: run it on the recompute path).
 
     ``solve``: the decoder (default :func:`solve_paged`, eager; the runner passes a graph's replay).
     """
-    device = slots.device
-    chunk = pool.page_frames
-    stored = [len(t.pages) if t is not None else 0 for t in turns]
-    cached = torch.tensor(stored, device=device)
-    start = bank.start[slots] + cached * chunk
+    chunk = pool.chunk
+    stored = torch.tensor([t.frames if t is not None else 0 for t in turns], device=slots.device)
+    start = bank.start[slots] + stored
     inputs = flow.decoder_inputs(*args, True, finalize, start=start)
     end = start + inputs.mask[:, 0].sum(dim=1).long()
-    # Whole chunks completed by this call (start is a chunk boundary), one page each.
-    fresh = [max(0, e // chunk - s // chunk) if k else 0 for s, e, k in zip(start.tolist(), end.tolist(), keep)]
-    turns = list(turns)
-    for b, count in enumerate(fresh):
-        if count:
-            grown = pool.grow(turns[b], count)
-            if grown is None:
-                fresh[b] = 0
-            else:
-                turns[b] = grown
-    # The index tensors, built on the host and copied once.
-    scratch, writes = pool.scratch, max(1, -(-inputs.mu.shape[2] // chunk))
-    table, write_pages, turn_slot = [], [], []
-    for turn, n, count in zip(turns, stored, fresh):
-        pages = turn.pages if turn is not None else []
-        table.append(pages[:n] + [scratch] * (max(stored) - n))
-        write_pages.append(pages[n : n + count] + [scratch] * (writes - count))
-        turn_slot.append(turn.slot if turn is not None else scratch)
-    rows = TurnRows(
-        slots, torch.tensor(table, dtype=torch.long).to(device), cached, torch.tensor(turn_slot).to(device),
-        torch.tensor(write_pages, dtype=torch.long).to(device), torch.tensor(fresh).to(device) * chunk,
-    )
+    starts, ends = start.tolist(), end.tolist()
+    commit = [(e // chunk * chunk - s) if k else 0 for s, e, k in zip(starts, ends, keep)]
+    rows, turns, served = turn_rows(bank, pool, slots.tolist(), turns, ends, commit)
+    if rows is None:
+        return PagedResult(None, start, end, served), turns
+    index = torch.tensor([b for b, s in enumerate(served) if s], device=slots.device)
     if solve is None:
         def solve(rows, mu, mask, spks, cond):
             return solve_paged(flow.decoder, bank, pool, rows, mu, mask, spks, cond)
-    mel = solve(rows, inputs.mu, inputs.mask, inputs.spk, inputs.cond)
-    return PagedResult(mel, start, end), turns
+    mel = solve(rows, inputs.mu[index], inputs.mask[index], inputs.spk[index], inputs.cond[index])
+    for b, count in enumerate(commit):
+        if served[b]:
+            turns[b].frames += count
+    return PagedResult(mel, start, end, served), turns
