@@ -45,7 +45,7 @@ class GraphKey:
     frames: int
     streaming: bool
     after_prefix: bool = False  # CFM.solve_after over the bank's voice prefixes (frames: those after them)
-    pages: int | None = None  # after the rows' stored chunks too: pages of the page table (turn_pool.py)
+    paged: bool = False  # after the rows' stored frames too, in the turn-state pool (turn_pool.py)
 
     @property
     def row_frames(self) -> int:
@@ -67,11 +67,6 @@ def pad_rows(x: Tensor, rows: int) -> Tensor:
     if x.shape[0] == rows:
         return x
     return torch.cat([x, x[:1].expand(rows - x.shape[0], *x.shape[1:])])
-
-
-def page_bucket(pages: int) -> int:
-    """The page-table width a row of ``pages`` stored chunks pads to: 0, 1, 2, 4, 8, ..."""
-    return 0 if pages <= 0 else 1 << (pages - 1).bit_length()
 
 
 # Frame buckets are the multiples of frame_step up to this many steps; beyond, the step
@@ -134,26 +129,25 @@ class FlowBuckets:
         return tuple(buckets)
 
     def key(
-        self, batch: int, frames: int, streaming: bool, after_prefix: bool = False, pages: int | None = None
+        self, batch: int, frames: int, streaming: bool, after_prefix: bool = False, paged: bool = False
     ) -> GraphKey:
         """The bucket a call of this shape pads to; outside ``covers`` when it is too large.
-        ``pages``: a call after stored chunks (turn_pool.py), whose rows hold up to this many."""
+        ``paged``: a call after the rows' stored frames too (turn_pool.py)."""
         batch_bucket = next((b for b in self.batches if b >= batch), batch)
-        page_width = None if pages is None else page_bucket(pages)
-        return GraphKey(batch_bucket, self.frame_bucket(frames), streaming, after_prefix or pages is not None, page_width)
+        return GraphKey(batch_bucket, self.frame_bucket(frames), streaming, after_prefix or paged, paged)
 
     def covers(self, key: GraphKey) -> bool:
         return key.batch in self.batches and key.frames <= self.max_frame_bucket
 
     def keys(
         self, batches: Iterable[int], frames: Iterable[int], streaming_flags: Iterable[bool], after_prefix: bool = False,
-        max_row_frames: int | None = None, pages: Iterable[int | None] = (None,),
+        max_row_frames: int | None = None, paged: bool = False,
     ) -> set[GraphKey]:
-        """The buckets of ``batches`` x ``frames`` x ``streaming_flags`` (x ``pages`` of calls after
-        stored chunks); with ``max_row_frames`` only those of one row or of at most that many
+        """The buckets of ``batches`` x ``frames`` x ``streaming_flags`` (``paged``: of calls after
+        stored frames); with ``max_row_frames`` only those of one row or of at most that many
         rows x frames. Raises ValueError for shapes outside the buckets."""
         keys = {
-            self.key(b, f, s, after_prefix, p) for b in batches for f in frames for s in streaming_flags for p in pages
+            self.key(b, f, s, after_prefix, paged) for b in batches for f in frames for s in streaming_flags
         }
         if max_row_frames is not None:
             keys = {key for key in keys if key.batch == 1 or key.row_frames <= max_row_frames}
@@ -185,4 +179,4 @@ def pad_inputs(
 
 
 def bucket_order(key: GraphKey) -> tuple[int, int, bool, bool, int]:
-    return key.batch, key.frames, key.streaming, key.after_prefix, -1 if key.pages is None else key.pages
+    return key.batch, key.frames, key.streaming, key.after_prefix, key.paged

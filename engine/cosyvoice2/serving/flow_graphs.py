@@ -67,12 +67,8 @@ from tts_gateway.engine.cosyvoice2.serving.buckets import (
 )
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView, noise_after, solve_after_prefix
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
-    PagedView, TurnRows, TurnStatePool, pad_turn_rows, paged_noise, solve_paged,
+    TABLE_PAGES, PagedView, TurnRows, TurnStatePool, pad_turn_rows, paged_noise, solve_paged, turn_rows,
 )
-
-# The widest page table a graph after stored chunks is captured for (pages of 50 frames:
-# a turn of ~2 minutes); a call past it runs eagerly.
-MAX_GRAPH_PAGES = 128
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +121,11 @@ def step_program(
     """
     mu, mask, spks, cond = inputs[:4]
     slots = inputs[4] if key.after_prefix else None
-    turn_rows = TurnRows(*inputs[4:]) if key.pages is not None else None
+    rows = TurnRows(*inputs[4:]) if key.paged else None
 
     def start() -> None:
-        if turn_rows is not None:
-            x.copy_(paged_noise(cfm, bank, pool, turn_rows, key.frames))
+        if rows is not None:
+            x.copy_(paged_noise(cfm, bank, rows, key.frames))
         elif slots is not None:
             x.copy_(noise_after(cfm, bank, slots, key.frames))
         else:
@@ -137,12 +133,11 @@ def step_program(
         step.zero_()
 
     def euler_step() -> None:
-        if turn_rows is not None:
-            view = PagedView(bank, pool, turn_rows).at_step(step)
+        if rows is not None:
+            view = PagedView(bank, pool, rows, mask).at_step(step)
         else:
             view = None if slots is None else PrefixView(bank, slots).at_step(step)
-        rows = cfm.cfg_rows(mask, mu, spks, cond)
-        x.copy_(cfm.euler_step(x, step, times, rows, key.streaming, view))
+        x.copy_(cfm.euler_step(x, step, times, cfm.cfg_rows(mask, mu, spks, cond), key.streaming, view))
         step.add_(1)
 
     return start, euler_step
@@ -226,13 +221,11 @@ class FlowGraphs:
             buckets.max_batch * cfm.config.spk_emb_dim, device=self.device, dtype=self.dtype
         )
         self._static_slots = torch.zeros(buckets.max_batch, device=self.device, dtype=torch.long)
-        if pool is not None:  # TurnRows after slots: page table, cached, turn slot, write pages, commit
+        if pool is not None:  # TurnRows after slots: page table, stored, turn slot, commit
             index = {"device": self.device, "dtype": torch.long}
-            write_width = -(-buckets.max_frame_bucket // pool.page_frames)
             self._static_turn_rows = (
-                torch.zeros(buckets.max_batch, MAX_GRAPH_PAGES, **index), torch.zeros(buckets.max_batch, **index),
-                torch.zeros(buckets.max_batch, **index), torch.zeros(buckets.max_batch, write_width, **index),
-                torch.zeros(buckets.max_batch, **index),
+                torch.zeros(buckets.max_batch, TABLE_PAGES, **index),
+                *(torch.zeros(buckets.max_batch, **index) for _ in range(3)),
             )
         self._step = torch.zeros(1, device=self.device, dtype=torch.long)  # the Euler step a replay runs
         self._times = cfm.step_times(steps, self.device, self.dtype)
@@ -243,19 +236,18 @@ class FlowGraphs:
     @torch.inference_mode()
     def capture(
         self, batches: Iterable[int], frames: Iterable[int], streaming_flags: Iterable[bool], after_prefix: bool = False,
-        max_row_frames: int | None = None, pages: Iterable[int | None] = (None,),
+        max_row_frames: int | None = None, paged: bool = False,
     ) -> None:
         """Captures a graph for every bucket of ``batches`` x ``frames`` x ``streaming_flags``
         (each value rounded up to its bucket) that has none yet; updates ``reserved_bytes``.
         ``after_prefix``: graphs of ``CFM.solve_after`` over the bank (streaming only).
         ``max_row_frames``: only buckets of one row or of at most this many rows x frames;
-        ``pages``: graphs after stored chunks with page tables of these widths (None: not)."""
-        pages = list(pages)
-        if (after_prefix or pages != [None]) and self.bank is None:
+        ``paged``: graphs after the rows' stored frames in the turn-state pool."""
+        if (after_prefix or paged) and self.bank is None:
             raise ValueError("graphs after voice prefixes need the prefix bank")
-        if pages != [None] and self.pool is None:
+        if paged and self.pool is None:
             raise ValueError("graphs after stored chunks need the turn-state pool")
-        keys = self.buckets.keys(batches, frames, streaming_flags, after_prefix, max_row_frames, pages)
+        keys = self.buckets.keys(batches, frames, streaming_flags, after_prefix, max_row_frames, paged)
         started = time.perf_counter()
         # Largest first: smaller graphs then fit in the pool blocks the larger ones freed.
         for key in sorted(keys - self.graphs.keys(), key=bucket_order, reverse=True):
@@ -277,13 +269,8 @@ class FlowGraphs:
         )
         if key.after_prefix:
             inputs += (self._static_slots[: key.batch],)
-        if key.pages is not None:
-            table, cached, turn_slot, write_pages, commit = self._static_turn_rows
-            writes = -(-key.frames // self.pool.page_frames)
-            inputs += (
-                table[: key.batch, : key.pages], cached[: key.batch], turn_slot[: key.batch],
-                write_pages[: key.batch, :writes], commit[: key.batch],
-            )
+        if key.paged:
+            inputs += tuple(index[: key.batch] for index in self._static_turn_rows)
         return inputs, view(self._static_x, key.batch, channels, key.frames)
 
     @holding_capture_lock
@@ -295,11 +282,11 @@ class FlowGraphs:
         cond.zero_()
         spks.zero_()
         mask.fill_(1)
-        for index in inputs[4:]:  # bank slot 0; after stored chunks, none stored, nothing kept
+        for index in inputs[4:]:  # bank slot 0; in a turn pool, nothing stored, nothing kept
             index.zero_()
-        if key.pages is not None:
-            for index in (inputs[5], inputs[7], inputs[8]):
-                index.fill_(self.pool.scratch)
+        if key.paged:  # ... on the scratch page and slot
+            inputs[5].fill_(self.pool.scratch)
+            inputs[7].fill_(self.pool.slot_scratch)
 
         start, euler_step = step_program(self.cfm, key, inputs, x, self._step, self._times, self.bank, self.pool)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -328,15 +315,20 @@ class FlowGraphs:
         mu, cond = random(batch, channels, frames), random(batch, channels, frames)
         spks = random(batch, self.cfm.config.spk_emb_dim)
         mask = torch.ones(batch, 1, frames, device=self.device, dtype=self.dtype)
-        if key.pages is not None:  # nothing stored, nothing kept: every index at the scratch page
-            slots = torch.arange(batch, device=self.device) % self.bank.slots
-            writes = -(-frames // self.pool.page_frames)
-            scratch = torch.full((batch, max(key.pages, writes)), self.pool.scratch, device=self.device)
-            zero = torch.zeros(batch, dtype=torch.long, device=self.device)
-            rows = TurnRows(slots, scratch[:, : key.pages], zero, scratch[:, 0], scratch[:, :writes], zero)
-            replayed = self.run_paged(rows, mu, mask, spks, cond)
-            replayed = replayed and replayed[0]
-            eager = solve_paged(self.cfm, self.bank, self.pool, rows, mu, mask, spks, cond)
+        if key.paged:  # new turns in the pool, committing nothing, given back after
+            slots = [b % self.bank.slots for b in range(batch)]
+            ends = [int(self.bank.start[slot]) + frames for slot in slots]
+            rows, turns, served = turn_rows(self.bank, self.pool, slots, [None] * batch, ends, [0] * batch)
+            try:
+                if not all(served):
+                    raise ValueError(f"the turn-state pool has no room to check {key}")
+                replayed = self.run_paged(rows, mu, mask, spks, cond)
+                replayed = replayed and replayed[0]
+                eager = solve_paged(self.cfm, self.bank, self.pool, rows, mu, mask, spks, cond)
+            finally:
+                for turn in turns:
+                    if turn is not None:
+                        self.pool.release(turn)
         elif key.after_prefix:
             slots = torch.arange(batch, device=self.device) % self.bank.slots
             replayed = self.run_after_prefix(slots, mu, mask, spks, cond)
@@ -360,18 +352,14 @@ class FlowGraphs:
     def has(self, rows: int, frames: int, streaming: bool, after_prefix: bool = False) -> bool:
         """Whether a call of this shape would replay a graph (capturing it first, if allowed).
         With a turn-state pool, calls after voice prefixes are calls after stored chunks."""
-        pages = 0 if after_prefix and self.pool is not None else None
-        key = self.buckets.key(rows, frames, streaming, after_prefix, pages)
+        key = self.buckets.key(rows, frames, streaming, after_prefix, after_prefix and self.pool is not None)
         return key in self.graphs or self._capturable(key)
 
     def _capturable(self, key: GraphKey) -> bool:
-        """Whether a missing graph is captured on first use: with ``capture_missing``, or for
-        calls after stored chunks, whose page tables are too many to capture ahead."""
+        """Whether a missing graph is captured on first use (``capture_missing``)."""
         if not self.buckets.covers(key) or (key.after_prefix and self.bank is None):
             return False
-        if key.pages is not None:
-            return self.pool is not None and key.pages <= MAX_GRAPH_PAGES
-        return self.capture_missing
+        return self.capture_missing and (not key.paged or self.pool is not None)
 
     @torch.inference_mode()
     def run(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: bool) -> Tensor | None:
@@ -391,7 +379,7 @@ class FlowGraphs:
     ) -> tuple[Tensor, int] | None:
         """``solve_paged`` over this object's bank and pool by graph replay, with the row-frames
         the graph computed, or None as ``run``."""
-        key = self.buckets.key(mu.shape[0], mu.shape[2], True, pages=rows.page_table.shape[1])
+        key = self.buckets.key(mu.shape[0], mu.shape[2], True, paged=True)
         mel = self._replay(key, (mu, mask, spks, cond), rows)
         return None if mel is None else (mel, key.row_frames)
 
@@ -406,7 +394,7 @@ class FlowGraphs:
         if captured is None:
             if self._capturable(key):
                 log.info("capturing a flow CUDA graph on first use: %s", key)
-                self.capture([key.batch], [key.frames], [key.streaming], key.after_prefix, pages=[key.pages])
+                self.capture([key.batch], [key.frames], [key.streaming], key.after_prefix, paged=key.paged)
                 captured = self.graphs[key]
             else:
                 if key not in self._reported_missing:
@@ -415,7 +403,7 @@ class FlowGraphs:
                 return None
         padded = pad_inputs(*inputs[:4], key.batch, key.frames) + tuple(pad_rows(x, key.batch) for x in inputs[4:])
         if rows is not None:
-            padded += pad_turn_rows(rows, self.pool, key.batch, key.pages, key.frames).as_tuple()
+            padded += pad_turn_rows(rows, self.pool, key.batch).as_tuple()
         captured.replay(padded)
         # The state buffer is shared by all graphs: copy it out before any other replay.
         return captured.x[:batch, :, :length].to(torch.float32, copy=True)

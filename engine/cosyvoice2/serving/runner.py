@@ -41,7 +41,8 @@ from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 from tts_gateway.engine.cosyvoice2.serving.incremental import FlowStreamCache, inference_chunk
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, VoicePrefixCache, flow_after_prefix, solve_after_prefix
 from tts_gateway.engine.cosyvoice2.serving.request import StreamState, VoicePrompt
-from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnStatePool, TurnRows, flow_paged, solve_paged
+from tts_gateway.engine.cosyvoice2.serving.paged_varlen import attend_reference, flash_attend
+from tts_gateway.engine.cosyvoice2.serving.turn_pool import PagedAttention, TurnRows, TurnStatePool, flow_paged, solve_paged
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,14 @@ class Lane:
     stream: torch.cuda.Stream | None = None
     flow_graphs: FlowGraphs | None = None
     hift_graphs: HiftGraphs | None = None
+
+
+def paged_kernel(flow: Flow) -> PagedAttention:
+    """The turn pool's attention: vLLM's paged FlashAttention on a GPU (the engine runs on
+    vLLM there), the reference by gathers elsewhere."""
+    if not flow.decoder.noise.is_cuda:
+        return attend_reference
+    return flash_attend(flow.decoder.estimator.attention_layers[0].head_dim)
 
 
 class Token2WavRunner:
@@ -90,7 +99,8 @@ class Token2WavRunner:
         self.prefixes = VoicePrefixCache(flow, prefix_voices, flow_steps) if prefix_voices and not incremental else None
         self.turn_pool = None
         if turn_state_bytes and self.prefixes is not None:
-            self.turn_pool = TurnStatePool.within(flow.decoder, turn_state_bytes, next(flow.parameters()), flow_steps)
+            like = next(flow.parameters())
+            self.turn_pool = TurnStatePool.within(flow.decoder, turn_state_bytes, like, flow_steps, paged_kernel(flow))
         self._window = torch.from_numpy(np.hamming(2 * schedule.cache_samples))
         # The flow's work as running totals (see work_totals); two worker threads add to them.
         self._work: collections.Counter[str] = collections.Counter()
@@ -267,8 +277,9 @@ class Token2WavRunner:
 
     @torch.inference_mode()
     def _flow_paged(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
-        """Chunks that start after their voice prefix and their turn's stored chunks, and store
-        the chunks they complete (turn_pool.py): each costs its own frames."""
+        """Chunks that start after their voice prefix and their turn's stored frames, and keep
+        the chunks they complete (turn_pool.py): each costs its own frames. Chunks of turns the
+        pool has no room for run after their voice prefix instead."""
         device = jobs[0].request.prompt.speech_feat.device
         slots = torch.tensor([self.prefixes.slot(job.request.prompt) for job in jobs], device=device)
         states = [job.request.stream for job in jobs]
@@ -286,19 +297,25 @@ class Token2WavRunner:
         )
         for state, turn in zip(states, turns):
             state.turn = turn
-        start, end = result.start.tolist(), result.end.tolist()
-        widths = [e - s for s, e in zip(start, end)]
-        replayed = padded[0]
-        self._book(jobs, widths, len(jobs) * result.mel.shape[2] if replayed is None else replayed, replayed is None)
-        mels = []
-        for i, job in enumerate(jobs):
+        served = [i for i, s in enumerate(result.served) if s]
+        fallen = [i for i, s in enumerate(result.served) if not s]
+        mels: dict[int, torch.Tensor] = {}
+        if fallen:
+            mels.update(zip(fallen, self._flow_batched([jobs[i] for i in fallen], finalize)))
+        if served:
+            start, end, mel, replayed = result.start.tolist(), result.end.tolist(), result.mel, padded[0]
+            widths = [end[i] - start[i] for i in served]
+            computed = len(served) * mel.shape[2] if replayed is None else replayed
+            self._book([jobs[i] for i in served], widths, computed, replayed is None)
+        for row, i in enumerate(served):
             # The chunk's audio starts at the first frame of its first token (earlier frames of
             # a call, back to its last stored chunk, were spoken before).
-            first = self.schedule.mel_ratio * (job.request.prompt.tokens + job.request.stream.offset)
+            request = jobs[i].request
+            first = self.schedule.mel_ratio * (request.prompt.tokens + request.stream.offset)
             if first < start[i]:
                 raise RuntimeError(f"a chunk's frames start at {first}, its call at {start[i]}")
-            mels.append(result.mel[i : i + 1, :, first - start[i] : end[i] - start[i]])
-        return mels
+            mels[i] = mel[row : row + 1, :, first - start[i] : end[i] - start[i]]
+        return [mels[i] for i in range(len(jobs))]
 
     def _solve_paged(
         self, rows: TurnRows, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
@@ -320,7 +337,7 @@ class Token2WavRunner:
     def stored_frames(self, job: ChunkJob) -> int:
         """Decoder frames of the job's turn already stored (its voice prefix aside)."""
         turn = job.request.stream.turn
-        return 0 if turn is None or self.turn_pool is None else len(turn.pages) * self.turn_pool.page_frames
+        return 0 if turn is None or self.turn_pool is None else turn.frames
 
     def release(self, state: StreamState) -> None:
         """Free an utterance's stored decoder state at once (it ended or was cancelled; no

@@ -28,10 +28,6 @@ log = logging.getLogger(__name__)
 # Flow graphs of final chunks (full attention over the whole turn) up to this batch: a
 # batch holds few of them, since each turn has one.
 FINAL_GRAPH_MAX_BATCH = 8
-# Graphs after stored chunks captured before ready: calls of up to this many new frames, with
-# page tables up to this wide (16 s stored); others are captured on first use.
-PAGED_START_FRAMES = 300
-PAGED_START_PAGES = (0, 1, 2, 4, 8, 16)
 # CUDA stream priority of the first-chunk lane: lower is higher, and torch maps a value
 # past the device's range to its highest priority.
 LANE_PRIORITY = -1000
@@ -71,17 +67,16 @@ def capture_flow_graphs(runner: Token2WavRunner, settings: CosyVoice2Settings, d
     graphs = FlowGraphs(runner.flow.decoder, buckets, bank=bank, pool=pool, steps=runner.flow_steps)
     frames = buckets.frame_buckets()
     # Non-final chunks start after their voices' prefixes where there is a bank (frames:
-    # those after the prefix), and after their turns' stored chunks where there is a pool;
-    # else they run whole. Without a pool one row runs whole either way (the faster replay
+    # those after the prefix), and after their turns' stored frames where there is a pool
+    # (a turn the pool has no room for goes on after its prefix); else they run whole. Without a pool one row runs whole either way (the faster replay
     # on the H200: 85 vs 103 ms for a first chunk with the vocoder). Final chunks of full
     # attention end turns, a few at a time. The call planner keeps calls of several rows
     # within MAX_CALL_ROW_FRAMES, so larger graphs would not be replayed.
     budget = MAX_CALL_ROW_FRAMES
     graphs.capture([1] if bank is not None else buckets.batches, frames, [True], max_row_frames=budget)
     if pool is not None:
-        paged_frames = [f for f in frames if f <= PAGED_START_FRAMES]
-        graphs.capture(buckets.batches, paged_frames, [True], max_row_frames=budget, pages=PAGED_START_PAGES)
-    elif bank is not None:
+        graphs.capture(buckets.batches, frames, [True], max_row_frames=budget, paged=True)
+    if bank is not None:
         graphs.capture(buckets.batches, frames, [True], after_prefix=True, max_row_frames=budget)
     if not runner.final_streaming:
         final_batches = [b for b in buckets.batches if b <= FINAL_GRAPH_MAX_BATCH]
@@ -90,7 +85,8 @@ def capture_flow_graphs(runner: Token2WavRunner, settings: CosyVoice2Settings, d
     held = torch.cuda.memory_reserved(device) / 2**30
     # A small graph of each kind against its eager solve.
     checked = [buckets.key(3, 250, streaming, after) for streaming, after in ((True, bank is not None), (False, False))]
-    checked.append(buckets.key(3, 100, True, pages=4))
+    if pool is not None:
+        checked.append(buckets.key(3, 100, True, paged=True))
     errors = ", ".join(f"{key}: {graphs.replay_error(key):.2e}" for key in checked if key in graphs.graphs)
     log.info(
         "flow CUDA graphs: %d captured in %.1f s (%.2f GiB); |replay - eager| %s; "

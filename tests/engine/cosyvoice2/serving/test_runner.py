@@ -131,18 +131,19 @@ def our_stream(
     stored = []
     while (job := token2wav.schedule.next_job(state)) is not None:
         chunks.append(token2wav.run([job])[0])
-        stored.append(len(state.stream.turn.pages) if state.stream.turn is not None else 0)
+        stored.append(state.stream.turn.frames if state.stream.turn is not None else 0)
     if prefix_voices:  # the stream really started its decoder after a stored prefix (of flow_steps steps)
         assert len(token2wav.prefixes._slots) == 1
         assert token2wav.prefixes.bank.frames == 2 * ((voice.speech_tokens.shape[1] - 3) // 25 * 25) > 0
         assert token2wav.prefixes.bank.keys[0].shape[0] == flow_steps
-    if turn_state_pages:  # ... and after its own stored chunks (as many as fit), given back at its end
+    if turn_state_pages:  # ... and after its own stored chunks (where they fit), given back at its end
         pool = token2wav.turn_pool
-        assert stored[-1] == 0 and pool.pages_in_use == 0 and pool.keys[0].shape[0] == flow_steps
-        if turn_state_pages >= len(tokens) // 25 + 4:
-            assert stored[-2] >= 4 and pool.fallbacks == 0
-        else:
-            assert max(stored) == turn_state_pages and pool.fallbacks > 0
+        assert stored[-1] == 0 and pool.pages_in_use == 0 and pool.keys[0].shape[0] == flow_steps * 2 * (pool.pages + 1)
+        prefix_pages = -(-token2wav.prefixes.bank.frames // pool.page_frames)
+        if turn_state_pages >= prefix_pages + len(tokens) * 2 // pool.page_frames + 2:
+            assert stored[-2] >= 4 * 50 and pool.fallbacks == 0
+        else:  # the turn fell back to recompute when it outgrew what the prefix left
+            assert 0 < pool.peak_pages <= turn_state_pages - prefix_pages and pool.fallbacks > 0
     return chunks
 
 
@@ -156,8 +157,8 @@ STREAMING_MODES = {
     "recompute": dict(incremental=False),
     "recompute-after-voice-prefix": dict(incremental=False, prefix_voices=2),
     "incremental": dict(incremental=True),
-    "paged": dict(incremental=False, prefix_voices=2, turn_state_pages=16),
-    "paged-pool-full": dict(incremental=False, prefix_voices=2, turn_state_pages=2),
+    "paged": dict(incremental=False, prefix_voices=2, turn_state_pages=64),
+    "paged-pool-full": dict(incremental=False, prefix_voices=2, turn_state_pages=16),
 }
 
 
@@ -193,7 +194,7 @@ def test_paged_calls_ask_the_graphs_first(models, voice, tokens):
     """In paged mode every call is offered to the flow graphs (as FlowGraphs takes it) before
     it runs eagerly."""
     page = TurnStatePool.page_bytes(models.flow.decoder, torch.float32)
-    token2wav = make_runner(models, incremental=False, prefix_voices=2, turn_state_bytes=17 * page)
+    token2wav = make_runner(models, incremental=False, prefix_voices=2, turn_state_bytes=65 * page)
     graphs = create_autospec(FlowGraphs, instance=True)
     graphs.has.return_value = False
     graphs.run.return_value = graphs.run_after_prefix.return_value = graphs.run_paged.return_value = None
