@@ -230,7 +230,7 @@ class TurnStatePool:
             if pages is None:
                 return None
             self._prefixes[slot] = (bank, bank.generation[slot], pages)
-        index = torch.tensor(pages, device=bank.start.device)
+        index = torch.tensor(pages, dtype=torch.long, device=bank.start.device)
         for ours, theirs in ((self.keys, bank.keys), (self.values, bank.values)):
             for layer, stored in zip(ours, theirs):
                 # [steps, 2, heads, frames, dim] -> pages of [16, heads, dim] per step and row

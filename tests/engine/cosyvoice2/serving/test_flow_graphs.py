@@ -19,7 +19,9 @@ from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, decode
 from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig
 from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets, GraphKey, pad_inputs, pad_rows
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs, _CapturedSolve, solve_after_padded, solve_padded, step_program
-from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnRows, TurnStatePool, pad_turn_rows, solve_paged
+from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
+    TABLE_PAGES, TurnRows, TurnState, TurnStatePool, pad_turn_rows, solve_paged, turn_rows,
+)
 from tests.engine.cosyvoice2.flow_pairs import STEPS
 from tests.reference import randomize
 
@@ -213,49 +215,69 @@ def test_step_program_is_the_eager_solve(cfm, streaming, dtype, steps) -> None:
     assert torch.equal(stepped[: len(LENGTHS), :, : mu.shape[2]].float(), eager)
 
 
-def turn_rows(pool: TurnStatePool, slots: list[int], pages: list[list[int]], cached: list[int],
-              turn_slot: list[int], commit: list[int], frames: int) -> TurnRows:
-    """TurnRows for rows holding ``pages`` (the first ``cached`` of them stored, the next ones to
-    write ``commit`` frames into), pages to write for ``frames`` new frames."""
-    scratch = pool.scratch
-    table_width, writes = max(cached), -(-frames // pool.page_frames)
-    table = [p[:n] + [scratch] * (table_width - n) for p, n in zip(pages, cached)]
-    write = [(p[n : n + c // pool.page_frames] + [scratch] * writes)[:writes] for p, n, c in zip(pages, cached, commit)]
-    return TurnRows(*(torch.tensor(v) for v in (slots, table, cached, turn_slot, write, commit)))
+def stored_turns(pool: TurnStatePool, bank: PrefixBank, mu: Tensor) -> tuple[TurnRows, list[TurnState]]:
+    """The rows of a paged call of ``mu``'s rows (LENGTHS new frames) over ``bank`` (prefix_bank):
+    voices in slots 2, 0, 2 (prefixes of 100 and 50 frames, the first ending inside a page),
+    turns holding 100, 50 and no committed frames, committing 100, 0 and 50 more. Made the
+    same way in any pool of the same size."""
+    slots, stored, commit = [2, 0, 2], [100, 50, 0], [100, 0, 50]
+    turns: list[TurnState | None] = []
+    for slot, frames in zip(slots, stored):
+        turn = None
+        if frames:  # its pages from the one the prefix ends in, through its committed frames
+            prefix = int(bank.start[slot])
+            turn = pool.grow(None, -(-(prefix + frames) // pool.page_frames) - prefix // pool.page_frames)
+            turn.frames = frames
+        turns.append(turn)
+    ends = [int(bank.start[slot]) + frames + n for slot, frames, n in zip(slots, stored, LENGTHS)]
+    rows, turns, served = turn_rows(bank, pool, slots, turns, ends, commit)
+    assert all(served)
+    return rows, turns
+
+
+def same_random_state(pools: list[TurnStatePool]) -> None:
+    generator = torch.Generator().manual_seed(3)
+    for pool in pools:
+        for stored, first in zip(pool.keys + pool.values + pool.conv_context, pools[0].keys + pools[0].values + pools[0].conv_context):
+            stored.copy_(torch.randn(stored.shape, generator=generator) if pool is pools[0] else first)
+
+
+def real_pages(pool: TurnStatePool, stored: Tensor) -> Tensor:
+    """A pool tensor without its scratch pages (one per Euler step and CFG row)."""
+    logical = stored.view(pool.steps * 2, pool.pages + 1, *stored.shape[1:])
+    return logical[:, : pool.scratch]
 
 
 @pytest.mark.parametrize("steps", STEPS)
-def test_padded_solve_after_stored_chunks_is_the_eager_one(cfm, steps) -> None:
-    """A call after stored chunks as its graph runs it (padded: rows copying row 0's reads but
-    keeping nothing, page tables and pages to write padded with the scratch page), run eagerly
-    from ``start`` step by step, gives the unpadded eager solve's mel and stores the same pages
-    and conv contexts: rows of two voices holding 2, 1 and no stored chunks, committing 2, 0
-    and 1 new chunks (the official and another number of Euler steps)."""
+def test_padded_solve_after_stored_frames_is_the_eager_one(cfm, steps) -> None:
+    """A call after stored frames as its graph runs it (padded: rows copying row 0's prefix but
+    reading and writing only the scratch page and slot), run eagerly from ``start`` step by
+    step, gives the unpadded eager solve's mel and leaves the same pages and conv contexts,
+    and no call writes a voice prefix's pages (the official and another number of Euler steps)."""
     mu, mask, spks, cond = batch_inputs(LENGTHS, PROMPTS, seed=9)
     bank = prefix_bank(cfm, mu, steps)
-    pools = [TurnStatePool(cfm, 8, mu, steps) for _ in range(2)]
-    generator = torch.Generator().manual_seed(3)
-    for pool in pools:  # the same stored state in both
-        for stored, fresh in zip(pool.keys + pool.values + pool.conv_context, pools[0].keys + pools[0].values + pools[0].conv_context):
-            stored.copy_(fresh if pool is not pools[0] else torch.randn(stored.shape, generator=generator))
-    initial = pools[0].keys[0].clone()
-    args = ([2, 0, 2], [[0, 1, 2, 3], [4], [5]], [2, 1, 0], [0, 1, 2], [100, 0, 50], mu.shape[2])
+    pools = [TurnStatePool(cfm, 64, mu, steps) for _ in range(2)]
+    same_random_state(pools)
     buckets = FlowBuckets.up_to(max_batch=8, max_frames=300)
-    key = buckets.key(len(LENGTHS), mu.shape[2], True, pages=2)
+    key = buckets.key(len(LENGTHS), mu.shape[2], True, paged=True)
     with torch.inference_mode():
-        rows = turn_rows(pools[0], *args)
+        rows, _ = stored_turns(pools[0], bank, mu)
+        prefixes = [pools[0].prefix_pages(bank, slot) for slot in (0, 2)]
+        before = real_pages(pools[0], pools[0].keys[0]).clone()
         eager = solve_paged(cfm, bank, pools[0], rows, mu, mask, spks, cond)
         inputs = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
-        padded_rows = pad_turn_rows(rows, pools[1], key.batch, key.pages, key.frames)
+        padded_rows = pad_turn_rows(stored_turns(pools[1], bank, mu)[0], pools[1], key.batch)
         stepped = solve_by_steps(cfm, key, inputs + padded_rows.as_tuple(), bank, pools[1], steps)
     assert eager.abs().max() > 1.0
     assert (stepped[: len(LENGTHS), :, : mu.shape[2]] - eager).abs().max() <= 1e-5
     for ours, theirs in zip(pools[0].keys + pools[0].values, pools[1].keys + pools[1].values):
-        assert (ours[:, :6] - theirs[:, :6]).abs().max() <= 1e-5  # the real pages (scratch aside)
+        assert (real_pages(pools[0], ours) - real_pages(pools[1], theirs)).abs().max() <= 1e-5
     for ours, theirs in zip(pools[0].conv_context, pools[1].conv_context):
-        assert (ours[:, :3] - theirs[:, :3]).abs().max() <= 1e-5
-    changed = [not torch.equal(pools[0].keys[0][:, page], initial[:, page]) for page in range(6)]
-    assert changed == [False, False, True, True, False, True]  # the committed chunks' pages, only
+        assert (ours[:, :-1] - theirs[:, :-1]).abs().max() <= 1e-5  # the scratch slot aside
+    after = real_pages(pools[0], pools[0].keys[0])
+    for pages in prefixes:
+        assert torch.equal(after[:, pages], before[:, pages])
+    assert not torch.equal(after, before)
 
 
 def test_step_program_runs_without_host_sync() -> None:
@@ -264,16 +286,16 @@ def test_step_program_runs_without_host_sync() -> None:
     cfm = CFM(CFMConfig.tiny()).to("meta").eval()
     mu = torch.zeros(4, 80, 150, device="meta")
     bank = PrefixBank(cfm, 2, 100, mu)
-    pool = TurnStatePool(cfm, 4, mu)
+    # The paged kernel is a GPU library's: a stand-in of its shape here.
+    pool = TurnStatePool(cfm, 4, mu, attend=lambda query, keys, values, plan: torch.empty_like(query))
     slots = torch.zeros(4, dtype=torch.long, device="meta")
-    index = torch.zeros(4, 2, dtype=torch.long, device="meta")
-    rows = TurnRows(slots, index, slots, slots, index[:, :1].expand(4, 3), slots)
+    rows = TurnRows(slots, torch.zeros(4, TABLE_PAGES, dtype=torch.long, device="meta"), slots, slots, slots)
     inputs = (mu, torch.ones(4, 1, 150, device="meta"), torch.zeros(4, 80, device="meta"), mu)
     for key, extra, program_bank in (
         (GraphKey(4, 150, True), (), None),
         (GraphKey(4, 150, False), (), None),
         (GraphKey(4, 150, True, after_prefix=True), (slots,), bank),
-        (GraphKey(4, 150, True, after_prefix=True, pages=2), rows.as_tuple(), bank),
+        (GraphKey(4, 150, True, after_prefix=True, paged=True), rows.as_tuple(), bank),
     ):
         x = solve_by_steps(cfm, key, inputs + extra, program_bank, pool)
         assert x.shape == (4, 80, 150)
@@ -339,29 +361,31 @@ def test_run_paged_replays_with_its_rows_padded_to_the_graph(cfm, steps) -> None
     ``replay_error`` runs."""
     mu, mask, spks, cond = batch_inputs(LENGTHS, PROMPTS, seed=9)
     bank = prefix_bank(cfm, mu, steps)
-    pools = [TurnStatePool(cfm, 8, mu, steps) for _ in range(2)]
-    args = ([2, 0, 2], [[0, 1, 2, 3], [4], [5]], [2, 1, 0], [0, 1, 2], [100, 0, 50], mu.shape[2])
+    pools = [TurnStatePool(cfm, 128, mu, steps) for _ in range(2)]
+    same_random_state(pools)
     buckets = FlowBuckets.up_to(max_batch=8, max_frames=300)
-    key = buckets.key(len(LENGTHS), mu.shape[2], True, pages=2)
+    key = buckets.key(len(LENGTHS), mu.shape[2], True, paged=True)
     graphs = object.__new__(FlowGraphs)  # its CUDA parts aside
     graphs.cfm, graphs.buckets, graphs.bank, graphs.pool = cfm, buckets, bank, pools[1]
     graphs.device, graphs.dtype, graphs.capture_missing = mu.device, mu.dtype, False
     with torch.inference_mode():
-        static = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
-        static += pad_turn_rows(turn_rows(pools[1], *args), pools[1], key.batch, key.pages, key.frames).as_tuple()
+        rows, _ = stored_turns(pools[1], bank, mu)
+        static = pad_inputs(mu, mask, spks, cond, key.batch, key.frames) + pad_turn_rows(rows, pools[1], key.batch).as_tuple()
         static = tuple(torch.zeros_like(t) for t in static)
         x = mu.new_zeros(key.batch, 80, key.frames)
         step = torch.zeros(1, dtype=torch.long)
         times = cfm.step_times(steps, mu.device, mu.dtype)
         start, euler_step = step_program(cfm, key, static, x, step, times, bank, pools[1])
         graphs.graphs = {key: _CapturedSolve(_EulerStepAsGraph(euler_step), static, x, start, steps)}
-        replayed, row_frames = graphs.run_paged(turn_rows(pools[1], *args), mu, mask, spks, cond)
-        eager = solve_paged(cfm, bank, pools[0], turn_rows(pools[0], *args), mu, mask, spks, cond)
+        replayed, row_frames = graphs.run_paged(rows, mu, mask, spks, cond)
+        eager = solve_paged(cfm, bank, pools[0], stored_turns(pools[0], bank, mu)[0], mu, mask, spks, cond)
     assert row_frames == key.row_frames
     assert eager.abs().max() > 1.0
     assert (replayed - eager).abs().max() <= 1e-5
-    # The start-up check of such a graph (its rows store nothing) runs too.
+    # The start-up check of such a graph (new turns, committing nothing, given back) runs too.
+    in_use = pools[1].pages_in_use
     assert graphs.replay_error(key) <= 1e-5
+    assert pools[1].pages_in_use == in_use
 
 
 def test_graphs_are_laid_out_for_the_steps_of_the_state_they_read(cfm) -> None:
