@@ -154,9 +154,8 @@ class CosyVoice2Engine(Engine):
     def _runner(self, device: torch.device) -> Token2WavRunner:
         settings = self.settings
         # auto: incremental on CPU, where the flow is compute-bound and runs one row at a time;
-        # recompute on GPU, where rows batch across sessions. Paged stays opt-in until its
-        # attention reads pages in place: measured on the H200 it serves fewer sessions
-        # (docs/benchmarks.md, "2026-12-05: turn state in a paged pool").
+        # recompute on GPU, where rows batch across sessions. Paged is opt-in (docs/benchmarks.md,
+        # "turn state in a paged pool").
         mode = settings.flow_mode if settings.flow_mode != "auto" else "incremental" if device.type == "cpu" else "recompute"
         if mode == "paged" and not settings.prefix_voices:
             raise EngineError("flow_mode 'paged' needs prefix_voices >= 1 (turns continue from their voice's prefix)")

@@ -96,7 +96,7 @@ class CosyVoice2Settings:
     # incremental: each utterance keeps its own state, unbatched (~4.9 MB per mel frame at
     # full size in float32). recompute: the official way, re-run the flow over everything so
     # far for every chunk (no state). auto: incremental on CPU, recompute on GPU (paged is
-    # opt-in for now: docs/benchmarks.md, "2026-12-05: turn state in a paged pool").
+    # opt-in: docs/benchmarks.md, "turn state in a paged pool").
     # A listener about to run out of audio gets the tokens there are (at least
     # token_first_hop_len) as an early chunk instead of waiting for a whole hop, while the
     # token2wav worker has time for it. Keeps text streamed at LLM speed from stalling
@@ -112,8 +112,8 @@ class CosyVoice2Settings:
     second_chunk_on_lane: bool = False
     flow_mode: str = "auto"
     # Paged mode's pool of turns' decoder state: ~2.3 MB per mel frame at full size in bf16
-    # (8 GB: ~70 s of speech being generated at once). A turn that finds it full recomputes
-    # from its last stored chunk instead (counted), so this bounds memory, not sessions.
+    # (8 GB: ~70 s of speech being generated at once). A turn that finds it full goes on by
+    # recompute after its voice prefix instead (counted), so this bounds memory, not sessions.
     token2wav_cache_gb: float = 8.0
     # The last chunk of a turn: "chunk" is the official flow's streaming mode (chunk-causal,
     # like every other chunk; it costs its own frames), "full" the official tts() loop's
