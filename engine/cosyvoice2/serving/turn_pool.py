@@ -386,7 +386,7 @@ def turn_rows(
                 pool.fall_back()
             turns[b] = None
             continue
-        if turn is None and prefix % PAGE_FRAMES:
+        if turn is None and prefix % PAGE_FRAMES and grown.pages:
             pool.copy_page(prefix_pages[first], grown.pages[0])
         turns[b] = grown
         served[b] = True
