@@ -220,7 +220,7 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "peak_gb_since_start": round(after.get("tts_token2wav_turn_state_peak_bytes_total", 0.0) / 1e9, 2),
         "turns": turns,
         "mb_per_turn": round(delta("tts_token2wav_turn_state_stored_bytes_total") / turns / 1e6, 1) if turns else None,
-        "fallback_calls": delta("tts_token2wav_turn_state_fallbacks_total"),
+        "fallback_turns": delta("tts_token2wav_turn_state_fallbacks_total"),
     }
     firsts = delta("tts_first_audio_chunks_total")
     first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None

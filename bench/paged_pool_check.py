@@ -33,7 +33,7 @@ HEADS, DIM, CHUNK = 8, 64, 50
 
 def kernel_check(device: torch.device) -> dict:
     generator = torch.Generator(device).manual_seed(0)
-    pages, page_frames, width = 256, 16, 64
+    pages, page_frames, width = 512, 16, 64
     keys = torch.randn(pages, page_frames, HEADS, DIM, device=device, generator=generator).bfloat16()
     values = torch.randn(pages, page_frames, HEADS, DIM, device=device, generator=generator).bfloat16()
     # Rows: (first new position, new frames): on and off chunk boundaries, one row with no frame.

@@ -48,8 +48,8 @@ TOTALS = {
     "since start (flow_mode paged).",
     "token2wav_turn_state_stored_bytes": "Decoder state stored for turns (stored / turns = memory per turn).",
     "token2wav_turn_state_turns": "Turns that stored decoder state in the pool.",
-    "token2wav_turn_state_fallbacks": "Flow calls of a turn that found too few free pages in the pool and went "
-    "on by recompute after its voice prefix instead.",
+    "token2wav_turn_state_fallbacks": "Turns that found too few free pages in the pool and went on by recompute "
+    "after their voice prefix instead.",
     "first_audio_chunks": "Utterances' first chunks delivered (divide the first_audio_*_seconds totals by it).",
     "first_audio_llm_first_token_seconds": "First chunks: first text given to the LLM stage to its first speech token.",
     "first_audio_llm_chunk_seconds": "First chunks: first speech token to the chunk's tokens all there.",

@@ -23,9 +23,10 @@ so one page table serves every step and row by an offset. Conv context stays per
 Memory: ~2.3 MB per frame at full size in bf16 (10 steps x 2 rows x 56 layers x K and V x
 512 values), so the pool is sized by a budget and a turn holds pages only while it is being
 generated: they go back the moment it ends or is cancelled. A call allocates the pages its
-new frames need first; a row that cannot get them (the pool is full, or its turn outgrew the
-page table) gives its pages back and runs on the recompute path instead (a fallback,
-counted), so nothing fails.
+new frames need first; a turn that cannot get them (the pool is full, or the turn outgrew the
+page table) gives its pages back and goes on by recompute after its voice prefix to its end
+(a fallback, counted once), so nothing fails. A new turn gets pages only while some of the
+pool stays free for the turns already in it to grow, so that turns admitted finish in it.
 
 Every shape depends on the call's bucket only (the page table has a fixed width), so a CUDA
 graph of an Euler step reads and writes the pool in place (flow_graphs.py).
@@ -54,6 +55,10 @@ PAGE_FRAMES = 16
 TABLE_PAGES = 512
 # Turn slots (conv context) per page of the pool: a turn holds a few pages at least.
 PAGES_PER_TURN_SLOT = 4
+# A new turn is given pages only while this share of the pool stays free after its first call:
+# the room turns already stored need to grow. Without it, new turns fill the pool and every
+# turn then fails to grow at once.
+GROWTH_RESERVE = 0.125
 
 # (query [rows * queries, heads, dim], key pages, value pages, plan) -> output like query
 PagedAttention = Callable[[Tensor, Tensor, Tensor, ChunkSequences], Tensor]
@@ -63,11 +68,13 @@ PagedAttention = Callable[[Tensor, Tensor, Tensor, ChunkSequences], Tensor]
 class TurnState:
     """One turn's share of the pool: its own pages (positions from the page its voice prefix
     ends in, in order), its conv-context slot, and how many frames after the voice prefix
-    are committed (their state is final)."""
+    are committed (their state is final). A turn that ``fell_back`` holds nothing and goes on
+    by recompute to its end."""
 
     slot: int
     pages: list[int] = field(default_factory=list)
     frames: int = 0
+    fell_back: bool = False
 
 
 @dataclass(frozen=True)
@@ -185,9 +192,12 @@ class TurnStatePool:
 
     def grow(self, turn: TurnState | None, pages: int) -> TurnState | None:
         """``turn`` (a new one when None) with ``pages`` more pages, or None when the pool has
-        too few free (then nothing is taken)."""
+        too few free (then nothing is taken); a new turn also leaves GROWTH_RESERVE of the
+        pool free."""
         with self._lock:
-            if turn is None and not self._free_slots:
+            if turn is None and (
+                not self._free_slots or len(self._free_pages) - pages < GROWTH_RESERVE * self.pages
+            ):
                 return None
             taken = self._take(pages)
             if taken is None:
@@ -200,20 +210,24 @@ class TurnStatePool:
             self.peak_pages = max(self.peak_pages, self._turn_pages())
             return turn
 
-    def release(self, turn: TurnState, fell_back: bool = False) -> None:
-        """Give a turn's pages and slot back (the turn ended, was cancelled, or, ``fell_back``,
-        goes on by recompute: counted)."""
+    def release(self, turn: TurnState) -> None:
+        """Give a turn's pages and slot back (it ended, or was cancelled); again is a no-op."""
         with self._lock:
             self._free_pages += turn.pages
-            self._free_slots.append(turn.slot)
-            turn.pages = []
-            turn.frames = 0
-            self.fallbacks += fell_back
+            if turn.slot >= 0:
+                self._free_slots.append(turn.slot)
+            turn.pages, turn.frames, turn.slot = [], 0, -1
 
-    def fall_back(self) -> None:
-        """Count a call of a turn with no state that could get none."""
+    def fall_back(self, turn: TurnState | None) -> TurnState:
+        """``turn`` (None: one that never had state) going on by recompute to its end: what it
+        held given back, and the fallback counted (the engine exports the count)."""
+        if turn is None:
+            turn = TurnState(-1)
+        self.release(turn)
+        turn.fell_back = True
         with self._lock:
             self.fallbacks += 1
+        return turn
 
     def prefix_pages(self, bank: PrefixBank, slot: int) -> list[int] | None:
         """The pages holding bank slot ``slot``'s voice prefix, copied from the bank when the
@@ -365,8 +379,8 @@ def turn_rows(
 ) -> tuple[TurnRows | None, list[TurnState | None], list[bool]]:
     """The rows of a paged call whose row b ends at position ``end[b]`` (its turn's pages grown
     to cover it; a new turn's first page copied from its prefix's last), and which rows it
-    serves: a row whose pages cannot be had gives its turn's pages back (its turn becomes
-    None) and is not served. ``commit``: frames each row commits."""
+    serves: a row whose turn fell back, or whose pages cannot be had (its turn then falls
+    back), is not served. ``commit``: frames each row commits."""
     turns = list(turns)
     served = [False] * len(slots)
     table = np.full((len(slots), TABLE_PAGES), pool.scratch, dtype=np.int64)
@@ -375,16 +389,14 @@ def turn_rows(
         prefix_pages = pool.prefix_pages(bank, slot)
         first = prefix // PAGE_FRAMES  # the page the prefix ends in: the turn's own from here
         need = -(-end[b] // PAGE_FRAMES) - first
+        if turn is not None and turn.fell_back:
+            continue
         grown = None
         if prefix_pages is not None and -(-end[b] // PAGE_FRAMES) <= TABLE_PAGES:
             have = len(turn.pages) if turn is not None else 0
             grown = pool.grow(turn, max(0, need - have))
         if grown is None:
-            if turn is not None:
-                pool.release(turn, fell_back=True)
-            else:
-                pool.fall_back()
-            turns[b] = None
+            turns[b] = pool.fall_back(turn)
             continue
         if turn is None and prefix % PAGE_FRAMES and grown.pages:
             pool.copy_page(prefix_pages[first], grown.pages[0])
@@ -428,7 +440,7 @@ def flow_paged(
     row after its voice prefix (bank slot ``slots[b]``) and its turn's stored frames
     (``turns[b]``, None: none yet), and commits the whole chunks it completes for the rows
     that ``keep`` state (not on the last chunk: nothing follows it). Returns the mel of the
-    rows it served and the turns (a row not served has none: run it on the recompute path).
+    rows it served and the turns (a row not served fell back: run it on the recompute path).
 
     ``solve``: the decoder (default :func:`solve_paged`, eager; the runner passes a graph's replay).
     """

@@ -107,8 +107,8 @@ def test_pool_budget_and_bookkeeping(flow_pair) -> None:
     other = pool.grow(None, 1)
     assert pool.grow(None, 1) is None  # two turn slots
     pool.release(turn)
-    pool.release(other, fell_back=True)
-    assert pool.pages_in_use == 0 and pool.peak_pages == 4 and pool.fallbacks == 1
+    assert pool.fall_back(other).fell_back and pool.fall_back(None).fell_back
+    assert pool.pages_in_use == 0 and pool.peak_pages == 4 and pool.fallbacks == 2
     with pytest.raises(ValueError, match="no page"):
         TurnStatePool.within(ours.decoder, page, like)
     # State is kept per Euler step: a page of 4 steps is 4/10 of one of the official 10.
