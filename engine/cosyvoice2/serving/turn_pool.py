@@ -384,13 +384,14 @@ def turn_rows(
     turns = list(turns)
     served = [False] * len(slots)
     table = np.full((len(slots), TABLE_PAGES), pool.scratch, dtype=np.int64)
+    prefix_frames = bank.start.tolist()  # one read of the device, not one per row
     for b, (slot, turn) in enumerate(zip(slots, turns)):
-        prefix = int(bank.start[slot])
+        if turn is not None and turn.fell_back:
+            continue
+        prefix = prefix_frames[slot]
         prefix_pages = pool.prefix_pages(bank, slot)
         first = prefix // PAGE_FRAMES  # the page the prefix ends in: the turn's own from here
         need = -(-end[b] // PAGE_FRAMES) - first
-        if turn is not None and turn.fell_back:
-            continue
         grown = None
         if prefix_pages is not None and -(-end[b] // PAGE_FRAMES) <= TABLE_PAGES:
             have = len(turn.pages) if turn is not None else 0
