@@ -351,7 +351,8 @@ class FlowGraphs:
 
     def has(self, rows: int, frames: int, streaming: bool, after_prefix: bool = False) -> bool:
         """Whether a call of this shape would replay a graph (capturing it first, if allowed).
-        With a turn-state pool, calls after voice prefixes are calls after stored chunks."""
+        With a turn-state pool, calls after voice prefixes are paged calls (turns falling back replay
+        the graphs after voice prefixes, which start-up captures for the same shapes)."""
         key = self.buckets.key(rows, frames, streaming, after_prefix, after_prefix and self.pool is not None)
         return key in self.graphs or self._capturable(key)
 

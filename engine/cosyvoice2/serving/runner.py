@@ -280,10 +280,18 @@ class Token2WavRunner:
         """Chunks that start after their voice prefix and their turn's stored frames, and keep
         the chunks they complete (turn_pool.py): each costs its own frames. Chunks of turns the
         pool has no room for run after their voice prefix instead."""
+        finalize = jobs[0].finalize
+        # Turns that fell back run without the pool to their end (and would widen this call).
+        fallen = [i for i, job in enumerate(jobs) if job.request.stream.turn and job.request.stream.turn.fell_back]
+        if fallen:
+            rest = [i for i in range(len(jobs)) if i not in fallen]
+            mels = dict(zip(fallen, self._flow_batched([jobs[i] for i in fallen], finalize)))
+            if rest:
+                mels.update(zip(rest, self._flow_paged([jobs[i] for i in rest])))
+            return [mels[i] for i in range(len(jobs))]
         device = jobs[0].request.prompt.speech_feat.device
         slots = torch.tensor([self.prefixes.slot(job.request.prompt) for job in jobs], device=device)
         states = [job.request.stream for job in jobs]
-        finalize = jobs[0].finalize
         padded: list[int | None] = []
 
         def solve(rows: TurnRows, *inputs: torch.Tensor) -> torch.Tensor:
@@ -299,7 +307,7 @@ class Token2WavRunner:
             state.turn = turn
         served = [i for i, s in enumerate(result.served) if s]
         fallen = [i for i, s in enumerate(result.served) if not s]
-        mels: dict[int, torch.Tensor] = {}
+        mels = {}
         if fallen:
             mels.update(zip(fallen, self._flow_batched([jobs[i] for i in fallen], finalize)))
         if served:

@@ -24,8 +24,8 @@ Memory: ~2.3 MB per frame at full size in bf16 (10 steps x 2 rows x 56 layers x 
 512 values), so the pool is sized by a budget and a turn holds pages only while it is being
 generated: they go back the moment it ends or is cancelled. A call allocates the pages its
 new frames need first; a turn that cannot get them (the pool is full, or the turn outgrew the
-page table) gives its pages back and goes on by recompute after its voice prefix to its end
-(a fallback, counted once), so nothing fails. A new turn gets pages only while some of the
+page table) gives its pages back and goes on by recompute to its end (the runner's calls
+without the pool; a fallback, counted once), so nothing fails. A new turn gets pages only while some of the
 pool stays free for the turns already in it to grow, so that turns admitted finish in it.
 
 Every shape depends on the call's bucket only (the page table has a fixed width), so a CUDA
@@ -237,9 +237,9 @@ class TurnStatePool:
             return held[2]
         frames = int(bank.start[slot])
         with self._lock:
-            if held is not None:
-                self._free_pages += held[2]
-                del self._prefixes[slot]
+            # Copies of prefixes the bank no longer holds (this slot's old one, another bank's).
+            for stale in [s for s, (b, g, _) in self._prefixes.items() if b is not bank or g != bank.generation[s]]:
+                self._free_pages += self._prefixes.pop(stale)[2]
             pages = self._take(-(-frames // PAGE_FRAMES))
             if pages is None:
                 return None
@@ -413,10 +413,9 @@ def turn_rows(
     def column(values: list[int]) -> Tensor:
         return torch.tensor([values[b] for b in rows], dtype=torch.long).to(device)
 
-    stored = [turns[b].frames for b in range(len(slots)) if served[b]]
     return TurnRows(
-        column(slots), torch.from_numpy(table[rows]).to(device), torch.tensor(stored, dtype=torch.long).to(device),
-        column([t.slot if t is not None else pool.slot_scratch for t in turns]), column(commit),
+        column(slots), torch.from_numpy(table[rows]).to(device), column([t and t.frames for t in turns]),
+        column([t and t.slot for t in turns]), column(commit),
     ), turns, served
 
 
@@ -452,14 +451,26 @@ def flow_paged(
     end = start + inputs.mask[:, 0].sum(dim=1).long()
     starts, ends = start.tolist(), end.tolist()
     commit = [(e // chunk * chunk - s) if k else 0 for s, e, k in zip(starts, ends, keep)]
+    given = list(turns)
     rows, turns, served = turn_rows(bank, pool, slots.tolist(), turns, ends, commit)
     if rows is None:
         return PagedResult(None, start, end, served), turns
-    index = torch.tensor([b for b, s in enumerate(served) if s], device=slots.device)
+    rows_served = [b for b, s in enumerate(served) if s]
+    index = torch.tensor(rows_served, device=slots.device)
+    width = max(ends[b] - starts[b] for b in rows_served)  # rows not served may be wider
     if solve is None:
         def solve(rows, mu, mask, spks, cond):
             return solve_paged(flow.decoder, bank, pool, rows, mu, mask, spks, cond)
-    mel = solve(rows, inputs.mu[index], inputs.mask[index], inputs.spk[index], inputs.cond[index])
+    try:
+        mel = solve(
+            rows, inputs.mu[index, :, :width], inputs.mask[index, :, :width], inputs.spk[index],
+            inputs.cond[index, :, :width],
+        )
+    except BaseException:  # the turns this call made are in no one's hands yet
+        for before, after in zip(given, turns):
+            if before is None and after is not None:
+                pool.release(after)
+        raise
     for b, count in enumerate(commit):
         if served[b]:
             turns[b].frames += count

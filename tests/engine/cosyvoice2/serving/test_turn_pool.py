@@ -148,3 +148,51 @@ def test_a_pool_and_a_bank_of_other_step_counts_are_refused(flow_pair) -> None:
     mu = like.new_zeros(1, 80, 50)
     with pytest.raises(ValueError, match="a bank of 4 Euler steps with a pool of 10"):
         solve_paged(ours.decoder, bank, pool, rows, mu, like.new_ones(1, 1, 50), like.new_zeros(1, 80), mu)
+
+
+def test_a_failed_call_gives_back_the_turns_it_made(flow_pair) -> None:
+    """A decoder that raises (a GPU error, say) leaves no pages held by turns the call made,
+    which no request holds yet; a turn that existed before keeps its pages for its owner
+    to release."""
+    _, ours = flow_pair
+    voice = utterance(60, 80, seed=83)
+    with torch.inference_mode():
+        prefix = voice_prefix(ours, voice.prompt_token, voice.prompt_feat, voice.embedding)
+    bank = PrefixBank(ours.decoder, 1, 100, prefix.keys[0])
+    bank.put(0, prefix)
+    pool = TurnStatePool(ours.decoder, 32, prefix.keys[0])
+    older = pool.grow(None, 2)
+    args = (
+        stack([voice.token[:, :40]] * 2), torch.tensor([40, 40]), stack([voice.prompt_token] * 2),
+        torch.tensor([voice.prompt_token.shape[1]] * 2), stack([voice.prompt_feat] * 2),
+        torch.tensor([voice.prompt_feat.shape[1]] * 2), torch.cat([voice.embedding] * 2),
+    )
+
+    def failing(*_):
+        raise RuntimeError("the decoder failed")
+
+    with pytest.raises(RuntimeError, match="the decoder failed"):
+        flow_paged(ours, bank, pool, torch.tensor([0, 0]), [None, older], args, False, [True, True], solve=failing)
+    assert pool.pages_in_use == len(older.pages) > 2  # the older turn grew; the new one is gone
+    pool.release(older)
+    assert pool.pages_in_use == 0
+
+
+def test_prefix_copies_of_voices_the_bank_dropped_are_freed(flow_pair) -> None:
+    """When a prefix is copied into the pool, copies of prefixes the bank no longer holds (a
+    slot written again, or a bank replaced) give their pages back."""
+    _, ours = flow_pair
+    voice = utterance(60, 10, seed=84)
+    with torch.inference_mode():
+        prefix = voice_prefix(ours, voice.prompt_token, voice.prompt_feat, voice.embedding)
+    pool = TurnStatePool(ours.decoder, 20, prefix.keys[0])
+    old_bank = PrefixBank(ours.decoder, 2, 100, prefix.keys[0])
+    old_bank.put(0, prefix)
+    old_bank.put(1, prefix)
+    pool.prefix_pages(old_bank, 0)
+    pool.prefix_pages(old_bank, 1)
+    assert pool.pages - len(pool._free_pages) == 14
+    new_bank = PrefixBank(ours.decoder, 2, 100, prefix.keys[0])
+    new_bank.put(0, prefix)
+    assert len(pool.prefix_pages(new_bank, 0)) == 7
+    assert pool.pages - len(pool._free_pages) == 7  # both of the old bank's copies went back
