@@ -279,16 +279,20 @@ class Token2WavRunner:
     def _flow_paged(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
         """Chunks that start after their voice prefix and their turn's stored frames, and keep
         the chunks they complete (turn_pool.py): each costs its own frames. Chunks of turns the
-        pool has no room for run after their voice prefix instead."""
-        finalize = jobs[0].finalize
-        # Turns that fell back run without the pool to their end (and would widen this call).
-        fallen = [i for i, job in enumerate(jobs) if job.request.stream.turn and job.request.stream.turn.fell_back]
-        if fallen:
-            rest = [i for i in range(len(jobs)) if i not in fallen]
-            mels = dict(zip(fallen, self._flow_batched([jobs[i] for i in fallen], finalize)))
-            if rest:
-                mels.update(zip(rest, self._flow_paged([jobs[i] for i in rest])))
-            return [mels[i] for i in range(len(jobs))]
+        pool has no room for run without it (after their voice prefix), in one call."""
+        mels: dict[int, torch.Tensor] = {}
+        # Turns that fell back stay out of the paged call (they would widen it) to their end.
+        paged = [i for i, job in enumerate(jobs) if not getattr(job.request.stream.turn, "fell_back", False)]
+        if paged:
+            mels.update((paged[k], mel) for k, mel in self._paged_call([jobs[i] for i in paged]).items())
+        rest = [i for i in range(len(jobs)) if i not in mels]
+        if rest:
+            mels.update(zip(rest, self._flow_batched([jobs[i] for i in rest], jobs[0].finalize)))
+        return [mels[i] for i in range(len(jobs))]
+
+    def _paged_call(self, jobs: list[ChunkJob]) -> dict[int, torch.Tensor]:
+        """One paged call of these jobs: the mel of each job it served, by index (those it did
+        not serve fell back)."""
         device = jobs[0].request.prompt.speech_feat.device
         slots = torch.tensor([self.prefixes.slot(job.request.prompt) for job in jobs], device=device)
         states = [job.request.stream for job in jobs]
@@ -301,20 +305,17 @@ class Token2WavRunner:
 
         result, turns = flow_paged(
             self.flow, self.prefixes.bank, self.turn_pool, slots, [s.turn for s in states], self._batch_args(jobs),
-            finalize, keep=[not finalize] * len(jobs), solve=solve,
+            jobs[0].finalize, keep=[not jobs[0].finalize] * len(jobs), solve=solve,
         )
         for state, turn in zip(states, turns):
             state.turn = turn
         served = [i for i, s in enumerate(result.served) if s]
-        fallen = [i for i, s in enumerate(result.served) if not s]
+        if not served:
+            return {}
+        start, end, mel, replayed = result.start.tolist(), result.end.tolist(), result.mel, padded[0]
+        computed = len(served) * mel.shape[2] if replayed is None else replayed
+        self._book([jobs[i] for i in served], [end[i] - start[i] for i in served], computed, replayed is None)
         mels = {}
-        if fallen:
-            mels.update(zip(fallen, self._flow_batched([jobs[i] for i in fallen], finalize)))
-        if served:
-            start, end, mel, replayed = result.start.tolist(), result.end.tolist(), result.mel, padded[0]
-            widths = [end[i] - start[i] for i in served]
-            computed = len(served) * mel.shape[2] if replayed is None else replayed
-            self._book([jobs[i] for i in served], widths, computed, replayed is None)
         for row, i in enumerate(served):
             # The chunk's audio starts at the first frame of its first token (earlier frames of
             # a call, back to its last stored chunk, were spoken before).
@@ -323,7 +324,7 @@ class Token2WavRunner:
             if first < start[i]:
                 raise RuntimeError(f"a chunk's frames start at {first}, its call at {start[i]}")
             mels[i] = mel[row : row + 1, :, first - start[i] : end[i] - start[i]]
-        return [mels[i] for i in range(len(jobs))]
+        return mels
 
     def _solve_paged(
         self, rows: TurnRows, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
