@@ -69,6 +69,17 @@ def stream_turns(reference, ours, pool_pages: int, steps: int = N_TIMESTEPS) -> 
     return pool, errors
 
 
+def one_voice(ours, tokens: int, seed: int):
+    """A voice (a 60-token prompt, ``tokens`` more), its prefix (100 frames), and a bank of one
+    slot holding it."""
+    voice = utterance(60, tokens, seed=seed)
+    with torch.inference_mode():
+        prefix = voice_prefix(ours, voice.prompt_token, voice.prompt_feat, voice.embedding)
+    bank = PrefixBank(ours.decoder, 1, 100, prefix.keys[0])
+    bank.put(0, prefix)
+    return voice, prefix, bank
+
+
 @pytest.mark.parametrize("steps", STEPS)
 def test_equivalence_paged_turns_with_the_official_streaming_flow(flow_pair, steps) -> None:
     """Every call of two turns batched together (different prefixes, ending inside a page,
@@ -119,11 +130,7 @@ def test_voice_prefix_pages_follow_the_bank(flow_pair) -> None:
     """A voice prefix is copied into pages once per bank slot and generation: a slot written
     again is copied again, into new pages, and the old ones go back."""
     _, ours = flow_pair
-    voice = utterance(60, 10, seed=82)
-    with torch.inference_mode():
-        prefix = voice_prefix(ours, voice.prompt_token, voice.prompt_feat, voice.embedding)
-    bank = PrefixBank(ours.decoder, 1, 100, prefix.keys[0])
-    bank.put(0, prefix)
+    _, prefix, bank = one_voice(ours, 10, seed=82)
     pool = TurnStatePool(ours.decoder, 16, prefix.keys[0])
     pages = pool.prefix_pages(bank, 0)
     assert len(pages) == 7  # 100 frames in pages of 16
@@ -155,11 +162,7 @@ def test_a_failed_call_gives_back_the_turns_it_made(flow_pair) -> None:
     which no request holds yet; a turn that existed before keeps its pages for its owner
     to release."""
     _, ours = flow_pair
-    voice = utterance(60, 80, seed=83)
-    with torch.inference_mode():
-        prefix = voice_prefix(ours, voice.prompt_token, voice.prompt_feat, voice.embedding)
-    bank = PrefixBank(ours.decoder, 1, 100, prefix.keys[0])
-    bank.put(0, prefix)
+    voice, prefix, bank = one_voice(ours, 80, seed=83)
     pool = TurnStatePool(ours.decoder, 32, prefix.keys[0])
     older = pool.grow(None, 2)
     args = (
@@ -182,9 +185,7 @@ def test_prefix_copies_of_voices_the_bank_dropped_are_freed(flow_pair) -> None:
     """When a prefix is copied into the pool, copies of prefixes the bank no longer holds (a
     slot written again, or a bank replaced) give their pages back."""
     _, ours = flow_pair
-    voice = utterance(60, 10, seed=84)
-    with torch.inference_mode():
-        prefix = voice_prefix(ours, voice.prompt_token, voice.prompt_feat, voice.embedding)
+    _, prefix, _ = one_voice(ours, 10, seed=84)
     pool = TurnStatePool(ours.decoder, 20, prefix.keys[0])
     old_bank = PrefixBank(ours.decoder, 2, 100, prefix.keys[0])
     old_bank.put(0, prefix)
