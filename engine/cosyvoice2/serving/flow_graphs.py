@@ -315,19 +315,19 @@ class FlowGraphs:
         mu, cond = random(batch, channels, frames), random(batch, channels, frames)
         spks = random(batch, self.cfm.config.spk_emb_dim)
         mask = torch.ones(batch, 1, frames, device=self.device, dtype=self.dtype)
-        if key.paged:  # new turns in the pool, committing nothing, given back after
+        if key.paged:  # new turns in the pool, committing nothing, given back after, not counted
             slots = [b % self.bank.slots for b in range(batch)]
             ends = [int(self.bank.start[slot]) + frames for slot in slots]
-            rows, turns, served = turn_rows(self.bank, self.pool, slots, [None] * batch, ends, [0] * batch)
-            try:
-                if not all(served):
-                    raise ValueError(f"the turn-state pool has no room to check {key}")
-                replayed = self.run_paged(rows, mu, mask, spks, cond)
-                replayed = replayed and replayed[0]
-                eager = solve_paged(self.cfm, self.bank, self.pool, rows, mu, mask, spks, cond)
-            finally:
-                for turn in turns:
-                    if turn is not None:
+            with self.pool.uncounted():
+                rows, turns, served = turn_rows(self.bank, self.pool, slots, [None] * batch, ends, [0] * batch)
+                try:
+                    if not all(served):
+                        raise ValueError(f"the turn-state pool has no room to check {key}")
+                    replayed = self.run_paged(rows, mu, mask, spks, cond)
+                    replayed = replayed and replayed[0]
+                    eager = solve_paged(self.cfm, self.bank, self.pool, rows, mu, mask, spks, cond)
+                finally:
+                    for turn in turns:
                         self.pool.release(turn)
         elif key.after_prefix:
             slots = torch.arange(batch, device=self.device) % self.bank.slots

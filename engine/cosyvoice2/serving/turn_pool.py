@@ -34,8 +34,9 @@ graph of an Euler step reads and writes the pool in place (flow_graphs.py).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -173,6 +174,17 @@ class TurnStatePool:
                 "peak_bytes": self.peak_pages * page, "stored_bytes": self.pages_stored * page,
                 "turns": self.turns, "fallbacks": self.fallbacks,
             }
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """The running totals as they were before, whatever turns come and go inside (a check's)."""
+        with self._lock:
+            saved = self.peak_pages, self.pages_stored, self.turns, self.fallbacks
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.peak_pages, self.pages_stored, self.turns, self.fallbacks = saved
 
     @property
     def pages_in_use(self) -> int:

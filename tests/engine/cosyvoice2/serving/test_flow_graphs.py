@@ -383,9 +383,9 @@ def test_run_paged_replays_with_its_rows_padded_to_the_graph(cfm, steps) -> None
     assert eager.abs().max() > 1.0
     assert (replayed - eager).abs().max() <= 1e-5
     # The start-up check of such a graph (new turns, committing nothing, given back) runs too.
-    in_use = pools[1].pages_in_use
+    in_use, totals = pools[1].pages_in_use, pools[1].totals()
     assert graphs.replay_error(key) <= 1e-5
-    assert pools[1].pages_in_use == in_use
+    assert pools[1].pages_in_use == in_use and pools[1].totals() == totals
 
 
 def test_graphs_are_laid_out_for_the_steps_of_the_state_they_read(cfm) -> None:
