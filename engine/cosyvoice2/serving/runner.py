@@ -42,7 +42,9 @@ from tts_gateway.engine.cosyvoice2.serving.incremental import FlowStreamCache, i
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, VoicePrefixCache, flow_after_prefix, solve_after_prefix
 from tts_gateway.engine.cosyvoice2.serving.request import StreamState, VoicePrompt
 from tts_gateway.engine.cosyvoice2.serving.paged_varlen import attend_reference, flash_attend
-from tts_gateway.engine.cosyvoice2.serving.turn_pool import PagedAttention, TurnRows, TurnStatePool, flow_paged, solve_paged
+from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
+    PagedAttention, TurnRows, TurnStatePool, flow_paged, solve_paged,
+)
 
 
 @dataclass(frozen=True)

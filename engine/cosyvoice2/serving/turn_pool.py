@@ -25,8 +25,9 @@ Memory: ~2.3 MB per frame at full size in bf16 (10 steps x 2 rows x 56 layers x 
 generated: they go back the moment it ends or is cancelled. A call allocates the pages its
 new frames need first; a turn that cannot get them (the pool is full, or the turn outgrew the
 page table) gives its pages back and goes on by recompute to its end (the runner's calls
-without the pool; a fallback, counted once), so nothing fails. A new turn gets pages only while some of the
-pool stays free for the turns already in it to grow, so that turns admitted finish in it.
+without the pool; a fallback, counted once), so nothing fails. A new turn gets pages only
+while some of the pool stays free for the turns already in it to grow, so that turns
+admitted finish in it.
 
 Every shape depends on the call's bucket only (the page table has a fixed width), so a CUDA
 graph of an Euler step reads and writes the pool in place (flow_graphs.py).
@@ -125,7 +126,8 @@ class TurnStatePool:
         self.attend = attend
         physical = steps * 2 * (pages + 1)
         self.keys = [
-            like.new_zeros(physical, PAGE_FRAMES, layer.heads, layer.head_dim) for layer in cfm.estimator.attention_layers
+            like.new_zeros(physical, PAGE_FRAMES, layer.heads, layer.head_dim)
+            for layer in cfm.estimator.attention_layers
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.conv_context = [
@@ -154,7 +156,8 @@ class TurnStatePool:
 
     @classmethod
     def within(
-        cls, cfm: CFM, budget_bytes: int, like: Tensor, steps: int = N_TIMESTEPS, attend: PagedAttention = attend_reference,
+        cls, cfm: CFM, budget_bytes: int, like: Tensor, steps: int = N_TIMESTEPS,
+        attend: PagedAttention = attend_reference,
     ) -> TurnStatePool:
         """The largest pool (plus its scratch page) that fits ``budget_bytes``."""
         pages = budget_bytes // cls.page_bytes(cfm, like.dtype, steps) - 1
@@ -262,7 +265,8 @@ class TurnStatePool:
                 # [steps, 2, heads, frames, dim] -> pages of [16, heads, dim] per step and row
                 prefix = stored[:, slot, :, :, :frames].transpose(2, 3)
                 prefix = torch.nn.functional.pad(prefix, (0, 0, 0, 0, 0, len(pages) * PAGE_FRAMES - frames))
-                self._logical(layer)[:, :, index] = prefix.reshape(*prefix.shape[:2], len(pages), PAGE_FRAMES, *prefix.shape[3:])
+                pages_of = prefix.reshape(*prefix.shape[:2], len(pages), PAGE_FRAMES, *prefix.shape[3:])
+                self._logical(layer)[:, :, index] = pages_of
         return pages
 
     def _logical(self, stored: Tensor) -> Tensor:
@@ -352,7 +356,8 @@ def pad_turn_rows(rows: TurnRows, pool: TurnStatePool, batch: int) -> TurnRows:
     extra = batch - len(rows.slots)
 
     def padded(index: Tensor, fill: int | None) -> Tensor:
-        tail = index[:1].expand(extra, *index.shape[1:]) if fill is None else index.new_full((extra, *index.shape[1:]), fill)
+        shape = (extra, *index.shape[1:])
+        tail = index[:1].expand(shape) if fill is None else index.new_full(shape, fill)
         return torch.cat([index, tail])
 
     return TurnRows(

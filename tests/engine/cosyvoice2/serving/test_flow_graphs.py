@@ -238,7 +238,8 @@ def stored_turns(pool: TurnStatePool, bank: PrefixBank, mu: Tensor) -> tuple[Tur
 def same_random_state(pools: list[TurnStatePool]) -> None:
     generator = torch.Generator().manual_seed(3)
     for pool in pools:
-        for stored, first in zip(pool.keys + pool.values + pool.conv_context, pools[0].keys + pools[0].values + pools[0].conv_context):
+        state = pool.keys + pool.values + pool.conv_context
+        for stored, first in zip(state, pools[0].keys + pools[0].values + pools[0].conv_context):
             stored.copy_(torch.randn(stored.shape, generator=generator) if pool is pools[0] else first)
 
 
@@ -370,7 +371,8 @@ def test_run_paged_replays_with_its_rows_padded_to_the_graph(cfm, steps) -> None
     graphs.device, graphs.dtype, graphs.capture_missing = mu.device, mu.dtype, False
     with torch.inference_mode():
         rows, _ = stored_turns(pools[1], bank, mu)
-        static = pad_inputs(mu, mask, spks, cond, key.batch, key.frames) + pad_turn_rows(rows, pools[1], key.batch).as_tuple()
+        static = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
+        static += pad_turn_rows(rows, pools[1], key.batch).as_tuple()
         static = tuple(torch.zeros_like(t) for t in static)
         x = mu.new_zeros(key.batch, 80, key.frames)
         step = torch.zeros(1, dtype=torch.long)

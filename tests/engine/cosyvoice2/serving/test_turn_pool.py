@@ -19,6 +19,16 @@ def stack(tensors: list[Tensor]) -> Tensor:
     return torch.cat([nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1])) for t in tensors])
 
 
+def call_args(voices: list, counts: list[int]) -> tuple[Tensor, ...]:
+    """``Flow.decoder_inputs``' arguments for a call of these voices' rows, ``counts[b]`` tokens each."""
+    return (
+        stack([v.token[:, :n] for v, n in zip(voices, counts)]), torch.tensor(counts),
+        stack([v.prompt_token for v in voices]), torch.tensor([v.prompt_token.shape[1] for v in voices]),
+        stack([v.prompt_feat for v in voices]), torch.tensor([v.prompt_feat.shape[1] for v in voices]),
+        torch.cat([v.embedding for v in voices]),
+    )
+
+
 def stream_turns(reference, ours, pool_pages: int, steps: int = N_TIMESTEPS) -> tuple[TurnStatePool, list[float]]:
     """Two turns of different voices streamed in shared calls, each call compared with the
     official streaming re-run at that row's token count, both solving with ``steps`` Euler
@@ -38,12 +48,7 @@ def stream_turns(reference, ours, pool_pages: int, steps: int = N_TIMESTEPS) -> 
     errors = []
     for k, counts in enumerate(calls):
         finalize = k == len(calls) - 1
-        args = (
-            stack([v.token[:, :n] for v, n in zip(voices, counts)]), torch.tensor(counts),
-            stack([v.prompt_token for v in voices]), torch.tensor([v.prompt_token.shape[1] for v in voices]),
-            stack([v.prompt_feat for v in voices]), torch.tensor([v.prompt_feat.shape[1] for v in voices]),
-            torch.cat([v.embedding for v in voices]),
-        )
+        args = call_args(voices, counts)
         result, turns = flow_paged(ours, bank, pool, slots, turns, args, finalize, keep=[not finalize] * 2)
         served = [b for b, s in enumerate(result.served) if s]
         if len(served) < 2:
@@ -137,7 +142,8 @@ def test_voice_prefix_pages_follow_the_bank(flow_pair) -> None:
     assert pool.prefix_pages(bank, 0) is pages
     # Page 2 of step 3, unconditioned row, of the first layer: frames 32-47 of the prefix.
     stored = pool.keys[0].view(N_TIMESTEPS, 2, 17, 16, *pool.keys[0].shape[2:])[3, 1, pages[2]]
-    assert torch.equal(stored, prefix.keys[3 * len(ours.decoder.estimator.attention_layers)][1, :, 32:48].transpose(0, 1))
+    layers = len(ours.decoder.estimator.attention_layers)
+    assert torch.equal(stored, prefix.keys[3 * layers][1, :, 32:48].transpose(0, 1))
     bank.put(0, prefix)
     again = pool.prefix_pages(bank, 0)
     assert again is not pages and len(again) == 7 and pool.pages_in_use == 0
@@ -165,11 +171,7 @@ def test_a_failed_call_gives_back_the_turns_it_made(flow_pair) -> None:
     voice, prefix, bank = one_voice(ours, 80, seed=83)
     pool = TurnStatePool(ours.decoder, 32, prefix.keys[0])
     older = pool.grow(None, 2)
-    args = (
-        stack([voice.token[:, :40]] * 2), torch.tensor([40, 40]), stack([voice.prompt_token] * 2),
-        torch.tensor([voice.prompt_token.shape[1]] * 2), stack([voice.prompt_feat] * 2),
-        torch.tensor([voice.prompt_feat.shape[1]] * 2), torch.cat([voice.embedding] * 2),
-    )
+    args = call_args([voice, voice], [40, 40])
 
     def failing(*_):
         raise RuntimeError("the decoder failed")
