@@ -36,7 +36,11 @@ class CachedFrames(Protocol):
     """The state of frames before a call's new ones, as the estimator's layers read it.
 
     ``slot`` numbers a layer among the estimator's causal convolutions or attention layers
-    (``Estimator.causal_convs`` / ``attention_layers``)."""
+    (``Estimator.causal_convs`` / ``attention_layers``). A view that ``keeps_inputs`` holds
+    each attention layer's input instead of its keys and values (a quarter of their size) and
+    is asked ``attend_inputs``; any other view is asked ``attend``."""
+
+    keeps_inputs: bool
 
     def conv_input(self, slot: int, x: Tensor) -> Tensor:
         """``x`` (the new frames) with the convolution's left context in front."""
@@ -46,9 +50,14 @@ class CachedFrames(Protocol):
         ``query``, ``key``, ``value`` and the result ``[B, T, heads, head_dim]``; ``mask`` is
         what ``attention_mask`` gave, as an additive bias."""
 
+    def attend_inputs(self, slot: int, query: Tensor, inputs: Tensor, scale: float) -> Tensor:
+        """The layer's attention over its inputs (``SelfAttention.forward``): ``inputs`` ``[B, T,
+        dim]`` are the new frames' (the view keeps them), ``query`` and the result ``[B, T,
+        heads, dim]``, every head attending over the same inputs with softmax ``scale``."""
+
     def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> Tensor | None:
         """The chunk mask of the new frames (queries) over the earlier and new frames (keys),
-        or None where ``attend`` applies the chunk rule itself."""
+        or None where ``attend`` / ``attend_inputs`` apply the chunk rule themselves."""
 
 
 class StoredKeysValues(Protocol):
@@ -154,10 +163,18 @@ class ResnetBlock(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention with diffusers' ``Attention`` parameter names."""
+    """Multi-head self-attention with diffusers' ``Attention`` parameter names.
+
+    Keys and values are linear in the layer's input (no bias), so attention over them is
+    attention over the inputs themselves: ``q . (W_k x) = (W_k^T q) . x`` and ``sum_j p_j W_v
+    x_j = W_v sum_j p_j x_j``. A view that keeps the inputs (``CachedFrames.keeps_inputs``) is
+    given the query so carried over, ``dim`` wide per head, and its result is carried back
+    per head: the same attention, from a quarter of the state (``dim`` values per frame
+    instead of keys and values of ``heads x head_dim`` each)."""
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
         super().__init__()
+        self.dim = dim
         self.heads = heads
         self.head_dim = head_dim
         inner = heads * head_dim
@@ -173,7 +190,11 @@ class SelfAttention(nn.Module):
         def heads(h: Tensor) -> Tensor:
             return h.view(batch, frames, self.heads, self.head_dim)
 
-        query, key, value = heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x))
+        query = heads(self.to_q(x))
+        if view is not None and view.keeps_inputs:
+            out = self._attend_inputs(query, x, view)
+            return self.to_out[0](out.reshape(batch, frames, self.heads * self.head_dim))
+        key, value = heads(self.to_k(x)), heads(self.to_v(x))
         if view is None:
             out = F.scaled_dot_product_attention(
                 query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask
@@ -181,6 +202,13 @@ class SelfAttention(nn.Module):
         else:
             out = view.attend(self.cache_slot, query, key, value, mask)
         return self.to_out[0](out.reshape(batch, frames, self.heads * self.head_dim))
+
+    def _attend_inputs(self, query: Tensor, x: Tensor, view: CachedFrames) -> Tensor:
+        """Attention through a view that keeps this layer's inputs (see the class)."""
+        w_k = self.to_k.weight.view(self.heads, self.head_dim, self.dim)
+        w_v = self.to_v.weight.view(self.heads, self.head_dim, self.dim)
+        out = view.attend_inputs(self.cache_slot, torch.einsum("bthd,hdc->bthc", query, w_k), x, self.head_dim**-0.5)
+        return torch.einsum("bthc,hdc->bthd", out, w_v)
 
 
 class GeluProjection(nn.Module):

@@ -66,6 +66,8 @@ class StepView:
     attend over (max of start + new frames).
     """
 
+    keeps_inputs = False
+
     def __init__(
         self,
         cache: CFMStreamCache,

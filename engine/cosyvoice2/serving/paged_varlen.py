@@ -80,7 +80,8 @@ def chunk_sequences(block_table: Tensor, query_start: Tensor, new_frames: Tensor
 def attend_reference(query: Tensor, key_pages: Tensor, value_pages: Tensor, plan: ChunkSequences,
                      scale: float | None = None) -> Tensor:
     """What the varlen kernel computes (``query`` ``[total_q, heads, dim]``, pages ``[pages,
-    page_frames, heads, dim]``), piece by piece with gathers: for checking, not for serving."""
+    page_frames, heads or 1, dim]``: one key head serves every query head), piece by piece with
+    gathers: for checking, not for serving."""
     out = torch.zeros_like(query)
     cu = plan.cu_seqlens_q.tolist()
     used = plan.seqused_k.tolist()
@@ -89,26 +90,29 @@ def attend_reference(query: Tensor, key_pages: Tensor, value_pages: Tensor, plan
         if end == begin:
             continue
         pages = plan.block_table[piece, : -(-used[piece] // page_frames)].long()
-        keys = key_pages[pages].flatten(0, 1)[: used[piece]]  # [keys, heads, dim]
-        values = value_pages[pages].flatten(0, 1)[: used[piece]]
+        heads = query.shape[1]
+        keys = key_pages[pages].flatten(0, 1)[: used[piece]].expand(-1, heads, -1)  # [keys, heads, dim]
+        values = value_pages[pages].flatten(0, 1)[: used[piece]].expand(-1, heads, -1)
         out[begin:end] = F.scaled_dot_product_attention(
             query[begin:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), scale=scale,
         ).transpose(0, 1)
     return out
 
 
-def flash_attend(head_dim: int) -> Callable[[Tensor, Tensor, Tensor, ChunkSequences], Tensor]:
-    """The paged varlen FlashAttention kernel of the vLLM the GPU engine runs on."""
+def flash_attend(head_dim: int) -> Callable[[Tensor, Tensor, Tensor, ChunkSequences, float | None], Tensor]:
+    """The paged varlen FlashAttention kernel of the vLLM the GPU engine runs on (fewer key
+    heads than query heads are shared, as in grouped-query attention)."""
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     version = get_flash_attn_version(head_size=head_dim)  # FA3 on Hopper (vLLM 0.26's wheel has no FA2 kernel)
 
-    def attend(query: Tensor, key_pages: Tensor, value_pages: Tensor, plan: ChunkSequences) -> Tensor:
+    def attend(query: Tensor, key_pages: Tensor, value_pages: Tensor, plan: ChunkSequences,
+               scale: float | None = None) -> Tensor:
         return flash_attn_varlen_func(
             q=query, k=key_pages, v=value_pages, cu_seqlens_q=plan.cu_seqlens_q, max_seqlen_q=plan.max_seqlen_q,
             seqused_k=plan.seqused_k, max_seqlen_k=plan.max_seqlen_k, block_table=plan.block_table, causal=False,
-            fa_version=version,
+            softmax_scale=scale, fa_version=version,
         )
 
     return attend

@@ -12,8 +12,9 @@ the most recently used voices in fixed slots, in tensors that CUDA graphs read i
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,9 @@ class VoicePrefix:
     their stored keys/values. Layout as ``incremental.CFMStreamCache`` with two rows (conditioned,
     unconditioned): ``keys[step * n_attention + layer]`` ``[2, heads, frames, head_dim]``,
     ``conv_context[step * n_conv + conv]`` ``[2, channels, kernel - 1]``, for each of ``steps``
-    Euler steps (a prefix serves only solves of as many steps).
+    Euler steps (a prefix serves only solves of as many steps). ``inputs``, when kept: each
+    attention layer's input ``[2, frames, dim]``, as ``keys`` (what a turn-state pool stores,
+    turn_pool.py).
     """
 
     steps: int
@@ -49,6 +52,7 @@ class VoicePrefix:
     keys: list[Tensor]
     values: list[Tensor]
     conv_context: list[Tensor]
+    inputs: list[Tensor] | None = None
 
 
 class PrefixBank:
@@ -60,10 +64,14 @@ class PrefixBank:
     (0 while empty). The step is an index, not a list position, so that one CUDA graph of an
     Euler step reads every step's state (flow_graphs). ``put`` writes in place, so such a graph
     stays valid as voices come and go. ``steps``: the Euler steps of the solves after its
-    prefixes, and of the prefixes it holds.
+    prefixes, and of the prefixes it holds. With ``keep_inputs``, ``inputs[layer]`` ``[steps,
+    slots, 2, frames, dim]`` holds the prefixes' attention-layer inputs too (for a turn-state
+    pool; empty otherwise).
     """
 
-    def __init__(self, cfm: CFM, slots: int, frames: int, like: Tensor, steps: int = N_TIMESTEPS) -> None:
+    def __init__(
+        self, cfm: CFM, slots: int, frames: int, like: Tensor, steps: int = N_TIMESTEPS, keep_inputs: bool = False,
+    ) -> None:
         if slots < 1 or frames < 0:
             raise ValueError(f"a prefix bank needs >= 1 slot and >= 0 frames, got {slots}, {frames}")
         self.steps = steps
@@ -76,6 +84,9 @@ class PrefixBank:
             for layer in cfm.estimator.attention_layers
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
+        self.inputs = [
+            like.new_zeros(steps, slots, 2, frames, layer.dim) for layer in cfm.estimator.attention_layers
+        ] if keep_inputs else []
         self.conv_context = [
             like.new_zeros(steps, slots, 2, conv.in_channels, conv.context) for conv in cfm.estimator.causal_convs
         ]
@@ -87,11 +98,16 @@ class PrefixBank:
             raise ValueError(f"a prefix of {prefix.steps} Euler steps does not fit a bank of {self.steps}")
         if prefix.frames > self.frames:
             raise ValueError(f"a prefix of {prefix.frames} frames does not fit a bank of {self.frames}")
-        for bank, stored in ((self.keys, prefix.keys), (self.values, prefix.values)):
-            for index, part in enumerate(stored):
-                step, layer = divmod(index, self.n_attention)
+        if self.inputs and prefix.inputs is None:
+            raise ValueError("a bank that keeps layer inputs needs a prefix that kept them")
+        for index, (keys, values) in enumerate(zip(prefix.keys, prefix.values)):
+            step, layer = divmod(index, self.n_attention)
+            for bank, part in ((self.keys, keys), (self.values, values)):
                 bank[layer][step, slot].zero_()
                 bank[layer][step, slot, :, :, : prefix.frames] = part
+            if self.inputs:
+                self.inputs[layer][step, slot].zero_()
+                self.inputs[layer][step, slot, :, : prefix.frames] = prefix.inputs[index]
         for index, part in enumerate(prefix.conv_context):
             step, conv = divmod(index, self.n_conv)
             self.conv_context[conv][step, slot] = part
@@ -100,7 +116,8 @@ class PrefixBank:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.conv_context))
+        tensors = (*self.keys, *self.values, *self.inputs, *self.conv_context)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class PrefixView:
@@ -111,6 +128,8 @@ class PrefixView:
     batch only, not on the values, and the step may be a device tensor, so one CUDA graph
     can hold this view for every step.
     """
+
+    keeps_inputs = False
 
     def __init__(self, bank: PrefixBank, slots: Tensor) -> None:
         self.bank = bank
@@ -151,10 +170,11 @@ class PrefixView:
 
 
 def decoder_prefix(
-    cfm: CFM, mu: Tensor, spks: Tensor, cond: Tensor, frames: int, steps: int = N_TIMESTEPS
+    cfm: CFM, mu: Tensor, spks: Tensor, cond: Tensor, frames: int, steps: int = N_TIMESTEPS,
+    keep_inputs: bool = False,
 ) -> VoicePrefix:
     """The decoder state after the first ``frames`` frames (whole chunks) of one voice, at each
-    of ``steps`` Euler steps.
+    of ``steps`` Euler steps (with ``keep_inputs``, its attention layers' inputs too).
 
     mu, cond: ``[1, 80, >= frames]`` for the voice's prompt frames; spks ``[1, 80]``.
     """
@@ -169,23 +189,42 @@ def decoder_prefix(
             keys=[mu.new_zeros(2, layer.heads, 0, layer.head_dim) for layer in layers],
             values=[mu.new_zeros(2, layer.heads, 0, layer.head_dim) for layer in layers],
             conv_context=zero_conv_context(cfm, 2, mu, steps),
+            inputs=[mu.new_zeros(2, 0, layer.dim) for layer in layers] if keep_inputs else None,
         )
     cache = CFMStreamCache(steps)
     mask = mu.new_ones(1, 1, frames)
     noise = cfm.noise[:, :, :frames]
-    forward_chunk(cfm, cache, mu[:, :, :frames], mask, spks, cond[:, :, :frames], noise, [0], [frames])
+    with recorded_inputs(cfm, keep_inputs) as inputs:
+        forward_chunk(cfm, cache, mu[:, :, :frames], mask, spks, cond[:, :, :frames], noise, [0], [frames])
     return VoicePrefix(
         steps=steps,
         frames=frames,
         keys=[k[:, :, :frames].clone() for k in cache.keys],
         values=[v[:, :, :frames].clone() for v in cache.values],
         conv_context=cache.conv_context,
+        inputs=inputs if keep_inputs else None,
     )
+
+
+@contextlib.contextmanager
+def recorded_inputs(cfm: CFM, record: bool) -> Iterator[list[Tensor]]:
+    """The inputs of the estimator's attention layers while the block runs, in call order (one
+    solve: ``[step * n_attention + layer]``), when ``record``; the module itself only computes,
+    so they are read by forward pre-hooks."""
+    inputs: list[Tensor] = []
+    layers = cfm.estimator.attention_layers if record else []
+    hooks = [layer.register_forward_pre_hook(lambda _, args: inputs.append(args[0].clone())) for layer in layers]
+    try:
+        yield inputs
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @torch.inference_mode()
 def voice_prefix(
-    flow: Flow, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, steps: int = N_TIMESTEPS
+    flow: Flow, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, steps: int = N_TIMESTEPS,
+    keep_inputs: bool = False,
 ) -> VoicePrefix:
     """The decoder state every streaming call of this voice shares (see :class:`VoicePrefix`):
     the prompt's whole chunks whose tokens and look-ahead are all prompt tokens (none
@@ -202,7 +241,7 @@ def voice_prefix(
     frames = flow.voice_prefix_frames(prompt_token.shape[1])
     feat_len = torch.tensor([prompt_feat.shape[1]], device=mu.device)
     cond = flow.prompt_condition(prompt_feat, feat_len, torch.zeros_like(feat_len), frames)
-    return decoder_prefix(flow.decoder, mu, spk, cond, frames, steps)
+    return decoder_prefix(flow.decoder, mu, spk, cond, frames, steps, keep_inputs)
 
 
 def noise_after(cfm: CFM, bank: PrefixBank, slots: Tensor, frames: int) -> Tensor:
@@ -267,15 +306,17 @@ class VoicePrefixCache:
     The bank is as wide as the widest prefix it was made for. CUDA graphs read the bank in
     place, so once :meth:`prepare` has fixed its width (before graphs are captured) it is
     never rebuilt; a voice whose prefix is wider then runs without one. Prefixes and bank
-    are laid out for solves of ``steps`` Euler steps.
+    are laid out for solves of ``steps`` Euler steps; ``keep_inputs``: with their attention
+    layers' inputs (for a turn-state pool).
     """
 
-    def __init__(self, flow: Flow, capacity: int, steps: int = N_TIMESTEPS) -> None:
+    def __init__(self, flow: Flow, capacity: int, steps: int = N_TIMESTEPS, keep_inputs: bool = False) -> None:
         if capacity < 1:
             raise ValueError(f"a voice-prefix cache needs >= 1 slot, got {capacity}")
         self.flow = flow
         self.capacity = capacity
         self.steps = steps
+        self.keep_inputs = keep_inputs
         self.bank: PrefixBank | None = None
         self._fixed = False
         # Voice -> its slot, most recently used last (the prompt too: its id stays its own while held).
@@ -294,7 +335,7 @@ class VoicePrefixCache:
     def make_room(self, frames: int, like: Tensor) -> None:
         """A bank at least ``frames`` wide, unless its width is fixed (``prepare``)."""
         if self.bank is None or (frames > self.bank.frames and not self._fixed):
-            self.bank = PrefixBank(self.flow.decoder, self.capacity, frames, like, self.steps)
+            self.bank = PrefixBank(self.flow.decoder, self.capacity, frames, like, self.steps, self.keep_inputs)
             self._slots.clear()
 
     def slot(self, prompt: VoicePrompt) -> int | None:
@@ -310,7 +351,8 @@ class VoicePrefixCache:
             slot = len(self._slots)
         else:
             _, (_, slot) = self._slots.popitem(last=False)
-        prefix = voice_prefix(self.flow, prompt.speech_tokens, prompt.speech_feat, prompt.embedding, self.steps)
+        prompt_state = prompt.speech_tokens, prompt.speech_feat, prompt.embedding
+        prefix = voice_prefix(self.flow, *prompt_state, self.steps, self.keep_inputs)
         self.bank.put(slot, prefix)
         self._slots[key] = (prompt, slot)
         return slot

@@ -64,7 +64,7 @@ def paged_kernel(flow: Flow) -> PagedAttention:
     vLLM there), the reference by gathers elsewhere."""
     if not flow.decoder.noise.is_cuda:
         return attend_reference
-    return flash_attend(flow.decoder.estimator.attention_layers[0].head_dim)
+    return flash_attend(flow.decoder.estimator.attention_layers[0].dim)  # the pool keeps layer inputs
 
 
 class Token2WavRunner:
@@ -98,7 +98,9 @@ class Token2WavRunner:
         self.flow_graphs: FlowGraphs | None = None
         self.hift_graphs: HiftGraphs | None = None
         # Incremental streams keep their own flow state: the prefix cache serves recompute only.
-        self.prefixes = VoicePrefixCache(flow, prefix_voices, flow_steps) if prefix_voices and not incremental else None
+        self.prefixes = None
+        if prefix_voices and not incremental:
+            self.prefixes = VoicePrefixCache(flow, prefix_voices, flow_steps, keep_inputs=bool(turn_state_bytes))
         self.turn_pool = None
         if turn_state_bytes and self.prefixes is not None:
             like = next(flow.parameters())

@@ -3,26 +3,32 @@
 In streaming mode the flow's estimator is chunk-causal: a frame sees its own 50-frame chunk
 and the chunks before it, and every convolution is causal. So once a turn's chunk is whole
 (its tokens and their look-ahead are all there), its decoder state never changes: per Euler
-step and CFG row, the keys and values of every attention layer, and each causal
-convolution's input at its last frames. A later call may start its decoder after the
-turn's committed chunks and attend to their stored keys and values instead of recomputing
-them. The same mel, for the cost of the new frames.
+step and CFG row, the input of every attention layer (its keys and values are linear in it),
+and each causal convolution's input at its last frames. A later call may start its decoder
+after the turn's committed chunks and attend over their stored inputs instead of
+recomputing them. The same mel, for the cost of the new frames.
 
-Layout. Keys and values live in pages of 16 frames, ``[pages, 16, heads, head_dim]`` per
-layer, the layout of vLLM's paged FlashAttention kernel, which reads them where they lie
-(paged_varlen.py: a call's attention is one varlen call, a query piece per attention chunk,
-so the chunk-causal rule needs no mask). A row's page table lists, position by position,
-its voice prefix's pages (shared by every turn of that voice, copied from the prefix bank
-when a voice takes a bank slot), then its turn's own pages. The prefix's last page, when the
-prefix ends inside it, is copied into the turn's first own page, since the turn's frames
-continue in it. Every attention layer first writes the new frames' keys and values into
-their pages (all of them: the kernel reads only pages), then attends. A logical page ``p``
-is one page per Euler step and CFG row: physical page ``(step * 2 + row) * (pages + 1) + p``,
-so one page table serves every step and row by an offset. Conv context stays per turn slot.
+Why inputs, not keys and values: a layer's input is ``dim`` (256) values per frame, its keys
+and values 2 x 512. The estimator's attention layers attend over inputs directly (query and
+output carried through the key and value weights, ``SelfAttention``): the same attention,
+from a quarter of the memory, for four times the attention arithmetic, which the GPU has to
+spare (the decoder is bound by memory traffic, not by its matrix products).
 
-Memory: ~2.3 MB per frame at full size in bf16 (10 steps x 2 rows x 56 layers x K and V x
-512 values), so the pool is sized by a budget and a turn holds pages only while it is being
-generated: they go back the moment it ends or is cancelled. A call allocates the pages its
+Layout. Inputs live in pages of 16 frames, ``[pages, 16, 1, dim]`` per layer, the layout of
+vLLM's paged FlashAttention kernel, which reads them where they lie as the keys and the
+values of one head that all query heads share (paged_varlen.py: a call's attention is one
+varlen call, a query piece per attention chunk, so the chunk-causal rule needs no mask). A
+row's page table lists, position by position, its voice prefix's pages (shared by every turn
+of that voice, copied from the prefix bank when a voice takes a bank slot), then its turn's
+own pages. The prefix's last page, when the prefix ends inside it, is copied into the turn's
+first own page, since the turn's frames continue in it. Every attention layer first writes
+the new frames' inputs into their pages (all of them: the kernel reads only pages), then
+attends. A logical page ``p`` is one page per Euler step and CFG row: physical page ``(step *
+2 + row) * (pages + 1) + p``, so one page table serves every step and row by an offset. Conv
+context stays per turn slot.
+
+Memory: ~0.57 MB per frame at full size in bf16 (10 steps x 2 rows x 56 layers x 256 values),
+so the pool is sized by a budget and a turn holds pages only while it is being generated: they go back the moment it ends or is cancelled. A call allocates the pages its
 new frames need first; a turn that cannot get them (the pool is full, or the turn outgrew the
 page table) gives its pages back and goes on by recompute to its end (the runner's calls
 without the pool; a fallback, counted once), so nothing fails. A new turn gets pages only
@@ -62,8 +68,8 @@ PAGES_PER_TURN_SLOT = 4
 # turn then fails to grow at once.
 GROWTH_RESERVE = 0.125
 
-# (query [rows * queries, heads, dim], key pages, value pages, plan) -> output like query
-PagedAttention = Callable[[Tensor, Tensor, Tensor, ChunkSequences], Tensor]
+# (query [rows * queries, heads, dim], key pages, value pages, plan, softmax scale) -> output like query
+PagedAttention = Callable[[Tensor, Tensor, Tensor, ChunkSequences, float], Tensor]
 
 
 @dataclass
@@ -104,8 +110,8 @@ class TurnRows:
 class TurnStatePool:
     """Decoder state of turns in flight and of the voice prefixes they continue (see the module).
 
-    ``keys[layer]`` / ``values[layer]``: ``[steps * 2 * (pages + 1), 16, heads, head_dim]``;
-    ``conv_context[conv]``: ``[steps, turn_slots + 1, 2, channels, kernel - 1]``. The last
+    ``inputs[layer]``: ``[steps * 2 * (pages + 1), 16, 1, dim]``; ``conv_context[conv]``:
+    ``[steps, turn_slots + 1, 2, channels, kernel - 1]``. The last
     logical page and the last slot are scratch. ``attend``: the paged attention
     (paged_varlen.flash_attend on a GPU; the reference by default). Thread-safe bookkeeping:
     turns grow on the token2wav thread and are released from others.
@@ -125,11 +131,7 @@ class TurnStatePool:
         self.slot_scratch = self.turn_slots
         self.attend = attend
         physical = steps * 2 * (pages + 1)
-        self.keys = [
-            like.new_zeros(physical, PAGE_FRAMES, layer.heads, layer.head_dim)
-            for layer in cfm.estimator.attention_layers
-        ]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.inputs = [like.new_zeros(physical, PAGE_FRAMES, 1, layer.dim) for layer in cfm.estimator.attention_layers]
         self.conv_context = [
             like.new_zeros(steps, self.turn_slots + 1, 2, conv.in_channels, conv.context)
             for conv in cfm.estimator.causal_convs
@@ -149,7 +151,7 @@ class TurnStatePool:
     @staticmethod
     def page_bytes(cfm: CFM, dtype: torch.dtype, steps: int = N_TIMESTEPS) -> int:
         """Bytes of one logical page (and its share of a turn slot) at this size, dtype and step count."""
-        attention = sum(2 * layer.heads * layer.head_dim * PAGE_FRAMES for layer in cfm.estimator.attention_layers)
+        attention = sum(layer.dim * PAGE_FRAMES for layer in cfm.estimator.attention_layers)
         conv = sum(conv.in_channels * conv.context for conv in cfm.estimator.causal_convs)
         per_page = steps * 2 * (attention * PAGES_PER_TURN_SLOT + conv) * torch.empty(0, dtype=dtype).element_size()
         return per_page // PAGES_PER_TURN_SLOT
@@ -167,7 +169,7 @@ class TurnStatePool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.conv_context))
+        return sum(t.numel() * t.element_size() for t in (*self.inputs, *self.conv_context))
 
     def totals(self) -> dict[str, float]:
         """The pool's running totals, in bytes where they are memory (see ``__init__``)."""
@@ -260,13 +262,10 @@ class TurnStatePool:
                 return None
             self._prefixes[slot] = (bank, bank.generation[slot], pages)
         index = torch.tensor(pages, dtype=torch.long, device=bank.start.device)
-        for ours, theirs in ((self.keys, bank.keys), (self.values, bank.values)):
-            for layer, stored in zip(ours, theirs):
-                # [steps, 2, heads, frames, dim] -> pages of [16, heads, dim] per step and row
-                prefix = stored[:, slot, :, :, :frames].transpose(2, 3)
-                prefix = torch.nn.functional.pad(prefix, (0, 0, 0, 0, 0, len(pages) * PAGE_FRAMES - frames))
-                pages_of = prefix.reshape(*prefix.shape[:2], len(pages), PAGE_FRAMES, *prefix.shape[3:])
-                self._logical(layer)[:, :, index] = pages_of
+        for ours, stored in zip(self.inputs, bank.inputs, strict=True):
+            # [steps, 2, frames, dim] -> pages of [16, 1, dim] per step and row
+            prefix = torch.nn.functional.pad(stored[:, slot, :, :frames], (0, 0, 0, len(pages) * PAGE_FRAMES - frames))
+            self._logical(ours)[:, :, index] = prefix.reshape(*prefix.shape[:2], len(pages), PAGE_FRAMES, *ours.shape[2:])
         return pages
 
     def _logical(self, stored: Tensor) -> Tensor:
@@ -275,15 +274,15 @@ class TurnStatePool:
 
     def copy_page(self, source: int, target: int) -> None:
         """Logical page ``source`` into ``target``, every layer, step and row."""
-        for stored in (*self.keys, *self.values):
+        for stored in self.inputs:
             logical = self._logical(stored)
             logical[:, :, target] = logical[:, :, source]
 
 
 class PagedView(PrefixView):
     """One Euler step of a call whose rows start after their voice prefix and stored frames:
-    every attention layer writes the new frames' keys and values into the rows' pages, then
-    attends over the pages (one varlen call, see paged_varlen.py); the conv context comes from
+    every attention layer writes the new frames' inputs into the rows' pages, then attends
+    over the pages (one varlen call, see paged_varlen.py); the conv context comes from
     the turn's slot (the bank's for a turn with nothing stored) and the context at the commit
     boundary goes back to it."""
 
@@ -312,6 +311,8 @@ class PagedView(PrefixView):
         self._plan0 = chunk_sequences(table, self.start, new_frames, frames, pool.chunk, PAGE_FRAMES)
         self._write, self._plan = self._write0, self._plan0
 
+    keeps_inputs = True
+
     def at_step(self, step: int | Tensor) -> PagedView:
         super().at_step(step)
         offset = step * 2 * (self.pool.pages + 1)  # physical pages of one Euler step
@@ -324,12 +325,11 @@ class PagedView(PrefixView):
     def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> None:
         return None  # the plan's pieces are the chunk rule
 
-    def attend(self, slot: int, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+    def attend_inputs(self, slot: int, query: Tensor, inputs: Tensor, scale: float) -> Tensor:
         rows, frames, heads, dim = query.shape
-        key_pages, value_pages = self.pool.keys[slot], self.pool.values[slot]
-        key_pages.view(-1, heads, dim).index_copy_(0, self._write, key.reshape(-1, heads, dim))
-        value_pages.view(-1, heads, dim).index_copy_(0, self._write, value.reshape(-1, heads, dim))
-        out = self.pool.attend(query.reshape(-1, heads, dim), key_pages, value_pages, self._plan)
+        pages = self.pool.inputs[slot]
+        pages.view(-1, dim).index_copy_(0, self._write, inputs.reshape(-1, dim))
+        out = self.pool.attend(query.reshape(-1, heads, dim), pages, pages, self._plan, scale)
         return out.view(rows, frames, heads, dim)
 
     def _at(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:

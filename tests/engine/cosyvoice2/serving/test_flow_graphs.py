@@ -179,9 +179,9 @@ def prefix_bank(cfm: CFM, like: Tensor, steps: int = N_TIMESTEPS) -> PrefixBank:
     (100 frames) in slot 2 and the second (50 frames) in slot 0; slot 1 empty."""
     mu, _, spks, cond = batch_inputs([200, 200], [200, 200], seed=6)
     mu, spks, cond = mu.to(like), spks.to(like), cond.to(like)
-    bank = PrefixBank(cfm, 3, 150, mu, steps)
-    bank.put(2, decoder_prefix(cfm, mu[:1], spks[:1], cond[:1], 100, steps))
-    bank.put(0, decoder_prefix(cfm, mu[1:], spks[1:], cond[1:], 50, steps))
+    bank = PrefixBank(cfm, 3, 150, mu, steps, keep_inputs=True)
+    bank.put(2, decoder_prefix(cfm, mu[:1], spks[:1], cond[:1], 100, steps, keep_inputs=True))
+    bank.put(0, decoder_prefix(cfm, mu[1:], spks[1:], cond[1:], 50, steps, keep_inputs=True))
     return bank
 
 
@@ -238,8 +238,7 @@ def stored_turns(pool: TurnStatePool, bank: PrefixBank, mu: Tensor) -> tuple[Tur
 def same_random_state(pools: list[TurnStatePool]) -> None:
     generator = torch.Generator().manual_seed(3)
     for pool in pools:
-        state = pool.keys + pool.values + pool.conv_context
-        for stored, first in zip(state, pools[0].keys + pools[0].values + pools[0].conv_context):
+        for stored, first in zip(pool.inputs + pool.conv_context, pools[0].inputs + pools[0].conv_context):
             stored.copy_(torch.randn(stored.shape, generator=generator) if pool is pools[0] else first)
 
 
@@ -264,18 +263,18 @@ def test_padded_solve_after_stored_frames_is_the_eager_one(cfm, steps) -> None:
     with torch.inference_mode():
         rows, _ = stored_turns(pools[0], bank, mu)
         prefixes = [pools[0].prefix_pages(bank, slot) for slot in (0, 2)]
-        before = real_pages(pools[0], pools[0].keys[0]).clone()
+        before = real_pages(pools[0], pools[0].inputs[0]).clone()
         eager = solve_paged(cfm, bank, pools[0], rows, mu, mask, spks, cond)
         inputs = pad_inputs(mu, mask, spks, cond, key.batch, key.frames)
         padded_rows = pad_turn_rows(stored_turns(pools[1], bank, mu)[0], pools[1], key.batch)
         stepped = solve_by_steps(cfm, key, inputs + padded_rows.as_tuple(), bank, pools[1], steps)
     assert eager.abs().max() > 1.0
     assert (stepped[: len(LENGTHS), :, : mu.shape[2]] - eager).abs().max() <= 1e-5
-    for ours, theirs in zip(pools[0].keys + pools[0].values, pools[1].keys + pools[1].values):
+    for ours, theirs in zip(pools[0].inputs, pools[1].inputs):
         assert (real_pages(pools[0], ours) - real_pages(pools[1], theirs)).abs().max() <= 1e-5
     for ours, theirs in zip(pools[0].conv_context, pools[1].conv_context):
         assert (ours[:, :-1] - theirs[:, :-1]).abs().max() <= 1e-5  # the scratch slot aside
-    after = real_pages(pools[0], pools[0].keys[0])
+    after = real_pages(pools[0], pools[0].inputs[0])
     for pages in prefixes:
         assert torch.equal(after[:, pages], before[:, pages])
     assert not torch.equal(after, before)
@@ -288,7 +287,7 @@ def test_step_program_runs_without_host_sync() -> None:
     mu = torch.zeros(4, 80, 150, device="meta")
     bank = PrefixBank(cfm, 2, 100, mu)
     # The paged kernel is a GPU library's: a stand-in of its shape here.
-    pool = TurnStatePool(cfm, 4, mu, attend=lambda query, keys, values, plan: torch.empty_like(query))
+    pool = TurnStatePool(cfm, 4, mu, attend=lambda query, keys, values, plan, scale: torch.empty_like(query))
     slots = torch.zeros(4, dtype=torch.long, device="meta")
     rows = TurnRows(slots, torch.zeros(4, TABLE_PAGES, dtype=torch.long, device="meta"), slots, slots, slots)
     inputs = (mu, torch.ones(4, 1, 150, device="meta"), torch.zeros(4, 80, device="meta"), mu)

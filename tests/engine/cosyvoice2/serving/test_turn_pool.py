@@ -36,8 +36,8 @@ def stream_turns(reference, ours, pool_pages: int, steps: int = N_TIMESTEPS) -> 
     does); returns the pool and the errors."""
     voices = [utterance(60, 140, seed=80), utterance(30, 120, seed=81)]
     with torch.inference_mode():
-        prefixes = [voice_prefix(ours, v.prompt_token, v.prompt_feat, v.embedding, steps) for v in voices]
-    bank = PrefixBank(ours.decoder, 2, 100, prefixes[0].keys[0], steps)
+        prefixes = [voice_prefix(ours, v.prompt_token, v.prompt_feat, v.embedding, steps, True) for v in voices]
+    bank = PrefixBank(ours.decoder, 2, 100, prefixes[0].keys[0], steps, keep_inputs=True)
     for slot, prefix in enumerate(prefixes):
         bank.put(slot, prefix)
     pool = TurnStatePool(ours.decoder, pool_pages, prefixes[0].keys[0], steps)
@@ -79,8 +79,8 @@ def one_voice(ours, tokens: int, seed: int):
     slot holding it."""
     voice = utterance(60, tokens, seed=seed)
     with torch.inference_mode():
-        prefix = voice_prefix(ours, voice.prompt_token, voice.prompt_feat, voice.embedding)
-    bank = PrefixBank(ours.decoder, 1, 100, prefix.keys[0])
+        prefix = voice_prefix(ours, voice.prompt_token, voice.prompt_feat, voice.embedding, keep_inputs=True)
+    bank = PrefixBank(ours.decoder, 1, 100, prefix.keys[0], keep_inputs=True)
     bank.put(0, prefix)
     return voice, prefix, bank
 
@@ -140,10 +140,10 @@ def test_voice_prefix_pages_follow_the_bank(flow_pair) -> None:
     pages = pool.prefix_pages(bank, 0)
     assert len(pages) == 7  # 100 frames in pages of 16
     assert pool.prefix_pages(bank, 0) is pages
-    # Page 2 of step 3, unconditioned row, of the first layer: frames 32-47 of the prefix.
-    stored = pool.keys[0].view(N_TIMESTEPS, 2, 17, 16, *pool.keys[0].shape[2:])[3, 1, pages[2]]
+    # Page 2 of step 3, unconditioned row, of the second layer: frames 32-47 of the prefix.
+    stored = pool.inputs[1].view(N_TIMESTEPS, 2, 17, 16, *pool.inputs[1].shape[2:])[3, 1, pages[2], :, 0]
     layers = len(ours.decoder.estimator.attention_layers)
-    assert torch.equal(stored, prefix.keys[3 * layers][1, :, 32:48].transpose(0, 1))
+    assert torch.equal(stored, prefix.inputs[3 * layers + 1][1, 32:48])
     bank.put(0, prefix)
     again = pool.prefix_pages(bank, 0)
     assert again is not pages and len(again) == 7 and pool.pages_in_use == 0
@@ -189,13 +189,13 @@ def test_prefix_copies_of_voices_the_bank_dropped_are_freed(flow_pair) -> None:
     _, ours = flow_pair
     _, prefix, _ = one_voice(ours, 10, seed=84)
     pool = TurnStatePool(ours.decoder, 20, prefix.keys[0])
-    old_bank = PrefixBank(ours.decoder, 2, 100, prefix.keys[0])
+    old_bank = PrefixBank(ours.decoder, 2, 100, prefix.keys[0], keep_inputs=True)
     old_bank.put(0, prefix)
     old_bank.put(1, prefix)
     pool.prefix_pages(old_bank, 0)
     pool.prefix_pages(old_bank, 1)
     assert pool.pages - len(pool._free_pages) == 14
-    new_bank = PrefixBank(ours.decoder, 2, 100, prefix.keys[0])
+    new_bank = PrefixBank(ours.decoder, 2, 100, prefix.keys[0], keep_inputs=True)
     new_bank.put(0, prefix)
     assert len(pool.prefix_pages(new_bank, 0)) == 7
     assert pool.pages - len(pool._free_pages) == 7  # both of the old bank's copies went back
