@@ -1,8 +1,9 @@
 """The turn pool on a GPU: vLLM's paged kernel against the reference, and paged calls against
 the recompute path, at full size in bf16 (random weights: compute does not depend on them).
 
-1. ``kernel``: one varlen call over pages (rows of different voice prefixes, stored frames
-   and new frames, pieces cut at chunk boundaries) against ``attend_reference``.
+1. ``kernel``: one varlen call over pages as the pool makes it (one key head of the layer
+   input's width that every query head shares; rows of different voice prefixes, stored
+   frames and new frames, pieces cut at chunk boundaries) against ``attend_reference``.
 2. ``turns``: turns streamed call by call through the pool (eager solves, the paged kernel),
    each call's new frames against the same frames solved after the voice prefix by recompute
    (SDPA over contiguous keys), with each call's time. The two paths round differently in
@@ -10,7 +11,7 @@ the recompute path, at full size in bf16 (random weights: compute does not depen
 
 Run on the device after the vLLM bundle's staging calls:
     . /root/vllm-env.sh && python3 -m pip install -q --no-deps --no-build-isolation -e . \\
-        && python3 bench/paged_pool_check.py --out $OUT
+        && python3 bench/paged_pool_check.py --out $OUT [--sessions 4,32 --pool-gb 24]
 """
 
 from __future__ import annotations
@@ -28,14 +29,13 @@ from tts_gateway.engine.cosyvoice2.serving.paged_varlen import attend_reference,
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, solve_after_prefix
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import PagedAttention, TurnStatePool, solve_paged, turn_rows
 
-HEADS, DIM, CHUNK = 8, 64, 50
+HEADS, HEAD_DIM, DIM, CHUNK = 8, 64, 256, 50  # the estimator's heads, and its layers' input width
 
 
 def kernel_check(device: torch.device) -> dict:
     generator = torch.Generator(device).manual_seed(0)
     pages, page_frames, width = 512, 16, 64
-    keys = torch.randn(pages, page_frames, HEADS, DIM, device=device, generator=generator).bfloat16()
-    values = torch.randn(pages, page_frames, HEADS, DIM, device=device, generator=generator).bfloat16()
+    inputs = torch.randn(pages, page_frames, 1, DIM, device=device, generator=generator).bfloat16()
     # Rows: (first new position, new frames): on and off chunk boundaries, one row with no frame.
     rows = [(100, 150), (250, 37), (0, 120), (350, 0), (150, 200)]
     queries = 200
@@ -44,8 +44,8 @@ def kernel_check(device: torch.device) -> dict:
     new = torch.tensor([r[1] for r in rows], device=device)
     plan = chunk_sequences(table, start, new, queries, CHUNK, page_frames)
     query = torch.randn(len(rows) * queries, HEADS, DIM, device=device, generator=generator).bfloat16()
-    flash = flash_attend(DIM)(query, keys, values, plan)
-    reference = attend_reference(query.float(), keys.float(), values.float(), plan)
+    flash = flash_attend(DIM)(query, inputs, inputs, plan, HEAD_DIM**-0.5)
+    reference = attend_reference(query.float(), inputs.float(), inputs.float(), plan, HEAD_DIM**-0.5)
     real = torch.cat([torch.arange(n, device=device) + r * queries for r, (_, n) in enumerate(rows)])
     return {
         "max_abs_error": float((flash.float()[real] - reference[real]).abs().max()),
@@ -64,7 +64,9 @@ def timed(fn, device: torch.device) -> tuple[torch.Tensor, float]:
 
 
 @torch.inference_mode()
-def turns_check(device: torch.device, sessions: int, calls: int, config: CFMConfig, attend: PagedAttention) -> dict:
+def turns_check(
+    device: torch.device, sessions: int, calls: int, config: CFMConfig, attend: PagedAttention, pool_gb: float,
+) -> dict:
     torch.manual_seed(0)
     cfm = CFM(config).to(device)
     for parameter in cfm.parameters():  # a spread like trained weights', not the init's
@@ -76,10 +78,11 @@ def turns_check(device: torch.device, sessions: int, calls: int, config: CFMConf
     cond = torch.zeros_like(mu)
     cond[:, :, :prefix] = torch.randn(sessions, 80, prefix, device=device, dtype=torch.bfloat16)
     spks = torch.randn(sessions, 80, device=device, dtype=torch.bfloat16)
-    bank = PrefixBank(cfm, sessions, prefix, mu)
+    bank = PrefixBank(cfm, sessions, prefix, mu, keep_inputs=True)
     for slot in range(sessions):
-        bank.put(slot, decoder_prefix(cfm, mu[slot : slot + 1], spks[slot : slot + 1], cond[slot : slot + 1], prefix))
-    pool = TurnStatePool.within(cfm, 8 * 2**30, mu, attend=attend)
+        voice = mu[slot : slot + 1], spks[slot : slot + 1], cond[slot : slot + 1]
+        bank.put(slot, decoder_prefix(cfm, *voice, prefix, keep_inputs=True))
+    pool = TurnStatePool.within(cfm, int(pool_gb * 2**30), mu, attend=attend)
     slots = list(range(sessions))
     index = torch.tensor(slots, device=device)
     turns = [None] * sessions
@@ -116,13 +119,17 @@ def turns_check(device: torch.device, sessions: int, calls: int, config: CFMConf
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--sessions", default="4", help="turns streamed together, one run per comma-separated count")
     parser.add_argument("--calls", type=int, default=6)
+    parser.add_argument("--pool-gb", type=float, default=8.0)
     args = parser.parse_args()
     device = torch.device("cuda")
     result = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "kernel": kernel_check(device)}
     print(json.dumps(result), flush=True)
-    result["turns"] = turns_check(device, args.sessions, args.calls, CFMConfig.full(), flash_attend(DIM))
+    result["turns"] = [
+        turns_check(device, int(n), args.calls, CFMConfig.full(), flash_attend(DIM), args.pool_gb)
+        for n in args.sessions.split(",")
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "paged_pool_check.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
