@@ -111,9 +111,10 @@ class CosyVoice2Settings:
     # chunks then wait behind those calls on the lane (H200: docs/benchmarks.md).
     second_chunk_on_lane: bool = False
     flow_mode: str = "auto"
-    # Paged mode's pool of turns' decoder state: ~2.3 MB per mel frame at full size in bf16
-    # (8 GB: ~70 s of speech being generated at once). A turn that finds it full goes on by
-    # recompute after its voice prefix instead (counted), so this bounds memory, not sessions.
+    # Paged mode's pool of turns' decoder state (each attention layer's input, per Euler step
+    # and CFG row): ~0.57 MB per mel frame at full size in bf16 (8 GB: ~4.6 min of speech
+    # being generated at once). A turn that finds it full goes on by recompute after its voice
+    # prefix instead (counted), so this bounds memory, not sessions.
     token2wav_cache_gb: float = 8.0
     # The last chunk of a turn: "chunk" is the official flow's streaming mode (chunk-causal,
     # like every other chunk; it costs its own frames), "full" the official tts() loop's
@@ -137,7 +138,8 @@ class CosyVoice2Settings:
     # Recompute mode: a streaming batch (on a GPU, of more than one row) starts the decoder
     # after the voice prompt's whole chunks, whose state is the same in every call and is kept in a
     # bank of this many slots for the most recently used voices (~2.3 MB per prompt frame
-    # and slot at full size in bf16: ~0.32 GB for a 3.6 s prompt). Exact; 0 = off.
+    # and slot at full size in bf16: ~0.32 GB for a 3.6 s prompt; a quarter more in paged
+    # mode, whose pool copies the prefixes' layer inputs from it). Exact; 0 = off.
     prefix_voices: int = 4
     # GPU: CUDA graphs of the HiFT vocoder for the streamed chunk shapes at every batch
     # bucket up to max_batch (engine/cosyvoice2/serving/hift_graphs.py); final chunks run eagerly.

@@ -13,7 +13,12 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from tts_gateway.engine.cosyvoice2.model.estimator import Estimator, attention_bias, chunk_attention_mask
+from tts_gateway.engine.cosyvoice2.model.estimator import (
+    Estimator,
+    SelfAttention,
+    attention_bias,
+    chunk_attention_mask,
+)
 from tts_gateway.engine.cosyvoice2.model.flow import Flow
 from tts_gateway.engine.cosyvoice2.modeldir.configs import EstimatorConfig, FlowConfig
 from tests.engine.cosyvoice2.flow_pairs import (
@@ -120,6 +125,33 @@ def test_attention_bias_gives_the_boolean_masks_attention_exactly(dtype: torch.d
     expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed)
     got = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias)
     assert torch.equal(got, expected)
+
+
+class InputsOnly:
+    """A view that keeps a layer's inputs: here, attention over the call's own frames only."""
+
+    keeps_inputs = True
+
+    def __init__(self, mask: Tensor) -> None:
+        self.mask = mask
+
+    def attend_inputs(self, slot: int, query: Tensor, inputs: Tensor, scale: float) -> Tensor:
+        keys = inputs[:, None]  # one head of the inputs, shared by every query head
+        out = nn.functional.scaled_dot_product_attention(query.transpose(1, 2), keys, keys, self.mask, scale=scale)
+        return out.transpose(1, 2)
+
+
+def test_attention_over_a_layers_inputs_is_attention_over_its_keys_and_values() -> None:
+    """Keys and values are linear in the layer's input, so a view that keeps the inputs gets
+    the same attention (chunk mask included) from a quarter of the state."""
+    layer = randomize_(SelfAttention(dim=32, heads=4, head_dim=16), seed=5)
+    x = torch.randn(2, 120, 32, generator=torch.Generator().manual_seed(6))
+    allowed = chunk_attention_mask(torch.ones(2, 120, dtype=torch.bool), torch.arange(120)[None], 50)
+    mask = attention_bias(allowed, x.dtype)
+    expected = layer(x, mask, None)
+    got = layer(x, None, InputsOnly(mask))
+    assert expected.abs().max() > 0.1
+    assert max_err(got, expected) <= 1e-5
 
 
 def test_flow_chunk_mask_equals_official_without_host_sync() -> None:
