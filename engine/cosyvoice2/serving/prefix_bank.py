@@ -13,12 +13,13 @@ the most recently used voices in fixed slots, in tensors that CUDA graphs read i
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
 from tts_gateway.engine.cosyvoice2.model.estimator import attend_over_stored, chunk_attention_mask
@@ -196,6 +197,8 @@ def decoder_prefix(
     noise = cfm.noise[:, :, :frames]
     with recorded_inputs(cfm, keep_inputs) as inputs:
         forward_chunk(cfm, cache, mu[:, :, :frames], mask, spks, cond[:, :, :frames], noise, [0], [frames])
+    if keep_inputs and len(inputs) != len(cache.keys):
+        raise RuntimeError(f"recorded {len(inputs)} attention inputs for {len(cache.keys)} layer steps")
     return VoicePrefix(
         steps=steps,
         frames=frames,
@@ -208,12 +211,19 @@ def decoder_prefix(
 
 @contextlib.contextmanager
 def recorded_inputs(cfm: CFM, record: bool) -> Iterator[list[Tensor]]:
-    """The inputs of the estimator's attention layers while the block runs, in call order (one
-    solve: ``[step * n_attention + layer]``), when ``record``; the module itself only computes,
-    so they are read by forward pre-hooks."""
+    """The inputs of the estimator's attention layers while the ``with`` block runs, in call
+    order (one solve: ``[step * n_attention + layer]``), when ``record``; the module itself only
+    computes, so they are read by forward pre-hooks. Only this thread's calls are recorded: the
+    first-chunk lane may run the same modules meanwhile."""
     inputs: list[Tensor] = []
+    owner = threading.get_ident()
+
+    def record_input(_: nn.Module, args: tuple) -> None:
+        if threading.get_ident() == owner:
+            inputs.append(args[0].clone())
+
     layers = cfm.estimator.attention_layers if record else []
-    hooks = [layer.register_forward_pre_hook(lambda _, args: inputs.append(args[0].clone())) for layer in layers]
+    hooks = [layer.register_forward_pre_hook(record_input) for layer in layers]
     try:
         yield inputs
     finally:

@@ -11,8 +11,8 @@ recomputing them. The same mel, for the cost of the new frames.
 Why inputs, not keys and values: a layer's input is ``dim`` (256) values per frame, its keys
 and values 2 x 512. The estimator's attention layers attend over inputs directly (query and
 output carried through the key and value weights, ``SelfAttention``): the same attention,
-from a quarter of the memory, for four times the attention arithmetic, which the GPU has to
-spare (the decoder is bound by memory traffic, not by its matrix products).
+from a quarter of the memory, for four times the attention arithmetic (the paged attention
+was ~22% of the decoder's kernel time at 64 sessions on an H100: docs/benchmarks.md).
 
 Layout. Inputs live in pages of 16 frames, ``[pages, 16, 1, dim]`` per layer, the layout of
 vLLM's paged FlashAttention kernel, which reads them where they lie as the keys and the

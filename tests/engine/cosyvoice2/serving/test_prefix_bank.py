@@ -3,12 +3,20 @@ starts its decoder after its voice's stored prefix gives the official whole re-r
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import Tensor, nn
 
 from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
-from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, flow_after_prefix, voice_prefix
+from tts_gateway.engine.cosyvoice2.serving.prefix_bank import (
+    PrefixBank,
+    decoder_prefix,
+    flow_after_prefix,
+    recorded_inputs,
+    voice_prefix,
+)
 from tests.engine.cosyvoice2.flow_pairs import STEPS, TOLERANCE, decoder_inputs, max_err, official_steps, utterance
 
 
@@ -61,3 +69,19 @@ def test_a_bank_holds_prefixes_of_its_own_step_count(cfm_pair) -> None:
     PrefixBank(ours, 1, 50, mu, steps=4).put(0, prefix)
     with pytest.raises(ValueError, match="4 Euler steps does not fit a bank of 10"):
         PrefixBank(ours, 1, 50, mu, steps=N_TIMESTEPS).put(0, prefix)
+
+
+def test_prefix_inputs_are_recorded_from_the_building_thread_only(cfm_pair) -> None:
+    """A prefix's attention inputs are read while it is built; the first-chunk lane may run
+    the same modules meanwhile on its own thread, and those calls are not recorded."""
+    _, ours = cfm_pair
+    layer = ours.estimator.attention_layers[0]
+    x = torch.randn(2, 10, layer.dim)
+    with torch.inference_mode(), recorded_inputs(ours, True) as inputs:
+        lane = threading.Thread(target=layer, args=(x + 1, None, None))
+        lane.start()
+        lane.join()
+        layer(x, None, None)
+    assert len(inputs) == 1 and torch.equal(inputs[0], x)
+    layer(x, None, None)
+    assert len(inputs) == 1  # the hooks are gone
