@@ -71,11 +71,15 @@ class CallPlanner:
     ) -> list[list[int]]:
         """Indices of ``jobs`` in flow calls, in the order to run them.
 
-        Non-final recompute chunks and final chunks (full attention) go in separate calls,
-        and so do first chunks (no audio out yet) and later ones: a new turn's first chunk
-        must not wait for a long turn's call, which a single row's padding would otherwise
-        often make the cheaper choice. Each such kind is split into the calls that cost least
-        in all (see ``cheapest_groups``), none of several rows above ``MAX_CALL_ROW_FRAMES``.
+        Non-final recompute chunks and final chunks go in separate calls (a call of the
+        recompute path has one ``finalize``), and so do first chunks (no audio out yet) and
+        later ones: a new turn's first chunk must not wait for a long turn's call, which a
+        single row's padding would otherwise often make the cheaper choice. After stored frames
+        (``stored``) with chunk-causal last chunks, a last chunk is one more row of the later
+        chunks' call: a paged call takes ``finalize`` per row, and one call costs less than two
+        (its cost counts the row's look-ahead frames as a later chunk's, 6 fewer). Each such
+        kind is split into the calls that cost least in all (see ``cheapest_groups``), none of
+        several rows above ``MAX_CALL_ROW_FRAMES``.
         Calls of first chunks run first, then the rest, narrowest first; incremental chunks,
         which run one by one, go together. ``graphs``: the flow graphs the calls would replay;
         ``prefix``: the frames a call after the voice prefixes starts at least (None: none);
@@ -84,11 +88,12 @@ class CallPlanner:
         """
         kinds: dict[tuple[bool, bool], list[int]] = {}
         incremental = []
+        last_with_later = stored is not None and self.final_streaming
         for i, job in enumerate(jobs):
             if self.streaming(job.finalize) and job.request.stream.flow_cache is not None:
                 incremental.append(i)
             else:
-                kinds.setdefault((job.finalize, job.first), []).append(i)
+                kinds.setdefault((job.finalize and not last_with_later, job.first), []).append(i)
         groups = [incremental] if incremental else []
 
         def job_frames(job: ChunkJob) -> int:

@@ -45,10 +45,16 @@ class ChunkJob:
         return self.request.stream.offset == 0
 
 
+def chunk_kind(job) -> str:
+    """A chunk's kind: ``final`` (its turn's last), ``first`` (no audio out yet), ``later``."""
+    return "final" if job.finalize else "first" if job.first else "later"
+
+
 def call_kind(jobs) -> str:
-    """A flow call's kind, by its chunks (a call holds one kind, see ``call_plan.plan``):
-    ``final`` (full attention over the whole turn), ``first`` (no audio out yet), ``later``."""
-    return "final" if jobs[0].finalize else "first" if all(job.first for job in jobs) else "later"
+    """A flow call's kind: its chunks' (``chunk_kind``), ``later`` for a call that mixes kinds
+    (later and last chunks after their turns' stored frames, see ``call_plan.plan``)."""
+    kinds = {chunk_kind(job) for job in jobs}
+    return kinds.pop() if len(kinds) == 1 else "later"
 
 
 @dataclass(frozen=True)

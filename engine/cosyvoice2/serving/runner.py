@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +36,7 @@ from tts_gateway.engine.cosyvoice2.model.flow import DecoderInputs, Flow
 from tts_gateway.engine.cosyvoice2.model.hift import HiFT
 from tts_gateway.engine.cosyvoice2.serving.buckets import CAPTURE_LOCK
 from tts_gateway.engine.cosyvoice2.serving.call_plan import CallPlanner
-from tts_gateway.engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, ChunkJob, ChunkSchedule, call_kind
+from tts_gateway.engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, ChunkJob, ChunkSchedule, chunk_kind
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 from tts_gateway.engine.cosyvoice2.serving.incremental import FlowStreamCache, inference_chunk
@@ -65,6 +66,14 @@ def paged_kernel(flow: Flow) -> PagedAttention:
     if not flow.decoder.noise.is_cuda:
         return attend_reference
     return flash_attend(flow.decoder.estimator.attention_layers[0].dim)  # the pool keeps layer inputs
+
+
+def by_finalize(indices: list[int], jobs: list[ChunkJob]) -> Iterator[tuple[bool, list[int]]]:
+    """``indices`` of ``jobs`` split by ``finalize``, for calls that take one flag: (flag, part)."""
+    for finalize in (False, True):
+        part = [i for i in indices if jobs[i].finalize == finalize]
+        if part:
+            yield finalize, part
 
 
 class Token2WavRunner:
@@ -200,13 +209,14 @@ class Token2WavRunner:
         mels: dict[int, torch.Tensor] = {}
         for group in self.plan(jobs, lane):
             group_jobs = [jobs[i] for i in group]
-            finalize = group_jobs[0].finalize
-            if group_jobs[0].request.stream.flow_cache is not None and self._streaming(finalize):
+            if group_jobs[0].request.stream.flow_cache is not None and self._streaming(group_jobs[0].finalize):
                 continue
             if self._paged_serves(group_jobs, lane):
                 mels.update(zip(group, self._flow_paged(group_jobs)))
-            elif len(group) > 1 or (self._streaming(finalize) and self.prefixes is not None and lane is None):
-                mels.update(zip(group, self._flow_batched(group_jobs, finalize, lane)))
+                continue
+            for finalize, part in by_finalize(group, jobs):
+                if len(part) > 1 or (self._streaming(finalize) and self.prefixes is not None and lane is None):
+                    mels.update(zip(part, self._flow_batched([jobs[i] for i in part], finalize, lane)))
         return [mels[i] if i in mels else self._flow(job, lane) for i, job in enumerate(jobs)]
 
     def _streaming(self, finalize: bool) -> bool:
@@ -270,7 +280,7 @@ class Token2WavRunner:
         """Whether these jobs run after their voice prefixes and stored chunks: chunk-causal
         calls on the engine's own thread (the lane keeps its graphs of whole first chunks)
         whose voices all fit the prefix bank."""
-        if self.turn_pool is None or lane is not None or not self._streaming(jobs[0].finalize):
+        if self.turn_pool is None or lane is not None or not all(self._streaming(job.finalize) for job in jobs):
             return False
         prompts = {id(job.request.prompt): job.request.prompt for job in jobs}.values()
         if len(prompts) > self.prefixes.capacity:
@@ -289,9 +299,8 @@ class Token2WavRunner:
         paged = [i for i, job in enumerate(jobs) if not getattr(job.request.stream.turn, "fell_back", False)]
         if paged:
             mels.update((paged[k], mel) for k, mel in self._paged_call([jobs[i] for i in paged]).items())
-        rest = [i for i in range(len(jobs)) if i not in mels]
-        if rest:
-            mels.update(zip(rest, self._flow_batched([jobs[i] for i in rest], jobs[0].finalize)))
+        for finalize, rest in by_finalize([i for i in range(len(jobs)) if i not in mels], jobs):
+            mels.update(zip(rest, self._flow_batched([jobs[i] for i in rest], finalize)))
         return [mels[i] for i in range(len(jobs))]
 
     def _paged_call(self, jobs: list[ChunkJob]) -> dict[int, torch.Tensor]:
@@ -309,7 +318,7 @@ class Token2WavRunner:
 
         result, turns = flow_paged(
             self.flow, self.prefixes.bank, self.turn_pool, slots, [s.turn for s in states], self._batch_args(jobs),
-            jobs[0].finalize, keep=[not jobs[0].finalize] * len(jobs), solve=solve,
+            [job.finalize for job in jobs], keep=[not job.finalize for job in jobs], solve=solve,
         )
         for state, turn in zip(states, turns):
             state.turn = turn
@@ -510,10 +519,10 @@ class Token2WavRunner:
         self._book(jobs, widths, rows * width if replayed is None else replayed, replayed is None)
 
     def _book(self, jobs: list[ChunkJob], widths: list[int], padded: int, eager: bool) -> None:
-        kind = call_kind(jobs)
         with self._work_lock:
             work = self._work
             work["calls"] += 1
             work["eager_calls"] += eager
-            work[f"row_frames_{kind}"] += sum(widths)
+            for job, width in zip(jobs, widths):
+                work[f"row_frames_{chunk_kind(job)}"] += width
             work["padded_row_frames"] += padded

@@ -451,12 +451,13 @@ class PagedResult:
 @torch.inference_mode()
 def flow_paged(
     flow: Flow, bank: PrefixBank, pool: TurnStatePool, slots: Tensor, turns: list[TurnState | None],
-    args: tuple[Tensor, ...], finalize: bool, keep: list[bool], solve: SolvePaged | None = None,
+    args: tuple[Tensor, ...], finalize: bool | list[bool], keep: list[bool], solve: SolvePaged | None = None,
 ) -> tuple[PagedResult, list[TurnState | None]]:
     """A streaming flow call of these rows (``args`` as ``Flow.decoder_inputs``) that starts each
     row after its voice prefix (bank slot ``slots[b]``) and its turn's stored frames
     (``turns[b]``, None: none yet), and commits the whole chunks it completes for the rows
-    that ``keep`` state (not on the last chunk: nothing follows it). Returns the mel of the
+    that ``keep`` state (not on the last chunk: nothing follows it). ``finalize``: one flag, or
+    one per row (a turn's last chunk beside other turns' later ones). Returns the mel of the
     rows it served and the turns (a row not served fell back: run it on the recompute path).
 
     ``solve``: the decoder (default :func:`solve_paged`, eager; the runner passes a graph's replay).
@@ -464,6 +465,8 @@ def flow_paged(
     chunk = pool.chunk
     stored = torch.tensor([t.frames if t is not None else 0 for t in turns], device=slots.device)
     start = bank.start[slots] + stored
+    if isinstance(finalize, list):
+        finalize = torch.tensor(finalize, device=slots.device)
     inputs = flow.decoder_inputs(*args, True, finalize, start=start)
     end = start + inputs.mask[:, 0].sum(dim=1).long()
     starts, ends = start.tolist(), end.tolist()

@@ -493,6 +493,39 @@ def test_final_chunks_of_several_utterances_batch_exactly(models, voice, tokens)
         assert float((a - b).abs().max()) <= 1e-4
 
 
+def test_a_last_chunk_shares_the_later_chunks_call_after_stored_frames(models, voice, tokens):
+    """With a turn-state pool and chunk-causal last chunks, one turn's last chunk and another
+    turn's later chunk are planned into one flow call (the recompute path keeps them apart), and
+    each gets the mel it gets in a call of its own."""
+
+    def jobs_of(token2wav):
+        prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+        ending, going = stream(token2wav, prompt, tokens[:61], done=True), stream(token2wav, prompt, tokens)
+        jobs = []
+        for state, last in ((ending, True), (going, False)):
+            token2wav.run([token2wav.schedule.next_job(state)])  # the first chunk, into the pool
+            job = token2wav.schedule.next_job(state)
+            while job.finalize != last:
+                token2wav.run([job])
+                job = token2wav.schedule.next_job(state)
+            jobs.append(job)
+        return jobs
+
+    page = TurnStatePool.page_bytes(models.flow.decoder, torch.float32)
+    paged = dict(incremental=False, prefix_voices=2, final_attention="chunk", turn_state_bytes=65 * page)
+    token2wav = make_runner(models, **paged)
+    jobs = jobs_of(token2wav)
+    assert [len(group) for group in token2wav.plan(jobs)] == [2]
+    together = token2wav._flows(jobs)
+    apart = make_runner(models, **paged)
+    alone = [apart._flows([job])[0] for job in jobs_of(apart)]
+    for a, b in zip(alone, together):
+        assert a.shape == b.shape
+        assert float((a - b).abs().max()) <= 1e-4
+    recompute = make_runner(models, incremental=False, prefix_voices=2, final_attention="chunk")
+    assert sorted(len(group) for group in recompute.plan(jobs_of(recompute))) == [1, 1]
+
+
 class RecordingGraphs:
     """Stands in for the vocoder's CUDA graphs: records the shapes streaming asks for, runs nothing."""
 

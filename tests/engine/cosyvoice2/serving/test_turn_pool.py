@@ -29,18 +29,50 @@ def call_args(voices: list, counts: list[int]) -> tuple[Tensor, ...]:
     )
 
 
+def voices_bank(ours, voices: list, steps: int = N_TIMESTEPS) -> PrefixBank:
+    """A bank of these voices' prefixes, slot b for voice b, kept with their layer inputs."""
+    with torch.inference_mode():
+        prefixes = [voice_prefix(ours, v.prompt_token, v.prompt_feat, v.embedding, steps, True) for v in voices]
+    bank = PrefixBank(ours.decoder, len(voices), 100, prefixes[0].keys[0], steps, keep_inputs=True)
+    for slot, prefix in enumerate(prefixes):
+        bank.put(slot, prefix)
+    return bank
+
+
+def row_errors(
+    reference, voices: list, counts: list[int], finals: list[bool], result, steps: int = N_TIMESTEPS,
+    recomputed: Tensor | None = None,
+) -> list[float]:
+    """Each row of a paged call (``counts[b]`` tokens, ``finals[b]``: its turn's last chunk)
+    against the official streaming re-run; a row the call did not serve is read from
+    ``recomputed`` (the same call by recompute after the voice prefix)."""
+    served = [b for b, s in enumerate(result.served) if s]
+    errors = []
+    for b, (voice, n, finalize) in enumerate(zip(voices, counts, finals)):
+        with torch.inference_mode(), official_steps(reference, steps):
+            expected, _ = reference.inference(*voice.args(n), True, finalize)
+        prompt = voice.prompt_feat.shape[1]
+        start, end = int(result.start[b]), int(result.end[b])
+        assert end - prompt == expected.shape[2]
+        first = max(start, prompt)
+        assert expected[:, :, first - prompt :].abs().max() > 1.0
+        if b in served:
+            row = served.index(b)
+            got = result.mel[row : row + 1, :, first - start : end - start]
+        else:
+            got = recomputed[b : b + 1, :, first - prompt : end - prompt]
+        errors.append(max_err(got, expected[:, :, first - prompt :]))
+    return errors
+
+
 def stream_turns(reference, ours, pool_pages: int, steps: int = N_TIMESTEPS) -> tuple[TurnStatePool, list[float]]:
     """Two turns of different voices streamed in shared calls, each call compared with the
     official streaming re-run at that row's token count, both solving with ``steps`` Euler
     steps (a row the pool cannot serve runs after its voice prefix by recompute, as the runner
     does); returns the pool and the errors."""
     voices = [utterance(60, 140, seed=80), utterance(30, 120, seed=81)]
-    with torch.inference_mode():
-        prefixes = [voice_prefix(ours, v.prompt_token, v.prompt_feat, v.embedding, steps, True) for v in voices]
-    bank = PrefixBank(ours.decoder, 2, 100, prefixes[0].keys[0], steps, keep_inputs=True)
-    for slot, prefix in enumerate(prefixes):
-        bank.put(slot, prefix)
-    pool = TurnStatePool(ours.decoder, pool_pages, prefixes[0].keys[0], steps)
+    bank = voices_bank(ours, voices, steps)
+    pool = TurnStatePool(ours.decoder, pool_pages, bank.keys[0], steps)
     slots = torch.tensor([0, 1])
     # Token counts per call: on and off chunk boundaries, rows at different points of their turn.
     calls = [(18, 23), (43, 48), (44, 73), (93, 98), (140, 120)]
@@ -50,24 +82,11 @@ def stream_turns(reference, ours, pool_pages: int, steps: int = N_TIMESTEPS) -> 
         finalize = k == len(calls) - 1
         args = call_args(voices, counts)
         result, turns = flow_paged(ours, bank, pool, slots, turns, args, finalize, keep=[not finalize] * 2)
-        served = [b for b, s in enumerate(result.served) if s]
-        if len(served) < 2:
+        recomputed = None
+        if not all(result.served):
             with torch.inference_mode():
                 recomputed, _ = flow_after_prefix(ours, bank, slots, *args, finalize=finalize)
-        for b, (voice, n) in enumerate(zip(voices, counts)):
-            with torch.inference_mode(), official_steps(reference, steps):
-                expected, _ = reference.inference(*voice.args(n), True, finalize)
-            prompt = voice.prompt_feat.shape[1]
-            start, end = int(result.start[b]), int(result.end[b])
-            assert end - prompt == expected.shape[2]
-            first = max(start, prompt)
-            assert expected[:, :, first - prompt :].abs().max() > 1.0
-            if b in served:
-                row = served.index(b)
-                got = result.mel[row : row + 1, :, first - start : end - start]
-            else:
-                got = recomputed[b : b + 1, :, first - prompt : end - prompt]
-            errors.append(max_err(got, expected[:, :, first - prompt :]))
+        errors += row_errors(reference, voices, counts, [finalize] * 2, result, steps, recomputed)
     for turn in turns:
         if turn is not None:
             pool.release(turn)
@@ -199,3 +218,24 @@ def test_prefix_copies_of_voices_the_bank_dropped_are_freed(flow_pair) -> None:
     new_bank.put(0, prefix)
     assert len(pool.prefix_pages(new_bank, 0)) == 7
     assert pool.pages - len(pool._free_pages) == 7  # both of the old bank's copies went back
+
+
+def test_a_last_chunk_shares_a_paged_call_with_another_turns_later_chunk(flow_pair) -> None:
+    """``finalize`` per row: one turn's last chunk and another's later chunk in one call each
+    equal the official streaming re-run (the last with finalize); the later one goes on."""
+    reference, ours = flow_pair
+    voices = [utterance(60, 60, seed=85), utterance(30, 120, seed=86)]
+    bank = voices_bank(ours, voices)
+    pool = TurnStatePool(ours.decoder, 64, bank.keys[0])
+    slots = torch.tensor([0, 1])
+    turns = [None, None]
+    errors = []
+    for counts, finals in (([40, 48], [False, False]), ([60, 98], [True, False])):
+        args = call_args(voices, counts)
+        result, turns = flow_paged(ours, bank, pool, slots, turns, args, finals, keep=[not f for f in finals])
+        assert all(result.served)
+        errors += row_errors(reference, voices, counts, finals, result)
+    assert max(errors) <= TOLERANCE, errors
+    assert [turn.frames for turn in turns] == [50, 200]  # the last chunk committed nothing
+    for turn in turns:
+        pool.release(turn)
