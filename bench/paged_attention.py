@@ -7,7 +7,7 @@ this measures the lever on its own, at the shapes a call has (rows = 2 x session
 8 heads of 64, a 300-frame voice prefix, ``--stored`` frames stored, one chunk of new frames):
 
 - ``gathered``: the pages gathered by index, concatenated behind the prefix, a dense
-  chunk-causal mask, SDPA (what serving/turn_pool.py's PagedView does in every layer);
+  chunk-causal mask, SDPA (what the pool's first design did in every layer);
 - ``in_place``: compiled FlexAttention walking the page table (serving/paged_attention.py);
 - ``varlen``: vLLM's paged FlashAttention kernel, one query piece per chunk, pages of 16 frames
   (serving/paged_varlen.py; needs the vLLM bundle: ``. /root/vllm-env.sh`` first, else the

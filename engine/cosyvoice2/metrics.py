@@ -6,8 +6,9 @@ exports them with the ``tts_`` prefix and documents them from here (the engine's
 
 from __future__ import annotations
 
-# The kinds of token2wav call (engine/cosyvoice2/serving/chunking.py, call_kind).
-CALL_KINDS = {"first": "first chunks", "later": "later non-final chunks", "final": "final chunks"}
+# The kinds of token2wav call (engine/cosyvoice2/serving/chunking.py, call_kind). In paged mode
+# last chunks share the later chunks' calls, which then count as calls of later chunks.
+CALL_KINDS = {"first": "first chunks", "later": "later chunks", "final": "final chunks"}
 # Exported as tts_<name> (EngineStats.extra) and tts_<name>_total (EngineStats.totals).
 GAUGES = {
     "llm_streams": "Utterances the LLM stage is decoding.",
@@ -39,9 +40,11 @@ TOTALS = {
     **{f"token2wav_call_seconds_{kind}": f"Time of token2wav calls of {what} (mean = / token2wav_calls_{kind})."
        for kind, what in CALL_KINDS.items()},
     "token2wav_flow_eager_calls": "Flow calls with no CUDA graph for their shape (run eagerly).",
-    "token2wav_flow_row_frames_first": "Mel frames the flow computed for first chunks (rows x each row's width).",
-    "token2wav_flow_row_frames_later": "Mel frames the flow computed for later non-final chunks (rows x widths).",
-    "token2wav_flow_row_frames_final": "Mel frames the flow computed for final chunks (rows x widths).",
+    "token2wav_flow_row_frames_first": "Mel frames the flow computed in calls of first chunks (rows x each row's "
+    "width).",
+    "token2wav_flow_row_frames_later": "Mel frames the flow computed in calls of later chunks (rows x widths; in "
+    "paged mode with the last chunks that share them).",
+    "token2wav_flow_row_frames_final": "Mel frames the flow computed in calls of final chunks (rows x widths).",
     "token2wav_flow_padded_row_frames": "Mel frames the flow computed with padding (rows and frames padded to the "
     "call's widest row or graph bucket); 1 - needed / padded is the share spent on padding.",
     "token2wav_turn_state_peak_bytes": "Most GPU memory the paged pool of turns' decoder state held at once, "

@@ -15,7 +15,8 @@ Cached frames: a call may compute only new frames that continue earlier ones (a 
 shared prompt prefix, or an utterance's committed chunks). The estimator then reads the
 earlier frames' state through a :class:`CachedFrames` view that every causal convolution
 and attention layer consults: a convolution asks for its left context, an attention layer
-hands over its new frames' queries, keys and values to be attended over all frames.
+hands over its new frames' queries, keys and values (or, to a view that keeps layer inputs,
+its carried query and its input) to be attended over all frames.
 Where that state is kept, and for how long, is the serving layer's business
 (engine/cosyvoice2/serving/prefix_bank.py, incremental.py); the module only computes.
 """

@@ -76,10 +76,9 @@ class CallPlanner:
         later ones: a new turn's first chunk must not wait for a long turn's call, which a
         single row's padding would otherwise often make the cheaper choice. After stored frames
         (``stored``) with chunk-causal last chunks, a last chunk is one more row of the later
-        chunks' call: a paged call takes ``finalize`` per row, and one call costs less than two
-        (its cost counts the row's look-ahead frames as a later chunk's, 6 fewer). Each such
-        kind is split into the calls that cost least in all (see ``cheapest_groups``), none of
-        several rows above ``MAX_CALL_ROW_FRAMES``.
+        chunks' call: a paged call takes ``finalize`` per row, and one call costs less than two.
+        Each such kind is split into the calls that cost least in all (see ``cheapest_groups``),
+        none of several rows above ``MAX_CALL_ROW_FRAMES``.
         Calls of first chunks run first, then the rest, narrowest first; incremental chunks,
         which run one by one, go together. ``graphs``: the flow graphs the calls would replay;
         ``prefix``: the frames a call after the voice prefixes starts at least (None: none);
@@ -99,8 +98,13 @@ class CallPlanner:
         def job_frames(job: ChunkJob) -> int:
             return self.schedule.job_frames(job) - (stored(job) if stored is not None else 0)
 
+        def cost_frames(job: ChunkJob, finalize: bool) -> int:
+            """``job_frames`` as the cost of a call of that ``finalize`` counts them (``call_cost``
+            takes a later chunk's look-ahead frames off: a last chunk in such a call has none)."""
+            return job_frames(job) + (self.lookahead_frames if job.finalize and not finalize else 0)
+
         for (finalize, _), rows in kinds.items():
-            widths = [job_frames(jobs[i]) for i in rows]
+            widths = [cost_frames(jobs[i], finalize) for i in rows]
             cost = functools.partial(self.call_cost, finalize=finalize, prefix=prefix, graphs=graphs)
             groups += [[rows[k] for k in group] for group in cheapest_groups(widths, cost)]
         return sorted(groups, key=lambda group: (
@@ -146,6 +150,10 @@ class CallPlanner:
         """Whether a chunk's flow call is chunk-causal: all but a last chunk of full attention."""
         return not finalize or self.final_streaming
 
+    @property
+    def lookahead_frames(self) -> int:
+        return self.schedule.mel_ratio * self.schedule.lookahead
+
     def decoder_width(self, frames: int, finalize: bool) -> int:
         """The decoder's width for a call of this context: the look-ahead tokens are context only."""
-        return frames - (0 if finalize else self.schedule.mel_ratio * self.schedule.lookahead)
+        return frames - (0 if finalize else self.lookahead_frames)

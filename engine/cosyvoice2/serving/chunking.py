@@ -51,10 +51,13 @@ def chunk_kind(job) -> str:
 
 
 def call_kind(jobs) -> str:
-    """A flow call's kind: its chunks' (``chunk_kind``), ``later`` for a call that mixes kinds
-    (later and last chunks after their turns' stored frames, see ``call_plan.plan``)."""
+    """A flow call's kind: its chunks' (``chunk_kind``) when they are of one kind. A call may mix
+    last chunks with the others after the turns' stored frames (``call_plan.plan``): it is
+    ``first`` when all its chunks are (some also last, of one-chunk turns), else ``later``."""
     kinds = {chunk_kind(job) for job in jobs}
-    return kinds.pop() if len(kinds) == 1 else "later"
+    if len(kinds) == 1:
+        return kinds.pop()
+    return "first" if all(job.first for job in jobs) else "later"
 
 
 @dataclass(frozen=True)

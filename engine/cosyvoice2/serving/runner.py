@@ -36,7 +36,7 @@ from tts_gateway.engine.cosyvoice2.model.flow import DecoderInputs, Flow
 from tts_gateway.engine.cosyvoice2.model.hift import HiFT
 from tts_gateway.engine.cosyvoice2.serving.buckets import CAPTURE_LOCK
 from tts_gateway.engine.cosyvoice2.serving.call_plan import CallPlanner
-from tts_gateway.engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, ChunkJob, ChunkSchedule, chunk_kind
+from tts_gateway.engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, ChunkJob, ChunkSchedule, call_kind
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 from tts_gateway.engine.cosyvoice2.serving.incremental import FlowStreamCache, inference_chunk
@@ -519,10 +519,10 @@ class Token2WavRunner:
         self._book(jobs, widths, rows * width if replayed is None else replayed, replayed is None)
 
     def _book(self, jobs: list[ChunkJob], widths: list[int], padded: int, eager: bool) -> None:
+        kind = call_kind(jobs)  # as the scheduler books the call's time: per call, not per row
         with self._work_lock:
             work = self._work
             work["calls"] += 1
             work["eager_calls"] += eager
-            for job, width in zip(jobs, widths):
-                work[f"row_frames_{chunk_kind(job)}"] += width
+            work[f"row_frames_{kind}"] += sum(widths)
             work["padded_row_frames"] += padded

@@ -269,7 +269,7 @@ class TurnStatePool:
         return pages
 
     def _logical(self, stored: Tensor) -> Tensor:
-        """A pool tensor as ``[steps, 2, pages + 1, 16, heads, dim]``."""
+        """A pool tensor as ``[steps, 2, pages + 1, 16, 1, dim]``."""
         return stored.view(self.steps, 2, self.pages + 1, *stored.shape[1:])
 
     def copy_page(self, source: int, target: int) -> None:

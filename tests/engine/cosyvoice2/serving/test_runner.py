@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from types import SimpleNamespace
 from unittest.mock import create_autospec
 
 import numpy as np
@@ -23,7 +24,7 @@ from tts_gateway.engine.cosyvoice2.model.loading import load_models
 from tts_gateway.engine.cosyvoice2.serving import call_plan as call_plan_module
 from tts_gateway.engine.cosyvoice2.serving import runner as runner_module
 from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets
-from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkSchedule
+from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkSchedule, call_kind
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus, StreamState, VoicePrompt
 from tts_gateway.engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
@@ -524,6 +525,17 @@ def test_a_last_chunk_shares_the_later_chunks_call_after_stored_frames(models, v
         assert float((a - b).abs().max()) <= 1e-4
     recompute = make_runner(models, incremental=False, prefix_voices=2, final_attention="chunk")
     assert sorted(len(group) for group in recompute.plan(jobs_of(recompute))) == [1, 1]
+
+
+def test_a_call_that_mixes_last_chunks_is_booked_by_its_other_chunks():
+    """Calls of one kind of chunk are booked as that kind; a paged call that carries last chunks
+    beside others is a call of first chunks when all its chunks are first (one-chunk turns
+    among them), else of later chunks."""
+    first, later, last, only = (SimpleNamespace(first=f, finalize=z) for f, z in
+                                ((True, False), (False, False), (False, True), (True, True)))
+    assert [call_kind(jobs) for jobs in ([first], [later], [last], [only], [first, only], [later, last])] == [
+        "first", "later", "final", "final", "first", "later"
+    ]
 
 
 class RecordingGraphs:
