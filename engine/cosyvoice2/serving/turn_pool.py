@@ -28,8 +28,9 @@ attends. A logical page ``p`` is one page per Euler step and CFG row: physical p
 context stays per turn slot.
 
 Memory: ~0.57 MB per frame at full size in bf16 (10 steps x 2 rows x 56 layers x 256 values),
-so the pool is sized by a budget and a turn holds pages only while it is being generated: they go back the moment it ends or is cancelled. A call allocates the pages its
-new frames need first; a turn that cannot get them (the pool is full, or the turn outgrew the
+so the pool is sized by a budget and a turn holds pages only while it is being generated:
+they go back the moment it ends or is cancelled. A call allocates the pages its new frames
+need first; a turn that cannot get them (the pool is full, or the turn outgrew the
 page table) gives its pages back and goes on by recompute to its end (the runner's calls
 without the pool; a fallback, counted once), so nothing fails. A new turn gets pages only
 while some of the pool stays free for the turns already in it to grow, so that turns
@@ -265,7 +266,8 @@ class TurnStatePool:
         for ours, stored in zip(self.inputs, bank.inputs, strict=True):
             # [steps, 2, frames, dim] -> pages of [16, 1, dim] per step and row
             prefix = torch.nn.functional.pad(stored[:, slot, :, :frames], (0, 0, 0, len(pages) * PAGE_FRAMES - frames))
-            self._logical(ours)[:, :, index] = prefix.reshape(*prefix.shape[:2], len(pages), PAGE_FRAMES, *ours.shape[2:])
+            pages_of = prefix.reshape(*prefix.shape[:2], len(pages), PAGE_FRAMES, *ours.shape[2:])
+            self._logical(ours)[:, :, index] = pages_of
         return pages
 
     def _logical(self, stored: Tensor) -> Tensor:

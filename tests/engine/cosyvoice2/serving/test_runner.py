@@ -139,7 +139,8 @@ def our_stream(
         assert token2wav.prefixes.bank.keys[0].shape[0] == flow_steps
     if turn_state_pages:  # ... and after its own stored chunks (where they fit), given back at its end
         pool = token2wav.turn_pool
-        assert stored[-1] == 0 and pool.pages_in_use == 0 and pool.inputs[0].shape[0] == flow_steps * 2 * (pool.pages + 1)
+        assert stored[-1] == 0 and pool.pages_in_use == 0
+        assert pool.inputs[0].shape[0] == flow_steps * 2 * (pool.pages + 1)
         prefix_pages = -(-token2wav.prefixes.bank.frames // pool.page_frames)
         if turn_state_pages >= prefix_pages + len(tokens) * 2 // pool.page_frames + 2:
             assert stored[-2] >= 4 * 50 and pool.fallbacks == 0
