@@ -194,14 +194,13 @@ class SelfAttention(nn.Module):
         query = heads(self.to_q(x))
         if view is not None and view.keeps_inputs:
             out = self._attend_inputs(query, x, view)
-            return self.to_out[0](out.reshape(batch, frames, self.heads * self.head_dim))
-        key, value = heads(self.to_k(x)), heads(self.to_v(x))
-        if view is None:
+        elif view is not None:
+            out = view.attend(self.cache_slot, query, heads(self.to_k(x)), heads(self.to_v(x)), mask)
+        else:
+            key, value = heads(self.to_k(x)), heads(self.to_v(x))
             out = F.scaled_dot_product_attention(
                 query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask
             ).transpose(1, 2)
-        else:
-            out = view.attend(self.cache_slot, query, key, value, mask)
         return self.to_out[0](out.reshape(batch, frames, self.heads * self.head_dim))
 
     def _attend_inputs(self, query: Tensor, x: Tensor, view: CachedFrames) -> Tensor:

@@ -45,18 +45,13 @@ class ChunkJob:
         return self.request.stream.offset == 0
 
 
-def chunk_kind(job) -> str:
-    """A chunk's kind: ``final`` (its turn's last), ``first`` (no audio out yet), ``later``."""
-    return "final" if job.finalize else "first" if job.first else "later"
-
-
 def call_kind(jobs) -> str:
-    """A flow call's kind: its chunks' (``chunk_kind``) when they are of one kind. A call may mix
-    last chunks with the others after the turns' stored frames (``call_plan.plan``): it is
-    ``first`` when all its chunks are (some also last, of one-chunk turns), else ``later``."""
-    kinds = {chunk_kind(job) for job in jobs}
-    if len(kinds) == 1:
-        return kinds.pop()
+    """A flow call's kind: ``final`` when all its chunks are their turns' last, else ``first``
+    when all are first (no audio out yet; some may be last too, of one-chunk turns), else
+    ``later``. A call mixes last chunks with the others only after the turns' stored frames
+    (``call_plan.plan``)."""
+    if all(job.finalize for job in jobs):
+        return "final"
     return "first" if all(job.first for job in jobs) else "later"
 
 

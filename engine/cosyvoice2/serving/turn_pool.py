@@ -288,6 +288,8 @@ class PagedView(PrefixView):
     the turn's slot (the bank's for a turn with nothing stored) and the context at the commit
     boundary goes back to it."""
 
+    keeps_inputs = True
+
     def __init__(self, bank: PrefixBank, pool: TurnStatePool, rows: TurnRows, mask: Tensor) -> None:
         if bank.steps != pool.steps:
             raise ValueError(f"a bank of {bank.steps} Euler steps with a pool of {pool.steps}")
@@ -312,8 +314,6 @@ class PagedView(PrefixView):
         self._write0 = (page * PAGE_FRAMES + positions % PAGE_FRAMES).reshape(-1)
         self._plan0 = chunk_sequences(table, self.start, new_frames, frames, pool.chunk, PAGE_FRAMES)
         self._write, self._plan = self._write0, self._plan0
-
-    keeps_inputs = True
 
     def at_step(self, step: int | Tensor) -> PagedView:
         super().at_step(step)
