@@ -131,6 +131,8 @@ token2wav_memory_gb = {args.token2wav_cache_gb + 16}
 max_num_seqs = 256
 enforce_eager = {str(args.enforce_eager).lower()}
 async_scheduling = {str(args.async_scheduling).lower()}
+mps_priority = "{args.llm_mps_priority}"
+mps_thread_percentage = {args.llm_mps_thread_percentage}
 """)
 
 
@@ -569,6 +571,10 @@ def argument_parser() -> argparse.ArgumentParser:
                         "GPU kernels profiled for this many seconds in its middle (torch profiler; its load "
                         "results are not reported: stopping the profiler holds the gateway for seconds)")
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's pipelined scheduling on")
+    parser.add_argument("--llm-mps-priority", default="normal", choices=("normal", "below-normal"),
+                        help="[engine.cosyvoice2.vllm] mps_priority: vLLM's engine core as an MPS client")
+    parser.add_argument("--llm-mps-thread-percentage", type=int, default=100,
+                        help="[engine.cosyvoice2.vllm] mps_thread_percentage")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--through-balancer", action="store_true",
                         help="start the gateway with deploy/launch-replicas.sh (one replica per GPU, its own MPS "

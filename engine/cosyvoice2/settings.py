@@ -12,6 +12,9 @@ from pathlib import Path
 
 from tts_gateway.engine.cosyvoice2.modeldir.layout import default_voices_dir
 
+# CUDA_MPS_CLIENT_PRIORITY's values, by the name the settings use.
+MPS_PRIORITIES = {"normal": "0", "below-normal": "1"}
+
 
 @dataclass(frozen=True)
 class VLLMSettings:
@@ -36,6 +39,13 @@ class VLLMSettings:
     # faster steps, but with streaming input it crashed the engine on the H200 once
     # ("Invalid request status: RUNNING"); off until that is understood.
     async_scheduling: bool = False
+    # Under CUDA MPS, the client priority of vLLM's engine core (CUDA_MPS_CLIENT_PRIORITY):
+    # "below-normal" lets token2wav's kernels go first when both stages have work. The LLM
+    # runs far ahead of playback, token2wav's calls are what listeners wait for.
+    mps_priority: str = "normal"
+    # Under CUDA MPS, the share of the GPU's threads vLLM's engine core may use, in percent
+    # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100: no cap). A cap, not a reservation.
+    mps_thread_percentage: int = 100
     # Batch sizes run once before /readyz says ready: vLLM compiles a sampler kernel per
     # new batch shape, which otherwise stalls first audio by seconds during serving.
     warmup_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -53,8 +63,23 @@ class VLLMSettings:
             raise ValueError("max_model_len must be >= 256")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError("dtype must be float32, bfloat16 or float16")
+        if self.mps_priority not in MPS_PRIORITIES:
+            raise ValueError(f"mps_priority must be one of {', '.join(MPS_PRIORITIES)}")
+        if not 1 <= self.mps_thread_percentage <= 100:
+            raise ValueError("mps_thread_percentage must be between 1 and 100")
         if any(not 1 <= n <= self.max_num_seqs for n in self.warmup_batch_sizes):
             raise ValueError("warmup_batch_sizes must lie between 1 and max_num_seqs")
+
+    def engine_core_environment(self) -> dict[str, str]:
+        """What vLLM's engine core process gets in its environment beyond the gateway's: the
+        MPS client settings above that differ from MPS's defaults (CUDA reads them when that
+        process starts; without MPS they do nothing)."""
+        environment = {}
+        if self.mps_priority != "normal":
+            environment["CUDA_MPS_CLIENT_PRIORITY"] = MPS_PRIORITIES[self.mps_priority]
+        if self.mps_thread_percentage != 100:
+            environment["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.mps_thread_percentage)
+        return environment
 
 
 @dataclass(frozen=True)

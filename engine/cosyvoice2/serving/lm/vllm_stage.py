@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -128,7 +129,24 @@ def start_engine(settings: VLLMSettings, model_path: str, counters: LLMStageCoun
     # after a conversion stalled before loading their model, twice. A spawned engine starts
     # clean (it finds the model through the entry point).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    return AsyncLLM.from_engine_args(engine_args(settings, model_path), stat_loggers=[_stat_logger(counters)])
+    with environment(settings.engine_core_environment()):  # the engine core starts inside
+        return AsyncLLM.from_engine_args(engine_args(settings, model_path), stat_loggers=[_stat_logger(counters)])
+
+
+@contextlib.contextmanager
+def environment(extra: dict[str, str]):
+    """``os.environ`` with ``extra`` set, as it was again afterwards: a process started
+    meanwhile inherits ``extra``, this one keeps its own environment."""
+    before = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def streaming_input(request: RoundRequest, *, greedy: bool):

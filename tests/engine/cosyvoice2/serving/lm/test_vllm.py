@@ -20,6 +20,7 @@ import dataclasses
 import enum
 import importlib
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -673,3 +674,40 @@ def test_logits_processor_with_every_ruled_row_beyond_the_logits(vllm_model) -> 
     processor.update_state(BatchUpdate(batch_size=4, added=[added(2, rule(FILL_ID)), added(3, rule(eos=True))]))
     logits = torch.randn(2, VOCAB.size)
     assert torch.equal(processor.apply(logits.clone()), logits)
+
+
+def test_the_engine_core_starts_with_its_mps_client_settings(monkeypatch) -> None:
+    """vLLM's engine core, a process started inside ``AsyncLLM.from_engine_args``, inherits
+    the MPS client settings; the gateway's own environment (its token2wav stage's CUDA
+    client) is as before once the engine has started."""
+    from tts_gateway.engine.cosyvoice2.serving.lm import vllm_plugin
+
+    seen = {}
+
+    class FakeAsyncLLM:
+        @staticmethod
+        def from_engine_args(args, stat_loggers):
+            seen.update({name: os.environ.get(name) for name in MPS_NAMES})
+            return "engine"
+
+    module = types.ModuleType("vllm.v1.engine.async_llm")
+    module.AsyncLLM = FakeAsyncLLM
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.async_llm", module)
+    monkeypatch.setattr(lm_vllm, "engine_args", lambda settings, path: None)
+    monkeypatch.setattr(lm_vllm, "_stat_logger", lambda counters: None)
+    monkeypatch.setattr(vllm_plugin, "register", lambda: None)
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "80")  # the operator's, for both stages
+    monkeypatch.delenv("CUDA_MPS_CLIENT_PRIORITY", raising=False)
+
+    settings = VLLMSettings(mps_priority="below-normal", mps_thread_percentage=40)
+    assert lm_vllm.start_engine(settings, "model", lm_vllm.LLMStageCounters()) == "engine"
+    assert seen == {"CUDA_MPS_CLIENT_PRIORITY": "1", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
+    assert {name: os.environ.get(name) for name in MPS_NAMES} == {
+        "CUDA_MPS_CLIENT_PRIORITY": None, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "80"
+    }
+    # MPS's defaults add nothing: the operator's environment reaches the engine core as it is.
+    lm_vllm.start_engine(VLLMSettings(), "model", lm_vllm.LLMStageCounters())
+    assert seen == {"CUDA_MPS_CLIENT_PRIORITY": None, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "80"}
+
+
+MPS_NAMES = ("CUDA_MPS_CLIENT_PRIORITY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
