@@ -182,8 +182,12 @@ def load_clients(sessions: int) -> list[tuple[int, int]]:
             for k, start in enumerate(range(0, sessions, SESSIONS_PER_CLIENT))]
 
 
-def run_load(url: str, workload: str, sessions: int, start_spread: float, args, word_timings: bool = True) -> dict:
-    """One level, its sessions spread over load-generator processes; returns the merged summary."""
+def run_load(url: str, workload: str, sessions: int, start_spread: float, args, word_timings: bool = True
+             ) -> tuple[dict, list[list]]:
+    """One level, its sessions spread over load-generator processes: the merged summary, and each
+    reply as ``[started_s, ttfa_ms, stall_audio_ms]`` (when in the level it began, its first
+    audio, and where its stalls fell), to tell the stalls of the level's opening burst from
+    the rest."""
     procs = []
     for k, (seed, count) in enumerate(load_clients(sessions)):
         path = Path(f"/tmp/loadgen-{sessions}-{k}.json")
@@ -201,7 +205,8 @@ def run_load(url: str, workload: str, sessions: int, start_spread: float, args, 
             raise RuntimeError(f"load generator failed: {err.decode()[-2000:]}")
         for raw in json.loads(path.read_text())["records"]:
             records.append(loadgen.Record(**raw))
-    return loadgen.summarize(records)
+    replies = [[r.started_s, r.ttfa_ms, r.stall_audio_ms] for r in sorted(records, key=lambda r: r.started_s or 0.0)]
+    return loadgen.summarize(records), replies
 
 
 def stage_report(before: dict, after: dict, elapsed: float) -> dict:
@@ -459,7 +464,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
         before = scrape(f"{http}/metrics")
         take_profile(gateway_pid, profile_path)
         started = time.perf_counter()
-        summary = await asyncio.to_thread(run_load, url, workload, sessions, start_spread, args, word_timings)
+        summary, replies = await asyncio.to_thread(run_load, url, workload, sessions, start_spread, args, word_timings)
         elapsed = time.perf_counter() - started
         after = scrape(f"{http}/metrics")
         queried = counter_delta(before, after, "tts_llm_prefix_cache_queried_tokens_total")
@@ -471,6 +476,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
             "turn_gap_s": args.turn_gap_s,
             "word_timings": word_timings,
             "summary": summary,
+            "replies": replies,
             "stall_free": loadgen.stall_free(summary, args.ttfa_p95_ms),
             "gpu": gpu_memory(),
             "prefix_cache_hit_ratio": round(hits / queried, 3) if queried else None,
