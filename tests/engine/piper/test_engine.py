@@ -73,8 +73,12 @@ async def test_speed_changes_duration(piper_engine):
         utterance.end_input()
         return sum([len(c.samples) async for c in utterance]) / piper_engine.sample_rate
 
-    normal, fast = await seconds(1.0), await seconds(2.0)
-    assert 0.4 < fast / normal < 0.65
+    # Piper draws its phoneme durations with noise, and the silences around a sentence do not
+    # scale with speed: twice the speed gives 0.59-0.65 of the duration, not 0.5. Three
+    # replies of each keep a draw from the tail from deciding the test.
+    normal = sum([await seconds(1.0) for _ in range(3)])
+    fast = sum([await seconds(2.0) for _ in range(3)])
+    assert 0.45 < fast / normal < 0.72
 
 
 async def test_unknown_voice_is_refused(piper_engine):
