@@ -518,6 +518,14 @@ def _join_rows(prompt_token: Tensor, prompt_len: Tensor, token: Tensor, token_le
     return ids.masked_fill(slots >= lengths[:, None], 0), lengths
 
 
+# The most attention scores (rows x heads x frames x frames) one encoder pass holds at once. A
+# call over whole turns needs frames x frames per row and head: 16 turns of ~60 s in one flow
+# call asked for 2.3 GiB per score tensor and ran an 80 GB GPU out of memory. Larger calls are
+# encoded in groups of rows (each row's output is what it is alone; a longer row than this
+# bound allows goes alone).
+ENCODER_SCORE_ELEMENTS = 1 << 26
+
+
 def encode_tokens(
     parts: Parts,
     token: Tensor,
@@ -543,9 +551,27 @@ def encode_tokens(
     encoder: UpsampleConformerEncoder = token_encoder_part(parts, "encoder")
     if pre_lookahead_len != encoder.pre_lookahead_len or token_mel_ratio != encoder.stride:
         raise ValueError("pre_lookahead_len / token_mel_ratio differ from the encoder's")
+    finalize = torch.as_tensor(finalize, device=token.device).expand(token.size(0))
+    rows = token.size(0)
+    frames = (prompt_token.size(1) + token.size(1)) * token_mel_ratio
+    group = max(1, ENCODER_SCORE_ELEMENTS // (encoder.config.attention_heads * frames * frames))
+    if rows > group:
+        encoded_groups = [
+            encode_tokens(
+                parts, token[i : i + group], token_len[i : i + group], prompt_token[i : i + group],
+                prompt_token_len[i : i + group], embedding[i : i + group], streaming, finalize[i : i + group],
+                pre_lookahead_len, token_mel_ratio,
+            )
+            for i in range(0, rows, group)
+        ]
+        width = max(mu.size(2) for mu, _, _ in encoded_groups)
+        return (
+            torch.cat([F.pad(mu, (0, width - mu.size(2))) for mu, _, _ in encoded_groups]),
+            torch.cat([mel_len for _, mel_len, _ in encoded_groups]),
+            torch.cat([spk for _, _, spk in encoded_groups]),
+        )
     spk = project_speaker(parts, embedding)
     ids, lengths = _join_rows(prompt_token, prompt_token_len, token, token_len)
-    finalize = torch.as_tensor(finalize, device=ids.device).expand(ids.size(0))
     encoded = (lengths - torch.where(finalize, 0, pre_lookahead_len)).clamp(min=0)
     width = int(encoded.max())
     frames = embed_tokens(parts, ids, lengths, width + pre_lookahead_len)

@@ -246,6 +246,43 @@ def test_equivalence_flow_encoder_tokens_batched(tiny_flow) -> None:
                 assert torch.all(mu[row, :, n:] == 0)
 
 
+def test_a_call_too_large_for_one_pass_is_encoded_in_groups_of_rows(tiny_flow, monkeypatch) -> None:
+    """Past ENCODER_SCORE_ELEMENTS the rows are encoded in groups (the attention scores of many
+    long turns at once ran a GPU out of memory): every row as in one pass, padding zero."""
+    from tts_gateway.engine.cosyvoice2.model import flow_encoder
+
+    _, ours = tiny_flow
+    prompts = [tokens(n, seed=60 + n)[0] for n in (17, 0, 30)]
+    news = [tokens(n, seed=80 + n)[0] for n in (41, 12, 55)]
+    args = (
+        nn.utils.rnn.pad_sequence(news, batch_first=True, padding_value=-1),
+        torch.tensor([len(t) for t in news]),
+        nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=-1),
+        torch.tensor([len(p) for p in prompts]),
+        torch.randn(3, 192, generator=torch.Generator().manual_seed(12)),
+        True,
+        torch.tensor([True, False, False]),
+    )
+    calls = []
+    encode = flow_encoder.UpsampleConformerEncoder.forward_frames
+
+    def counted(self, frames, *rest, **kwargs):
+        calls.append(frames.size(0))
+        return encode(self, frames, *rest, **kwargs)
+
+    monkeypatch.setattr(flow_encoder.UpsampleConformerEncoder, "forward_frames", counted)
+    with torch.no_grad():
+        whole = encode_tokens(ours, *args)
+        frames = (args[2].size(1) + args[0].size(1)) * 2
+        monkeypatch.setattr(flow_encoder, "ENCODER_SCORE_ELEMENTS", 2 * ours.encoder.config.attention_heads * frames**2)
+        grouped = encode_tokens(ours, *args)
+    assert calls == [3, 2, 1]
+    assert grouped[0].shape == whole[0].shape
+    assert max_diff(grouped[0], whole[0]) <= 1e-5
+    assert torch.equal(grouped[1], whole[1])
+    assert max_diff(grouped[2], whole[2]) <= 1e-6
+
+
 # --- streaming: chunk causality and the incremental encoder ---------------------------
 
 
