@@ -38,6 +38,13 @@ OUTPUT_CHUNKS = 4  # chunks an utterance may hold before its consumer takes them
 EARLY_MAX_BATCH_S = 0.3
 # First chunks the first-chunk lane runs in one call (its graphs' largest batch).
 FIRST_LANE_MAX_BATCH = 8
+# first_chunk_by_load judges a short first chunk by the recent flow call time, which says
+# nothing of load that has just come: when 64 replies began within half a second, each kept
+# its short first chunk on an idle worker's call times, and each stalled after it (H100,
+# docs/benchmarks.md). So a short first chunk is kept only while the open requests number at
+# most this factor of those open when the recent calls ran, plus LOAD_RISE_SLACK.
+LOAD_RISE_FACTOR = 1.5
+LOAD_RISE_SLACK = 2
 END = object()  # the last item of a request's output
 # How long stop() waits for each worker thread: a thread stuck in a call (the watchdog's
 # case) is left behind, a daemon, rather than holding the process up.
@@ -77,6 +84,7 @@ class Scheduler:
         self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
         self._recent_call_s = 0.0  # moving average of one flow call of the main thread
         self._recent_lane_call_s = 0.0  # ... and of the first-chunk lane
+        self._recent_call_requests = 0.0  # moving average of the open requests when a call (either thread's) ran
         self._wake_at: float | None = None  # when a listener becomes urgent (early chunks)
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
@@ -255,7 +263,8 @@ class Scheduler:
         """The chunk this request can run now, if any. With ``first_chunk_by_load``, a short
         first chunk is kept only if the chunk after it can follow before it has played
         (``short_first_chunk_fits``, from the tokens' pace so far and the recent flow call
-        time); else the stream waits for the official first chunk."""
+        time) and the load has not risen since those calls (LOAD_RISE_FACTOR); else the
+        stream waits for the official first chunk."""
         schedule = self.schedule
         job = schedule.next_job(request)
         if job is None or not job.first or job.finalize or not self.first_chunk_by_load or request.first_chunk_chosen:
@@ -271,7 +280,8 @@ class Scheduler:
             call_s, busy = self._recent_lane_call_s, self._lane_busy
         else:
             call_s, busy = self._recent_call_s, self.running > 0
-        if short_first_chunk_fits(playable_s, next_tokens, token_s, call_s, busy):
+        rising = len(self.requests) > LOAD_RISE_FACTOR * self._recent_call_requests + LOAD_RISE_SLACK
+        if not rising and short_first_chunk_fits(playable_s, next_tokens, token_s, call_s, busy):
             return job
         if not schedule.lengthen_first_chunk(request):
             return job
@@ -428,6 +438,7 @@ class Scheduler:
                 self._recent_call_s += 0.2 * (now - started - self._recent_call_s)
             else:
                 self._recent_lane_call_s += 0.2 * (now - started - self._recent_lane_call_s)
+            self._recent_call_requests += 0.2 * (len(self.requests) - self._recent_call_requests)
             self.running -= len(batch)
             for i, (request, job) in enumerate(batch):
                 request.running = False

@@ -451,6 +451,33 @@ async def test_by_load_a_first_chunk_waits_for_the_official_length_when_the_next
         await asyncio.to_thread(scheduler.stop)
 
 
+async def test_by_load_first_chunks_wait_for_the_official_length_while_the_load_rises():
+    """Call times of an idle worker say a short first chunk fits; but five replies opening at
+    once are more than the recent calls ran beside (1.5 x 1 + 2): their first chunks wait for
+    the official length. One reply alone at that load keeps its short one."""
+    fake = FirstChunkToken2Wav()
+    scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_by_load=True)
+    try:
+        with scheduler.lock:
+            scheduler._recent_call_s, scheduler._recent_call_requests = 0.02, 1.0
+        # Added before the worker is woken: it judges all five at the load they make together.
+        opening = [add(scheduler, FakeState(name, 2, first=True, tokens=[1] * 13), asyncio.Queue()) for name in "abcde"]
+        with scheduler.lock:
+            scheduler.wake.notify_all()
+        await eventually(lambda: sorted(fake.lengthened) == list("abcde"))
+        assert fake.batches == [] and scheduler.totals()["token2wav_first_chunks_lengthened"] == 5
+        for request in opening:
+            scheduler.cancel(request)
+        alone = asyncio.Queue()
+        add(scheduler, FakeState("alone", 2, first=True, tokens=[1] * 13), alone)
+        with scheduler.lock:
+            scheduler.wake.notify_all()
+        await until(alone.get())
+        assert len(fake.lengthened) == 5 and fake.batches[0] == ["alone"]
+    finally:
+        await asyncio.to_thread(scheduler.stop)
+
+
 async def test_no_early_chunks_when_turned_off():
     fake = EarlyToken2Wav()
     scheduler = Scheduler(fake, max_batch=4, loop=asyncio.get_running_loop(), early_chunks=False)
