@@ -79,6 +79,19 @@ class DecoderInputs:
     new_len: Tensor
 
 
+@dataclass(frozen=True)
+class EncodedTokens:
+    """The token encoder's output for a batch of rows: row b's ``mu`` column i is mel frame
+    first[b] + i (frames counted from the start of the prompt), up to frame end[b]; ``spk``
+    ``[B, 80]``. A whole encode starts at frame 0; an incremental one after the frames it has
+    kept (serving/incremental_encoder.py)."""
+
+    mu: Tensor
+    first: Tensor
+    end: Tensor
+    spk: Tensor
+
+
 class Flow(nn.Module):
     """Speech tokens + prompt (tokens, mel, x-vector) -> mel of the new tokens; loads ``flow.pt`` strictly."""
 
@@ -174,19 +187,29 @@ class Flow(nn.Module):
             self, token, token_len, prompt_token, prompt_token_len, embedding, streaming, finalize,
             config.pre_lookahead_len, config.token_mel_ratio,
         )
-        prompt_feat_len = prompt_feat_len.to(mu.device)
-        new_len = (mel_len - prompt_feat_len).clamp(min=0)
         if start is None:
+            prompt_feat_len = prompt_feat_len.to(mu.device)
             frames = mu.shape[2]
             mask = (torch.arange(frames, device=mu.device) < mel_len[:, None])[:, None].to(mu.dtype)
             cond = self.prompt_condition(prompt_feat, prompt_feat_len, torch.zeros_like(prompt_feat_len), frames)
-            return DecoderInputs(mu, mask, spk, cond, prompt_feat_len, new_len)
+            return DecoderInputs(mu, mask, spk, cond, prompt_feat_len, (mel_len - prompt_feat_len).clamp(min=0))
         if not streaming:
             raise ValueError("only a streaming call can start after earlier frames")
-        width = int((mel_len - start).max())
-        mask = (torch.arange(width, device=mu.device) < (mel_len - start)[:, None])[:, None].to(mu.dtype)
+        return self.inputs_after(EncodedTokens(mu, torch.zeros_like(mel_len), mel_len, spk), prompt_feat, prompt_feat_len,
+                                 start)
+
+    def inputs_after(
+        self, encoded: EncodedTokens, prompt_feat: Tensor, prompt_feat_len: Tensor, start: Tensor
+    ) -> DecoderInputs:
+        """A streaming call's decoder inputs for the frames from ``start[b]`` on, from the token
+        encoder's output ``encoded``, which holds them (``encoded.first`` <= ``start``)."""
+        mu, end = encoded.mu, encoded.end
+        prompt_feat_len = prompt_feat_len.to(mu.device)
+        width = int((end - start).max())
+        mask = (torch.arange(width, device=mu.device) < (end - start)[:, None])[:, None].to(mu.dtype)
         cond = self.prompt_condition(prompt_feat, prompt_feat_len, start, width)
-        return DecoderInputs(gather_frames(mu, start, width) * mask, mask, spk, cond, prompt_feat_len - start, new_len)
+        mu = gather_frames(mu, start - encoded.first, width) * mask
+        return DecoderInputs(mu, mask, encoded.spk, cond, prompt_feat_len - start, (end - prompt_feat_len).clamp(min=0))
 
     def new_frames(self, mel: Tensor, inputs: DecoderInputs) -> Tensor:
         """Each row's new frames of the decoder's ``mel``, left-aligned and zero-padded."""

@@ -130,6 +130,13 @@ class IncrementalEncoder:
         mel_final = torch.where(torch.tensor(finals, device=device), mel_start + mel_len, committed)
         return IncrementalOutput(mu, mel_start, mel_len, mel_final)
 
+    def step_joined(
+        self, states: Sequence[EncoderStreamState], joined: Sequence[Tensor], finalize: bool | Sequence[bool] = False
+    ) -> IncrementalOutput:
+        """``step``, given each session's tokens so far (its prompt's first) instead of its new
+        ones: the tokens past those its state has been given are new."""
+        return self.step(states, [ids[s.committed + len(s.pending) :] for s, ids in zip(states, joined)], finalize)
+
     def _batch_cache(
         self, states: Sequence[EncoderStreamState], device: torch.device, dtype: torch.dtype
     ) -> EncoderCache:

@@ -75,6 +75,7 @@ class StreamState:
     regular_end: int | None = None
     flow_cache: Any = None  # incremental mode: the flow's per-chunk state (serving/incremental.py)
     turn: Any = None  # with a turn-state pool: its TurnState (pages, committed frames; serving/turn_pool.py)
+    encoder: Any = None  # ... and its token encoder's EncoderStreamState (serving/incremental_encoder.py)
     hift_mel: torch.Tensor | None = None  # [1, 80, 8]
     hift_source: torch.Tensor | None = None  # [1, 1, 8 * 480]
     hift_speech: torch.Tensor | None = None  # [1, 8 * 480]

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
-from tts_gateway.engine.cosyvoice2.model.flow import DecoderInputs, Flow
+from tts_gateway.engine.cosyvoice2.model.flow import DecoderInputs, EncodedTokens, Flow
+from tts_gateway.engine.cosyvoice2.model.flow_encoder import project_speaker
 from tts_gateway.engine.cosyvoice2.model.hift import HiFT
 from tts_gateway.engine.cosyvoice2.serving.buckets import CAPTURE_LOCK
 from tts_gateway.engine.cosyvoice2.serving.call_plan import CallPlanner
@@ -40,6 +41,7 @@ from tts_gateway.engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, Chu
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 from tts_gateway.engine.cosyvoice2.serving.incremental import FlowStreamCache, inference_chunk
+from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState, IncrementalEncoder
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, VoicePrefixCache, flow_after_prefix, solve_after_prefix
 from tts_gateway.engine.cosyvoice2.serving.request import StreamState, VoicePrompt
 from tts_gateway.engine.cosyvoice2.serving.paged_varlen import attend_reference, flash_attend
@@ -111,9 +113,11 @@ class Token2WavRunner:
         if prefix_voices and not incremental:
             self.prefixes = VoicePrefixCache(flow, prefix_voices, flow_steps, keep_inputs=bool(turn_state_bytes))
         self.turn_pool = None
+        self.token_encoder = None  # paged calls encode each turn's tokens once (_encode_turns)
         if turn_state_bytes and self.prefixes is not None:
             like = next(flow.parameters())
             self.turn_pool = TurnStatePool.within(flow.decoder, turn_state_bytes, like, flow_steps, paged_kernel(flow))
+            self.token_encoder = IncrementalEncoder(flow)
         self._window = torch.from_numpy(np.hamming(2 * schedule.cache_samples))
         # The flow's work as running totals (see work_totals); two worker threads add to them.
         self._work: collections.Counter[str] = collections.Counter()
@@ -309,6 +313,7 @@ class Token2WavRunner:
         device = jobs[0].request.prompt.speech_feat.device
         slots = torch.tensor([self.prefixes.slot(job.request.prompt) for job in jobs], device=device)
         states = [job.request.stream for job in jobs]
+        encoded = self._encode_turns(jobs)
         padded: list[int | None] = []
 
         def solve(rows: TurnRows, *inputs: torch.Tensor) -> torch.Tensor:
@@ -318,10 +323,12 @@ class Token2WavRunner:
 
         result, turns = flow_paged(
             self.flow, self.prefixes.bank, self.turn_pool, slots, [s.turn for s in states], self._batch_args(jobs),
-            [job.finalize for job in jobs], keep=[not job.finalize for job in jobs], solve=solve,
+            [job.finalize for job in jobs], keep=[not job.finalize for job in jobs], solve=solve, encoded=encoded,
         )
-        for state, turn in zip(states, turns):
+        for state, turn, job in zip(states, turns, jobs):
             state.turn = turn
+            if job.finalize or turn is None or turn.fell_back:  # its encoder state serves no later call
+                state.encoder = None
         served = [i for i, s in enumerate(result.served) if s]
         if not served:
             return {}
@@ -338,6 +345,28 @@ class Token2WavRunner:
                 raise RuntimeError(f"a chunk's frames start at {first}, its call at {start[i]}")
             mels[i] = mel[row : row + 1, :, first - start[i] : end[i] - start[i]]
         return mels
+
+    def _encode_turns(self, jobs: list[ChunkJob]) -> EncodedTokens:
+        """A paged call's token encoding, each turn's tokens encoded once: its stream keeps the
+        encoder's state of its complete chunks from call to call (incremental_encoder.py), so a
+        call encodes the tokens since (a turn's first paged call: its prompt's and all so far),
+        and the encoder's memory and work grow with a chunk, not with its turn. The decoder
+        commits the same whole chunks, so the encoder holds the frames it starts at."""
+        states, joined = [], []
+        for job in jobs:
+            stream, prompt = job.request.stream, job.request.prompt
+            if stream.encoder is None:
+                stream.encoder = EncoderStreamState()
+            start = self.flow.voice_prefix_frames(prompt.tokens) + self.stored_frames(job)
+            if stream.encoder.committed * self.schedule.mel_ratio > start:
+                raise RuntimeError(f"the token encoder has moved past frame {start}, where the decoder starts")
+            states.append(stream.encoder)
+            device = prompt.speech_tokens.device
+            turn_tokens = torch.tensor(job.request.tokens[: job.end], dtype=torch.long, device=device)
+            joined.append(torch.cat([prompt.speech_tokens[0].long(), turn_tokens]))
+        out = self.token_encoder.step_joined(states, joined, [job.finalize for job in jobs])
+        embedding = torch.cat([job.request.prompt.embedding for job in jobs])
+        return EncodedTokens(out.mu, out.mel_start, out.mel_start + out.mel_len, project_speaker(self.flow, embedding))
 
     def _solve_paged(
         self, rows: TurnRows, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
@@ -365,6 +394,7 @@ class Token2WavRunner:
         """Free an utterance's stored decoder state at once (it ended or was cancelled; no
         call of it may be running)."""
         state.flow_cache = None
+        state.encoder = None
         if state.turn is not None:
             self.turn_pool.release(state.turn)
             state.turn = None

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from tts_gateway.engine.cosyvoice2.model.flow import Flow, gather_frames
+from tts_gateway.engine.cosyvoice2.model.flow import EncodedTokens, Flow, gather_frames
 from tts_gateway.engine.cosyvoice2.serving.paged_varlen import ChunkSequences, attend_reference, chunk_sequences
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView
 
@@ -454,6 +454,7 @@ class PagedResult:
 def flow_paged(
     flow: Flow, bank: PrefixBank, pool: TurnStatePool, slots: Tensor, turns: list[TurnState | None],
     args: tuple[Tensor, ...], finalize: bool | list[bool], keep: list[bool], solve: SolvePaged | None = None,
+    encoded: EncodedTokens | None = None,
 ) -> tuple[PagedResult, list[TurnState | None]]:
     """A streaming flow call of these rows (``args`` as ``Flow.decoder_inputs``) that starts each
     row after its voice prefix (bank slot ``slots[b]``) and its turn's stored frames
@@ -463,13 +464,19 @@ def flow_paged(
     rows it served and the turns (a row not served fell back: run it on the recompute path).
 
     ``solve``: the decoder (default :func:`solve_paged`, eager; the runner passes a graph's replay).
+    ``encoded``: the token encoder's output for these rows, where the caller keeps each turn's
+    encoder state (it must hold the frames from each row's start on); None: the tokens of
+    ``args`` are encoded whole.
     """
     chunk = pool.chunk
     stored = torch.tensor([t.frames if t is not None else 0 for t in turns], device=slots.device)
     start = bank.start[slots] + stored
     if isinstance(finalize, list):
         finalize = torch.tensor(finalize, device=slots.device)
-    inputs = flow.decoder_inputs(*args, True, finalize, start=start)
+    if encoded is None:
+        inputs = flow.decoder_inputs(*args, True, finalize, start=start)
+    else:
+        inputs = flow.inputs_after(encoded, args[4], args[5], start)
     end = start + inputs.mask[:, 0].sum(dim=1).long()
     starts, ends = start.tolist(), end.tolist()
     commit = [(e // chunk * chunk - s) if k else 0 for s, e, k in zip(starts, ends, keep)]

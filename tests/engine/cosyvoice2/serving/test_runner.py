@@ -130,9 +130,11 @@ def our_stream(
     torch.manual_seed(1234)
     chunks = []
     stored = []
+    encoded = []  # tokens whose encoding the stream keeps (paged mode: its encoder state)
     while (job := token2wav.schedule.next_job(state)) is not None:
         chunks.append(token2wav.run([job])[0])
         stored.append(state.stream.turn.frames if state.stream.turn is not None else 0)
+        encoded.append(state.stream.encoder.committed if state.stream.encoder is not None else 0)
     if prefix_voices:  # the stream really started its decoder after a stored prefix (of flow_steps steps)
         assert len(token2wav.prefixes._slots) == 1
         assert token2wav.prefixes.bank.frames == 2 * ((voice.speech_tokens.shape[1] - 3) // 25 * 25) > 0
@@ -144,8 +146,12 @@ def our_stream(
         prefix_pages = -(-token2wav.prefixes.bank.frames // pool.page_frames)
         if turn_state_pages >= prefix_pages + len(tokens) * 2 // pool.page_frames + 2:
             assert stored[-2] >= 4 * 50 and pool.fallbacks == 0
+            # The token encoder kept the turn's complete chunks (prompt and tokens) from call to
+            # call, as far as the decoder's stored frames; both are given back at the end.
+            assert encoded[-2] * 2 == stored[-2] + token2wav.flow.voice_prefix_frames(voice.speech_tokens.shape[1])
         else:  # the turn fell back to recompute when it outgrew what the prefix left
             assert 0 < pool.peak_pages <= turn_state_pages - prefix_pages and pool.fallbacks > 0
+        assert encoded[-1] == 0 and state.stream.encoder is None
     return chunks
 
 
