@@ -185,9 +185,9 @@ def load_clients(sessions: int) -> list[tuple[int, int]]:
 def run_load(url: str, workload: str, sessions: int, start_spread: float, args, word_timings: bool = True
              ) -> tuple[dict, list[list]]:
     """One level, its sessions spread over load-generator processes: the merged summary, and each
-    reply as ``[started_s, ttfa_ms, stall_audio_ms]`` (when in the level it began, its first
-    audio, and where its stalls fell), to tell the stalls of the level's opening burst from
-    the rest."""
+    reply as ``[started_s, ttfa_ms, stall_audio_ms, outcome]`` (when in the level it began, its
+    first audio, where its stalls fell, and how it ended), to tell the stalls of the level's
+    opening burst from the rest."""
     procs = []
     for k, (seed, count) in enumerate(load_clients(sessions)):
         path = Path(f"/tmp/loadgen-{sessions}-{k}.json")
@@ -205,7 +205,8 @@ def run_load(url: str, workload: str, sessions: int, start_spread: float, args, 
             raise RuntimeError(f"load generator failed: {err.decode()[-2000:]}")
         for raw in json.loads(path.read_text())["records"]:
             records.append(loadgen.Record(**raw))
-    replies = [[r.started_s, r.ttfa_ms, r.stall_audio_ms] for r in sorted(records, key=lambda r: r.started_s or 0.0)]
+    replies = [[r.started_s, r.ttfa_ms, r.stall_audio_ms, r.outcome]
+               for r in sorted(records, key=lambda r: r.started_s or 0.0)]
     return loadgen.summarize(records), replies
 
 

@@ -44,7 +44,8 @@ class VLLMSettings:
     # runs far ahead of playback, token2wav's calls are what listeners wait for.
     mps_priority: str = "normal"
     # Under CUDA MPS, the share of the GPU's threads vLLM's engine core may use, in percent
-    # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100: no cap). A cap, not a reservation.
+    # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100: not set, as the operator's environment has it).
+    # A cap, not a reservation.
     mps_thread_percentage: int = 100
     # Batch sizes run once before /readyz says ready: vLLM compiles a sampler kernel per
     # new batch shape, which otherwise stalls first audio by seconds during serving.
@@ -107,7 +108,8 @@ class CosyVoice2Settings:
     token_first_hop_len: int = 25
     # With a short first chunk (token_first_hop_len below token_hop_len): keep it only when the
     # chunk after it can follow before it has played, judged per stream from its tokens' pace
-    # and the recent flow call time; else start with the official first chunk. Trades first
+    # and the recent flow call time, and only while the load has not risen since those calls
+    # (scheduler.LOAD_RISE_FACTOR); else start with the official first chunk. Trades first
     # audio for no stall under load (H200: docs/benchmarks.md). Off: always the short one.
     first_chunk_by_load: bool = False
     stream_scale_factor: int = 1

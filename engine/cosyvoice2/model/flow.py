@@ -195,8 +195,8 @@ class Flow(nn.Module):
             return DecoderInputs(mu, mask, spk, cond, prompt_feat_len, (mel_len - prompt_feat_len).clamp(min=0))
         if not streaming:
             raise ValueError("only a streaming call can start after earlier frames")
-        return self.inputs_after(EncodedTokens(mu, torch.zeros_like(mel_len), mel_len, spk), prompt_feat, prompt_feat_len,
-                                 start)
+        encoded = EncodedTokens(mu, torch.zeros_like(mel_len), mel_len, spk)
+        return self.inputs_after(encoded, prompt_feat, prompt_feat_len, start)
 
     def inputs_after(
         self, encoded: EncodedTokens, prompt_feat: Tensor, prompt_feat_len: Tensor, start: Tensor

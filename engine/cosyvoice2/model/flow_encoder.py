@@ -518,11 +518,12 @@ def _join_rows(prompt_token: Tensor, prompt_len: Tensor, token: Tensor, token_le
     return ids.masked_fill(slots >= lengths[:, None], 0), lengths
 
 
-# The most attention scores (rows x heads x frames x frames) one encoder pass holds at once. A
-# call over whole turns needs frames x frames per row and head: 16 turns of ~60 s in one flow
-# call asked for 2.3 GiB per score tensor and ran an 80 GB GPU out of memory. Larger calls are
+# The most attention scores (rows x heads x query frames x key frames) one encoder pass holds
+# in one tensor (a layer holds a few such: scores, their distance part, the weights). A call
+# over whole turns needs frames x frames per row and head: 16 turns of ~60 s in one flow call
+# asked for 2.3 GiB per score tensor and ran an 80 GB GPU out of memory. Larger calls are
 # encoded in groups of rows (each row's output is what it is alone; a longer row than this
-# bound allows goes alone).
+# bound allows goes alone). serving/incremental_encoder.py keeps the same bound.
 ENCODER_SCORE_ELEMENTS = 1 << 26
 
 
@@ -554,7 +555,7 @@ def encode_tokens(
     finalize = torch.as_tensor(finalize, device=token.device).expand(token.size(0))
     rows = token.size(0)
     frames = (prompt_token.size(1) + token.size(1)) * token_mel_ratio
-    group = max(1, ENCODER_SCORE_ELEMENTS // (encoder.config.attention_heads * frames * frames))
+    group = max(1, ENCODER_SCORE_ELEMENTS // (encoder.config.attention_heads * max(frames * frames, 1)))
     if rows > group:
         encoded_groups = [
             encode_tokens(

@@ -9,8 +9,9 @@ streaming call over prompt + all tokens so far). ``recompute`` is the official o
 chunk re-runs the flow over prompt + all tokens, so chunk k costs O(k); a batch (on a GPU,
 of more than one row) starts its decoder after each voice's shared prompt prefix instead
 (prefix_bank.py). ``paged`` starts it after the voice prefix and the turn's stored chunks
-too, keeping each turn's decoder state in a pool while it is generated (turn_pool.py): a
-chunk costs its own frames, and rows of any turns batch together. ``incremental`` keeps each
+too, keeping each turn's decoder state in a pool while it is generated (turn_pool.py), and
+its token encoder's state (incremental_encoder.py): a chunk's decoder work is its own frames,
+and rows of any turns batch together. ``incremental`` keeps each
 utterance's state on its own (incremental.py) and runs it alone. The last chunk is
 chunk-causal like the others (``final_attention = "chunk"``, the official flow's streaming
 mode) or one pass of full attention over prompt + all tokens (``"full"``, as the official
@@ -325,9 +326,9 @@ class Token2WavRunner:
             self.flow, self.prefixes.bank, self.turn_pool, slots, [s.turn for s in states], self._batch_args(jobs),
             [job.finalize for job in jobs], keep=[not job.finalize for job in jobs], solve=solve, encoded=encoded,
         )
-        for state, turn, job in zip(states, turns, jobs):
+        for state, turn in zip(states, turns):
             state.turn = turn
-            if job.finalize or turn is None or turn.fell_back:  # its encoder state serves no later call
+            if turn.fell_back:  # it goes on by recompute: its encoder state serves no later call
                 state.encoder = None
         served = [i for i, s in enumerate(result.served) if s]
         if not served:
@@ -349,9 +350,10 @@ class Token2WavRunner:
     def _encode_turns(self, jobs: list[ChunkJob]) -> EncodedTokens:
         """A paged call's token encoding, each turn's tokens encoded once: its stream keeps the
         encoder's state of its complete chunks from call to call (incremental_encoder.py), so a
-        call encodes the tokens since (a turn's first paged call: its prompt's and all so far),
-        and the encoder's memory and work grow with a chunk, not with its turn. The decoder
-        commits the same whole chunks, so the encoder holds the frames it starts at."""
+        call encodes only the tokens after them (a turn's first paged call: its prompt's and all
+        so far), attending over the kept ones: a call's encoder work grows linearly with its
+        turn, not quadratically. The decoder commits the same whole chunks, so the encoder
+        holds the frames the decoder starts at."""
         states, joined = [], []
         for job in jobs:
             stream, prompt = job.request.stream, job.request.prompt
@@ -391,8 +393,8 @@ class Token2WavRunner:
         return 0 if turn is None or self.turn_pool is None else turn.frames
 
     def release(self, state: StreamState) -> None:
-        """Free an utterance's stored decoder state at once (it ended or was cancelled; no
-        call of it may be running)."""
+        """Free an utterance's stored flow state (decoder and token encoder) at once (it ended
+        or was cancelled; no call of it may be running)."""
         state.flow_cache = None
         state.encoder = None
         if state.turn is not None:

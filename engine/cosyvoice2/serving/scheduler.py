@@ -42,7 +42,7 @@ FIRST_LANE_MAX_BATCH = 8
 # nothing of load that has just come: when 64 replies began within half a second, each kept
 # its short first chunk on an idle worker's call times, and each stalled after it (H100,
 # docs/benchmarks.md). So a short first chunk is kept only while the open requests number at
-# most this factor of those open when the recent calls ran, plus LOAD_RISE_SLACK.
+# most this factor of those open when the recent batches started, plus LOAD_RISE_SLACK.
 LOAD_RISE_FACTOR = 1.5
 LOAD_RISE_SLACK = 2
 END = object()  # the last item of a request's output
@@ -84,7 +84,7 @@ class Scheduler:
         self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
         self._recent_call_s = 0.0  # moving average of one flow call of the main thread
         self._recent_lane_call_s = 0.0  # ... and of the first-chunk lane
-        self._recent_call_requests = 0.0  # moving average of the open requests when a call (either thread's) ran
+        self._recent_call_requests = 0.0  # moving average of the open requests as batches (either thread's) start
         self._wake_at: float | None = None  # when a listener becomes urgent (early chunks)
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
@@ -342,10 +342,13 @@ class Scheduler:
         return lane is not None and self.runner.lane_serves(job, lane)
 
     def _take(self, batch: list[tuple[Request, ChunkJob]]) -> list[tuple[Request, ChunkJob]]:
-        """Mark a batch's requests running (under the lock) and count its chunks."""
+        """Mark a batch's requests running (under the lock) and count its chunks; note the load
+        its calls start at (first_chunk_by_load)."""
         for request, _ in batch:
             request.running = True
         self.running += len(batch)
+        if batch:
+            self._recent_call_requests += 0.2 * (len(self.requests) - self._recent_call_requests)
         return batch
 
     def _ready_first_chunks(self, limit: int) -> list[tuple[Request, ChunkJob]]:
@@ -438,7 +441,6 @@ class Scheduler:
                 self._recent_call_s += 0.2 * (now - started - self._recent_call_s)
             else:
                 self._recent_lane_call_s += 0.2 * (now - started - self._recent_lane_call_s)
-            self._recent_call_requests += 0.2 * (len(self.requests) - self._recent_call_requests)
             self.running -= len(batch)
             for i, (request, job) in enumerate(batch):
                 request.running = False

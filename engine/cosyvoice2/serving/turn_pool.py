@@ -476,7 +476,8 @@ def flow_paged(
     if encoded is None:
         inputs = flow.decoder_inputs(*args, True, finalize, start=start)
     else:
-        inputs = flow.inputs_after(encoded, args[4], args[5], start)
+        *_, prompt_feat, prompt_feat_len, _ = args
+        inputs = flow.inputs_after(encoded, prompt_feat, prompt_feat_len, start)
     end = start + inputs.mask[:, 0].sum(dim=1).long()
     starts, ends = start.tolist(), end.tolist()
     commit = [(e // chunk * chunk - s) if k else 0 for s, e, k in zip(starts, ends, keep)]

@@ -129,7 +129,16 @@ def start_engine(settings: VLLMSettings, model_path: str, counters: LLMStageCoun
     # after a conversion stalled before loading their model, twice. A spawned engine starts
     # clean (it finds the model through the entry point).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    with environment(settings.engine_core_environment()):  # the engine core starts inside
+    extra = settings.engine_core_environment()
+    if extra:
+        # MPS takes a client's settings from its environment when its CUDA context is made.
+        # This process makes its own first, so that only vLLM's engine core, started inside
+        # the window below, runs with them (vLLM may touch CUDA here too while it starts).
+        import torch
+
+        if torch.cuda.is_available():
+            torch.zeros(1, device="cuda")
+    with environment(extra):  # the engine core starts inside
         return AsyncLLM.from_engine_args(engine_args(settings, model_path), stat_loggers=[_stat_logger(counters)])
 
 

@@ -396,6 +396,42 @@ def test_flow_encoder_incremental_batched(tiny_flow) -> None:
     assert max_diff(out_a.mu, out_whole.mu) <= 1e-6
 
 
+def test_incremental_steps_too_large_for_one_pass_run_in_groups_of_sessions(tiny_flow, monkeypatch) -> None:
+    """Past ENCODER_SCORE_ELEMENTS (new frames over cached and new ones, per head) a step takes
+    its sessions in groups: each session's output and state as in one pass."""
+    from tts_gateway.engine.cosyvoice2.serving import incremental_encoder
+
+    _, ours = tiny_flow
+    incremental = IncrementalEncoder(ours)
+    feeds = [[40, 25, 7], [3, 60, 12], [77, 30, 25]]
+    streams = [tokens(sum(f), seed=30 + i)[0] for i, f in enumerate(feeds)]
+
+    def run(bound: int) -> list:
+        monkeypatch.setattr(incremental_encoder, "ENCODER_SCORE_ELEMENTS", bound)
+        states = [EncoderStreamState() for _ in feeds]
+        outs = []
+        for step in range(3):
+            chunk = [s[sum(f[:step]) : sum(f[: step + 1])] for s, f in zip(streams, feeds)]
+            outs.append(incremental.step(states, chunk, finalize=step == 2))
+        return outs
+
+    passes = []
+    forward = incremental.encoder.forward_frames
+
+    def counted(frames, *rest, **kwargs):
+        passes.append(frames.size(0))
+        return forward(frames, *rest, **kwargs)
+
+    monkeypatch.setattr(incremental.encoder, "forward_frames", counted)
+    whole = run(1 << 40)
+    assert passes == [3, 3, 3]
+    grouped = run(1)
+    assert passes[3:] == [1] * 8  # the second session's first 3 tokens are look-ahead: no pass
+    for a, b in zip(grouped, whole):
+        assert a.mu.shape == b.mu.shape and max_diff(a.mu, b.mu) <= 1e-5
+        assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("mel_start", "mel_len", "mel_final"))
+
+
 # --- structure ------------------------------------------------------------------------
 
 

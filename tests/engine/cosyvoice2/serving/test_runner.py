@@ -131,10 +131,16 @@ def our_stream(
     chunks = []
     stored = []
     encoded = []  # tokens whose encoding the stream keeps (paged mode: its encoder state)
+    fed = []  # tokens each paged call gave the token encoder
+    if token2wav.token_encoder is not None:
+        step = token2wav.token_encoder.step
+        token2wav.token_encoder.step = lambda states, new, final: fed.append(len(new[0])) or step(states, new, final)
     while (job := token2wav.schedule.next_job(state)) is not None:
         chunks.append(token2wav.run([job])[0])
         stored.append(state.stream.turn.frames if state.stream.turn is not None else 0)
         encoded.append(state.stream.encoder.committed if state.stream.encoder is not None else 0)
+        if state.stream.turn is not None and state.stream.turn.fell_back:
+            assert state.stream.encoder is None  # dropped with the turn's pages: recompute from here
     if prefix_voices:  # the stream really started its decoder after a stored prefix (of flow_steps steps)
         assert len(token2wav.prefixes._slots) == 1
         assert token2wav.prefixes.bank.frames == 2 * ((voice.speech_tokens.shape[1] - 3) // 25 * 25) > 0
@@ -149,6 +155,11 @@ def our_stream(
             # The token encoder kept the turn's complete chunks (prompt and tokens) from call to
             # call, as far as the decoder's stored frames; both are given back at the end.
             assert encoded[-2] * 2 == stored[-2] + token2wav.flow.voice_prefix_frames(voice.speech_tokens.shape[1])
+            # Each token once, but for the look-ahead and the incomplete chunk a call gives again
+            # (a last chunk of full attention is no paged call).
+            assert len(fed) == len(chunks) - (final_attention == "full")
+            assert sum(fed) < voice.speech_tokens.shape[1] + len(tokens) + 28 * len(fed)
+            assert fed[0] > voice.speech_tokens.shape[1] and max(fed[1:]) < fed[0]
         else:  # the turn fell back to recompute when it outgrew what the prefix left
             assert 0 < pool.peak_pages <= turn_state_pages - prefix_pages and pool.fallbacks > 0
         assert encoded[-1] == 0 and state.stream.encoder is None

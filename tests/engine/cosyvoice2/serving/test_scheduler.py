@@ -458,11 +458,11 @@ async def test_by_load_first_chunks_wait_for_the_official_length_while_the_load_
     fake = FirstChunkToken2Wav()
     scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_by_load=True)
     try:
-        with scheduler.lock:
+        opening = [Request(prompt=None, stream=FakeState(name, 2, first=True, tokens=[1] * 13),
+                           output=asyncio.Queue(), status=RequestStatus.INPUT_ENDED) for name in "abcde"]
+        with scheduler.lock:  # all five at once: the worker judges each at the load they make together
             scheduler._recent_call_s, scheduler._recent_call_requests = 0.02, 1.0
-        # Added before the worker is woken: it judges all five at the load they make together.
-        opening = [add(scheduler, FakeState(name, 2, first=True, tokens=[1] * 13), asyncio.Queue()) for name in "abcde"]
-        with scheduler.lock:
+            scheduler.requests.update(opening)
             scheduler.wake.notify_all()
         await eventually(lambda: sorted(fake.lengthened) == list("abcde"))
         assert fake.batches == [] and scheduler.totals()["token2wav_first_chunks_lengthened"] == 5
