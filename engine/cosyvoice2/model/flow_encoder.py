@@ -288,6 +288,15 @@ class PositionTables:
         return table[:, start : start + count]
 
 
+# The most attention scores (rows x heads x query frames x key frames) one encoder pass holds
+# in one tensor (a layer holds a few such: scores, their distance part, the weights). A call
+# over whole turns needs frames x frames per row and head: 16 turns of ~60 s in one flow call
+# asked for 2.3 GiB per score tensor and ran an 80 GB GPU out of memory. Larger batches are
+# encoded in groups of rows (``forward_frames``; each row's output is what it is alone, and a
+# row longer than this bound allows goes alone).
+ENCODER_SCORE_ELEMENTS = 1 << 26
+
+
 @dataclass
 class EncoderCache:
     """Left context of a batch of rows: what the encoder needs of the frames before the new ones."""
@@ -300,6 +309,13 @@ class EncoderCache:
     keys: list[Tensor]
     values: list[Tensor]
 
+    def rows(self, start: int, stop: int) -> EncoderCache:
+        """The left context of rows start .. stop - 1."""
+        return EncoderCache(
+            self.offset[start:stop], self.lookahead_activations[start:stop], self.upsample_input[start:stop],
+            [k[start:stop] for k in self.keys], [v[start:stop] for v in self.values],
+        )
+
 
 @dataclass
 class EncoderOutput:
@@ -308,6 +324,17 @@ class EncoderOutput:
     upsample_input: Tensor  # [B, T, D]
     keys: list[Tensor]  # per block, the new frames only: [B, H, T (x stride), d_k]
     values: list[Tensor]
+
+    @staticmethod
+    def joined(parts: list[EncoderOutput]) -> EncoderOutput:
+        """Outputs of consecutive groups of rows (of one padded width) as one batch."""
+        return EncoderOutput(
+            torch.cat([p.ys for p in parts]),
+            torch.cat([p.lookahead_activations for p in parts]),
+            torch.cat([p.upsample_input for p in parts]),
+            [torch.cat(layer) for layer in zip(*(p.keys for p in parts))],
+            [torch.cat(layer) for layer in zip(*(p.values for p in parts))],
+        )
 
 
 class UpsampleConformerEncoder(nn.Module):
@@ -393,12 +420,28 @@ class UpsampleConformerEncoder(nn.Module):
         row b's valid tokens (``lengths[b]`` encoded ones + its look-ahead) first and
         zeros after (zeros = no look-ahead, as at the end of an utterance).
         ``positions``: projected distance encodings kept across calls (else computed).
+        Rows go in groups where one pass would hold more than ENCODER_SCORE_ELEMENTS scores.
         """
         batch, padded, _ = frames.shape
-        width = padded - self.pre_lookahead_len
-        stride = self.stride
         if cache is None:
             cache = self.empty_cache(batch, frames.device, frames.dtype)
+        queries = self.stride * (padded - self.pre_lookahead_len)  # the up blocks' new frames
+        scores = self.config.attention_heads * queries * (cache.keys[len(self.encoders)].size(2) + queries)
+        group = max(1, ENCODER_SCORE_ELEMENTS // max(scores, 1))
+        if batch <= group:
+            return self._forward_rows(frames, lengths, streaming, cache, positions)
+        return EncoderOutput.joined([
+            self._forward_rows(frames[i : i + group], lengths[i : i + group], streaming, cache.rows(i, i + group),
+                               positions)
+            for i in range(0, batch, group)
+        ])
+
+    def _forward_rows(
+        self, frames: Tensor, lengths: Tensor, streaming: bool, cache: EncoderCache, positions: PositionTables | None
+    ) -> EncoderOutput:
+        """``forward_frames`` of rows taken in one pass."""
+        width = frames.size(1) - self.pre_lookahead_len
+        stride = self.stride
         chunk = self.static_chunk_size if streaming and self.static_chunk_size > 0 else None
         n_first = len(self.encoders)
         keys: list[Tensor] = []
@@ -518,15 +561,6 @@ def _join_rows(prompt_token: Tensor, prompt_len: Tensor, token: Tensor, token_le
     return ids.masked_fill(slots >= lengths[:, None], 0), lengths
 
 
-# The most attention scores (rows x heads x query frames x key frames) one encoder pass holds
-# in one tensor (a layer holds a few such: scores, their distance part, the weights). A call
-# over whole turns needs frames x frames per row and head: 16 turns of ~60 s in one flow call
-# asked for 2.3 GiB per score tensor and ran an 80 GB GPU out of memory. Larger calls are
-# encoded in groups of rows (each row's output is what it is alone; a longer row than this
-# bound allows goes alone). serving/incremental_encoder.py keeps the same bound.
-ENCODER_SCORE_ELEMENTS = 1 << 26
-
-
 def encode_tokens(
     parts: Parts,
     token: Tensor,
@@ -552,27 +586,9 @@ def encode_tokens(
     encoder: UpsampleConformerEncoder = token_encoder_part(parts, "encoder")
     if pre_lookahead_len != encoder.pre_lookahead_len or token_mel_ratio != encoder.stride:
         raise ValueError("pre_lookahead_len / token_mel_ratio differ from the encoder's")
-    finalize = torch.as_tensor(finalize, device=token.device).expand(token.size(0))
-    rows = token.size(0)
-    frames = (prompt_token.size(1) + token.size(1)) * token_mel_ratio
-    group = max(1, ENCODER_SCORE_ELEMENTS // (encoder.config.attention_heads * max(frames * frames, 1)))
-    if rows > group:
-        encoded_groups = [
-            encode_tokens(
-                parts, token[i : i + group], token_len[i : i + group], prompt_token[i : i + group],
-                prompt_token_len[i : i + group], embedding[i : i + group], streaming, finalize[i : i + group],
-                pre_lookahead_len, token_mel_ratio,
-            )
-            for i in range(0, rows, group)
-        ]
-        width = max(mu.size(2) for mu, _, _ in encoded_groups)
-        return (
-            torch.cat([F.pad(mu, (0, width - mu.size(2))) for mu, _, _ in encoded_groups]),
-            torch.cat([mel_len for _, mel_len, _ in encoded_groups]),
-            torch.cat([spk for _, _, spk in encoded_groups]),
-        )
     spk = project_speaker(parts, embedding)
     ids, lengths = _join_rows(prompt_token, prompt_token_len, token, token_len)
+    finalize = torch.as_tensor(finalize, device=ids.device).expand(ids.size(0))
     encoded = (lengths - torch.where(finalize, 0, pre_lookahead_len)).clamp(min=0)
     width = int(encoded.max())
     frames = embed_tokens(parts, ids, lengths, width + pre_lookahead_len)

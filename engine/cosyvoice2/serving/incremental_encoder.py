@@ -20,11 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tts_gateway.engine.cosyvoice2.model.flow_encoder import (
-    ENCODER_SCORE_ELEMENTS,
     EncoderCache,
     EncoderOutput,
     Parts,
@@ -108,15 +106,6 @@ class IncrementalEncoder:
         stride = self.encoder.stride
 
         rows = [torch.cat([s.pending.to(device), t.to(device).long()]) for s, t in zip(states, tokens)]
-        group = self._rows_at_once(states, rows)
-        if group < len(states):
-            parts = [self.step(states[i : i + group], tokens[i : i + group], finals[i : i + group])
-                     for i in range(0, len(states), group)]
-            width = max(part.mu.size(2) for part in parts)
-            return IncrementalOutput(
-                torch.cat([F.pad(part.mu, (0, width - part.mu.size(2))) for part in parts]),
-                *(torch.cat([getattr(part, name) for part in parts]) for name in ("mel_start", "mel_len", "mel_final")),
-            )
         lengths = torch.tensor([len(r) for r in rows], device=device)
         held_back = torch.tensor([0 if f else lookahead for f in finals], device=device)
         encoded = (lengths - held_back).clamp(min=0)
@@ -150,14 +139,6 @@ class IncrementalEncoder:
         if any(len(ids) < n for ids, n in zip(joined, given)):
             raise ValueError("a session's tokens so far are fewer than it has been given")
         return self.step(states, [ids[n:] for ids, n in zip(joined, given)], finalize)
-
-    def _rows_at_once(self, states: Sequence[EncoderStreamState], rows: Sequence[Tensor]) -> int:
-        """How many sessions one encoder pass may take: its attention scores (new frames over
-        cached and new frames, per head) within the bound that ``encode_tokens`` keeps."""
-        stride = self.encoder.stride
-        new = stride * max(len(r) for r in rows)
-        seen = stride * max(s.committed for s in states) + new
-        return max(1, ENCODER_SCORE_ELEMENTS // (self.encoder.config.attention_heads * max(new * seen, 1)))
 
     def _batch_cache(
         self, states: Sequence[EncoderStreamState], device: torch.device, dtype: torch.dtype

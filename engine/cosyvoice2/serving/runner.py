@@ -314,7 +314,8 @@ class Token2WavRunner:
         device = jobs[0].request.prompt.speech_feat.device
         slots = torch.tensor([self.prefixes.slot(job.request.prompt) for job in jobs], device=device)
         states = [job.request.stream for job in jobs]
-        encoded = self._encode_turns(jobs)
+        args = self._batch_args(jobs)
+        encoded = self._encode_turns(jobs, embedding=args[-1])
         padded: list[int | None] = []
 
         def solve(rows: TurnRows, *inputs: torch.Tensor) -> torch.Tensor:
@@ -323,7 +324,7 @@ class Token2WavRunner:
             return mel
 
         result, turns = flow_paged(
-            self.flow, self.prefixes.bank, self.turn_pool, slots, [s.turn for s in states], self._batch_args(jobs),
+            self.flow, self.prefixes.bank, self.turn_pool, slots, [s.turn for s in states], args,
             [job.finalize for job in jobs], keep=[not job.finalize for job in jobs], solve=solve, encoded=encoded,
         )
         for state, turn in zip(states, turns):
@@ -347,13 +348,13 @@ class Token2WavRunner:
             mels[i] = mel[row : row + 1, :, first - start[i] : end[i] - start[i]]
         return mels
 
-    def _encode_turns(self, jobs: list[ChunkJob]) -> EncodedTokens:
+    def _encode_turns(self, jobs: list[ChunkJob], embedding: torch.Tensor) -> EncodedTokens:
         """A paged call's token encoding, each turn's tokens encoded once: its stream keeps the
         encoder's state of its complete chunks from call to call (incremental_encoder.py), so a
         call encodes only the tokens after them (a turn's first paged call: its prompt's and all
         so far), attending over the kept ones: a call's encoder work grows linearly with its
         turn, not quadratically. The decoder commits the same whole chunks, so the encoder
-        holds the frames the decoder starts at."""
+        holds the frames the decoder starts at. ``embedding``: the rows' speaker embeddings."""
         states, joined = [], []
         for job in jobs:
             stream, prompt = job.request.stream, job.request.prompt
@@ -367,7 +368,6 @@ class Token2WavRunner:
             turn_tokens = torch.tensor(job.request.tokens[: job.end], dtype=torch.long, device=device)
             joined.append(torch.cat([prompt.speech_tokens[0].long(), turn_tokens]))
         out = self.token_encoder.step_joined(states, joined, [job.finalize for job in jobs])
-        embedding = torch.cat([job.request.prompt.embedding for job in jobs])
         return EncodedTokens(out.mu, out.mel_start, out.mel_start + out.mel_len, project_speaker(self.flow, embedding))
 
     def _solve_paged(

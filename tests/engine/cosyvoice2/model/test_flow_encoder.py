@@ -264,16 +264,18 @@ def test_a_call_too_large_for_one_pass_is_encoded_in_groups_of_rows(tiny_flow, m
         torch.tensor([True, False, False]),
     )
     calls = []
-    encode = flow_encoder.UpsampleConformerEncoder.forward_frames
+    encode = flow_encoder.UpsampleConformerEncoder._forward_rows
 
     def counted(self, frames, *rest, **kwargs):
         calls.append(frames.size(0))
         return encode(self, frames, *rest, **kwargs)
 
-    monkeypatch.setattr(flow_encoder.UpsampleConformerEncoder, "forward_frames", counted)
+    monkeypatch.setattr(flow_encoder.UpsampleConformerEncoder, "_forward_rows", counted)
     with torch.no_grad():
         whole = encode_tokens(ours, *args)
-        frames = (args[2].size(1) + args[0].size(1)) * 2
+        # The up blocks' frames of the longest row (its look-ahead held back unless it is final):
+        # a bound of two such rows' scores.
+        frames = 2 * max(len(p) + len(t) - (0 if f else 3) for p, t, f in zip(prompts, news, args[6].tolist()))
         monkeypatch.setattr(flow_encoder, "ENCODER_SCORE_ELEMENTS", 2 * ours.encoder.config.attention_heads * frames**2)
         grouped = encode_tokens(ours, *args)
     assert calls == [3, 2, 1]
@@ -399,7 +401,7 @@ def test_flow_encoder_incremental_batched(tiny_flow) -> None:
 def test_incremental_steps_too_large_for_one_pass_run_in_groups_of_sessions(tiny_flow, monkeypatch) -> None:
     """Past ENCODER_SCORE_ELEMENTS (new frames over cached and new ones, per head) a step takes
     its sessions in groups: each session's output and state as in one pass."""
-    from tts_gateway.engine.cosyvoice2.serving import incremental_encoder
+    from tts_gateway.engine.cosyvoice2.model import flow_encoder
 
     _, ours = tiny_flow
     incremental = IncrementalEncoder(ours)
@@ -407,7 +409,7 @@ def test_incremental_steps_too_large_for_one_pass_run_in_groups_of_sessions(tiny
     streams = [tokens(sum(f), seed=30 + i)[0] for i, f in enumerate(feeds)]
 
     def run(bound: int) -> list:
-        monkeypatch.setattr(incremental_encoder, "ENCODER_SCORE_ELEMENTS", bound)
+        monkeypatch.setattr(flow_encoder, "ENCODER_SCORE_ELEMENTS", bound)
         states = [EncoderStreamState() for _ in feeds]
         outs = []
         for step in range(3):
@@ -416,17 +418,17 @@ def test_incremental_steps_too_large_for_one_pass_run_in_groups_of_sessions(tiny
         return outs
 
     passes = []
-    forward = incremental.encoder.forward_frames
+    forward = incremental.encoder._forward_rows
 
     def counted(frames, *rest, **kwargs):
         passes.append(frames.size(0))
         return forward(frames, *rest, **kwargs)
 
-    monkeypatch.setattr(incremental.encoder, "forward_frames", counted)
+    monkeypatch.setattr(incremental.encoder, "_forward_rows", counted)
     whole = run(1 << 40)
     assert passes == [3, 3, 3]
     grouped = run(1)
-    assert passes[3:] == [1] * 8  # the second session's first 3 tokens are look-ahead: no pass
+    assert passes[3:] == [1] * 9  # every step's three sessions one at a time
     for a, b in zip(grouped, whole):
         assert a.mu.shape == b.mu.shape and max_diff(a.mu, b.mu) <= 1e-5
         assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("mel_start", "mel_len", "mel_final"))
