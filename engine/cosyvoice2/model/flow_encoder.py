@@ -69,6 +69,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -288,13 +289,14 @@ class PositionTables:
         return table[:, start : start + count]
 
 
-# The most attention scores (rows x heads x query frames x key frames) one encoder pass holds
-# in one tensor (a layer holds a few such: scores, their distance part, the weights). A call
-# over whole turns needs frames x frames per row and head: 16 turns of ~60 s in one flow call
-# asked for 2.3 GiB per score tensor and ran an 80 GB GPU out of memory. Larger batches are
-# encoded in groups of rows (``forward_frames``; each row's output is what it is alone, and a
-# row longer than this bound allows goes alone).
-ENCODER_SCORE_ELEMENTS = 1 << 26
+# The most elements one encoder pass holds per kind of tensor: attention scores (rows x heads x
+# query frames x key frames; a layer holds a few such) and the cached keys and values copied into
+# a padded batch. A call over whole turns needs frames x frames per row and head: 16 turns of
+# ~60 s in one flow call asked for 2.3 GiB per score tensor and ran an 80 GB GPU out of memory;
+# an incremental step over many long turns copies ~14 KB of cache per mel frame and row. Larger
+# batches are encoded in groups of rows (``forward_frames``; each row's output is what it is
+# alone, and a row longer than this bound allows goes alone).
+ENCODER_PASS_ELEMENTS = 1 << 26
 
 
 @dataclass
@@ -309,12 +311,26 @@ class EncoderCache:
     keys: list[Tensor]
     values: list[Tensor]
 
+    def cached_tokens(self) -> int:
+        """The padded width of the first blocks' keys: the most tokens a row has cached."""
+        return self.keys[0].size(2)
+
     def rows(self, start: int, stop: int) -> EncoderCache:
         """The left context of rows start .. stop - 1."""
         return EncoderCache(
             self.offset[start:stop], self.lookahead_activations[start:stop], self.upsample_input[start:stop],
             [k[start:stop] for k in self.keys], [v[start:stop] for v in self.values],
         )
+
+
+class BatchLeftContext(Protocol):
+    """A batch's left context as ``forward_frames`` takes it: an EncoderCache, or one that builds
+    the padded cache of a group of rows only when asked (so that long caches are copied a group
+    at a time)."""
+
+    def cached_tokens(self) -> int: ...
+
+    def rows(self, start: int, stop: int) -> EncoderCache: ...
 
 
 @dataclass
@@ -411,7 +427,7 @@ class UpsampleConformerEncoder(nn.Module):
         frames: Tensor,
         lengths: Tensor,
         streaming: bool,
-        cache: EncoderCache | None = None,
+        cache: BatchLeftContext | None = None,
         positions: PositionTables | None = None,
     ) -> EncoderOutput:
         """The encoder after ``embed``, on new tokens that follow ``cache`` (or the start).
@@ -420,16 +436,19 @@ class UpsampleConformerEncoder(nn.Module):
         row b's valid tokens (``lengths[b]`` encoded ones + its look-ahead) first and
         zeros after (zeros = no look-ahead, as at the end of an utterance).
         ``positions``: projected distance encodings kept across calls (else computed).
-        Rows go in groups where one pass would hold more than ENCODER_SCORE_ELEMENTS scores.
+        Rows go in groups where one pass would hold more than ENCODER_PASS_ELEMENTS scores, or
+        copy more than that many cached keys and values.
         """
         batch, padded, _ = frames.shape
         if cache is None:
             cache = self.empty_cache(batch, frames.device, frames.dtype)
         queries = self.stride * (padded - self.pre_lookahead_len)  # the up blocks' new frames
-        scores = self.config.attention_heads * queries * (cache.keys[len(self.encoders)].size(2) + queries)
-        group = max(1, ENCODER_SCORE_ELEMENTS // max(scores, 1))
+        cached = cache.cached_tokens()
+        scores = self.config.attention_heads * queries * (self.stride * cached + queries)
+        copied = 2 * self.config.output_size * cached * (len(self.encoders) + self.stride * len(self.up_encoders))
+        group = max(1, ENCODER_PASS_ELEMENTS // max(scores, copied, 1))
         if batch <= group:
-            return self._forward_rows(frames, lengths, streaming, cache, positions)
+            return self._forward_rows(frames, lengths, streaming, cache.rows(0, batch), positions)
         return EncoderOutput.joined([
             self._forward_rows(frames[i : i + group], lengths[i : i + group], streaming, cache.rows(i, i + group),
                                positions)

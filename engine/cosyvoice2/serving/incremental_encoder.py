@@ -8,7 +8,8 @@ look-ahead conv's last 2 conv1 activations and the first stack's last 2 outputs 
 upsampling conv's left context); a step encodes only the tokens after the last complete
 chunk and gives the frames of the full re-run to <= 2.5e-6. What still grows with the chunk
 index k is attention over the cached frames (and copying the caches into a batch); the
-positional projections come from tables kept per model (``PositionTables``). Full size, one
+positional projections come from tables kept per model (``PositionTables``); the caches are
+copied into a batch a group of sessions at a time (``ENCODER_PASS_ELEMENTS``). Full size, one
 thread of a busy 2-core CPU: chunks 2, 12, 24 take 0.10, 0.13, 0.23 s incrementally against
 0.16, 1.9, 5.6 s for the full re-run. The decoder's side is serving/incremental.py.
 """
@@ -120,7 +121,7 @@ class IncrementalEncoder:
         ids = nn.utils.rnn.pad_sequence(rows, batch_first=True)
         parts = {"input_embedding": self.input_embedding, "encoder": self.encoder}
         frames = embed_tokens(parts, ids, lengths, width + lookahead)
-        cache = self._batch_cache(states, device, dtype)
+        cache = SessionCaches(self.encoder, states, device, dtype)
         out = self.encoder.forward_frames(frames, encoded, streaming=True, cache=cache, positions=self.positions)
         mel_len = encoded * stride
         mu = project_frames({"encoder_proj": self.encoder_proj}, out.ys, mel_len)
@@ -139,22 +140,6 @@ class IncrementalEncoder:
         if any(len(ids) < n for ids, n in zip(joined, given)):
             raise ValueError("a session's tokens so far are fewer than it has been given")
         return self.step(states, [ids[n:] for ids, n in zip(joined, given)], finalize)
-
-    def _batch_cache(
-        self, states: Sequence[EncoderStreamState], device: torch.device, dtype: torch.dtype
-    ) -> EncoderCache:
-        """The sessions' caches, padded to a batch."""
-        cache = self.encoder.empty_cache(len(states), device, dtype)
-        cache.offset = torch.tensor([s.committed for s in states], dtype=torch.long, device=device)
-        for row, state in enumerate(states):
-            if state.committed:
-                cache.lookahead_activations[row] = state.lookahead_activations
-                cache.upsample_input[row] = state.upsample_input
-        if any(s.committed for s in states):
-            for block, empty in enumerate(cache.keys):
-                cache.keys[block] = _pad_stack([s.keys[block] if s.committed else None for s in states], empty)
-                cache.values[block] = _pad_stack([s.values[block] if s.committed else None for s in states], empty)
-        return cache
 
     def _commit(
         self, state: EncoderStreamState, row: int, out: EncoderOutput, ids: Tensor, encoded: int, final: bool
@@ -187,6 +172,34 @@ class IncrementalEncoder:
         first_stack = torch.cat([past_first_stack, out.upsample_input[row, :encoded]], dim=0)
         state.upsample_input = first_stack[new : new + Upsample1D.history].clone()
         state.committed += new
+
+
+@dataclass
+class SessionCaches:
+    """The sessions' caches as one batch's left context, padded a group of rows at a time (as
+    ``forward_frames`` asks for them)."""
+
+    encoder: UpsampleConformerEncoder
+    states: Sequence[EncoderStreamState]
+    device: torch.device
+    dtype: torch.dtype
+
+    def cached_tokens(self) -> int:
+        return max(s.committed for s in self.states)
+
+    def rows(self, start: int, stop: int) -> EncoderCache:
+        states = self.states[start:stop]
+        cache = self.encoder.empty_cache(len(states), self.device, self.dtype)
+        cache.offset = torch.tensor([s.committed for s in states], dtype=torch.long, device=self.device)
+        for row, state in enumerate(states):
+            if state.committed:
+                cache.lookahead_activations[row] = state.lookahead_activations
+                cache.upsample_input[row] = state.upsample_input
+        if any(s.committed for s in states):
+            for block, empty in enumerate(cache.keys):
+                cache.keys[block] = _pad_stack([s.keys[block] if s.committed else None for s in states], empty)
+                cache.values[block] = _pad_stack([s.values[block] if s.committed else None for s in states], empty)
+        return cache
 
 
 def _pad_stack(rows: list[Tensor | None], empty: Tensor) -> Tensor:

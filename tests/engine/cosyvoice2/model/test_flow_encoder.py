@@ -20,7 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from tts_gateway.engine.cosyvoice2.model.flow_encoder import TokenEncoder, UpsampleConformerEncoder, encode_tokens
-from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState, IncrementalEncoder
+from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import (
+    EncoderStreamState,
+    IncrementalEncoder,
+    SessionCaches,
+)
 from tts_gateway.engine.cosyvoice2.modeldir.configs import FlowEncoderConfig
 from tests.reference import official
 from tests.reference import randomize as reference_randomize
@@ -247,7 +251,7 @@ def test_equivalence_flow_encoder_tokens_batched(tiny_flow) -> None:
 
 
 def test_a_call_too_large_for_one_pass_is_encoded_in_groups_of_rows(tiny_flow, monkeypatch) -> None:
-    """Past ENCODER_SCORE_ELEMENTS the rows are encoded in groups (the attention scores of many
+    """Past ENCODER_PASS_ELEMENTS the rows are encoded in groups (the attention scores of many
     long turns at once ran a GPU out of memory): every row as in one pass, padding zero."""
     from tts_gateway.engine.cosyvoice2.model import flow_encoder
 
@@ -276,7 +280,7 @@ def test_a_call_too_large_for_one_pass_is_encoded_in_groups_of_rows(tiny_flow, m
         # The up blocks' frames of the longest row (its look-ahead held back unless it is final):
         # a bound of two such rows' scores.
         frames = 2 * max(len(p) + len(t) - (0 if f else 3) for p, t, f in zip(prompts, news, args[6].tolist()))
-        monkeypatch.setattr(flow_encoder, "ENCODER_SCORE_ELEMENTS", 2 * ours.encoder.config.attention_heads * frames**2)
+        monkeypatch.setattr(flow_encoder, "ENCODER_PASS_ELEMENTS", 2 * ours.encoder.config.attention_heads * frames**2)
         grouped = encode_tokens(ours, *args)
     assert calls == [3, 2, 1]
     assert grouped[0].shape == whole[0].shape
@@ -399,7 +403,7 @@ def test_flow_encoder_incremental_batched(tiny_flow) -> None:
 
 
 def test_incremental_steps_too_large_for_one_pass_run_in_groups_of_sessions(tiny_flow, monkeypatch) -> None:
-    """Past ENCODER_SCORE_ELEMENTS (new frames over cached and new ones, per head) a step takes
+    """Past ENCODER_PASS_ELEMENTS (new frames over cached and new ones, per head) a step takes
     its sessions in groups: each session's output and state as in one pass."""
     from tts_gateway.engine.cosyvoice2.model import flow_encoder
 
@@ -409,7 +413,7 @@ def test_incremental_steps_too_large_for_one_pass_run_in_groups_of_sessions(tiny
     streams = [tokens(sum(f), seed=30 + i)[0] for i, f in enumerate(feeds)]
 
     def run(bound: int) -> list:
-        monkeypatch.setattr(flow_encoder, "ENCODER_SCORE_ELEMENTS", bound)
+        monkeypatch.setattr(flow_encoder, "ENCODER_PASS_ELEMENTS", bound)
         states = [EncoderStreamState() for _ in feeds]
         outs = []
         for step in range(3):
@@ -424,11 +428,34 @@ def test_incremental_steps_too_large_for_one_pass_run_in_groups_of_sessions(tiny
         passes.append(frames.size(0))
         return forward(frames, *rest, **kwargs)
 
+    built = []  # sessions per padded copy of the caches
+    batch_rows = SessionCaches.rows
+
+    def counted_copy(self, start, stop):
+        built.append(stop - start)
+        return batch_rows(self, start, stop)
+
     monkeypatch.setattr(incremental.encoder, "_forward_rows", counted)
+    monkeypatch.setattr(SessionCaches, "rows", counted_copy)
     whole = run(1 << 40)
-    assert passes == [3, 3, 3]
+    assert passes == [3, 3, 3] and built == [3, 3, 3]
     grouped = run(1)
     assert passes[3:] == [1] * 9  # every step's three sessions one at a time
+    assert built[3:] == [1] * 9  # and their caches copied one at a time
+    # A bound that two sessions' scores of the last step fit but not their cached keys and values.
+    states = [EncoderStreamState() for _ in feeds]
+    for step in range(2):
+        incremental.step(states, [s[sum(f[:step]) : sum(f[: step + 1])] for s, f in zip(streams, feeds)])
+    assert [s.committed for s in states] == [50, 50, 100]
+    encoder, cached = incremental.encoder, 100
+    copied = 2 * encoder.config.output_size * cached * (len(encoder.encoders) + encoder.stride * len(encoder.up_encoders))
+    queries = encoder.stride * (7 + 25)  # the widest row of the last step: 7 pending + 25 new tokens
+    scores = encoder.config.attention_heads * queries * (encoder.stride * cached + queries)
+    assert 2 * scores < 2 * copied - 1
+    monkeypatch.setattr(flow_encoder, "ENCODER_PASS_ELEMENTS", 2 * copied - 1)
+    del built[:]
+    incremental.step(states, [s[sum(f[:2]) :] for s, f in zip(streams, feeds)], finalize=True)
+    assert built == [1, 1, 1]
     for a, b in zip(grouped, whole):
         assert a.mu.shape == b.mu.shape and max_diff(a.mu, b.mu) <= 1e-5
         assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("mel_start", "mel_len", "mel_final"))
