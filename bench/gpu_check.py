@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from tts_gateway.gateway import loadgen  # noqa: E402
 from tts_gateway.engine.cosyvoice2.metrics import CALL_KINDS  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.phase_clock import PHASES  # noqa: E402
 from tts_gateway.gateway.wire import STREAM_PATH  # noqa: E402
 
 PROMPT_TEXT = "This is the voice of the prompt, spoken clearly and slowly."
@@ -233,6 +234,13 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
     firsts = delta("tts_first_audio_chunks_total")
     first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None
                       for stage in ("llm_first_token", "llm_chunk", "token2wav_wait", "token2wav_run")}
+    # The engine thread's calls phase by phase (engine/cosyvoice2/serving/phase_clock.py): ms per call.
+    timed = delta("tts_token2wav_flow_phase_calls_total")
+    call_phase_ms = {
+        clock: {phase: round(1000 * delta(f"tts_token2wav_flow_phase_{clock}_seconds_{phase}_total") / timed, 1)
+                for phase in PHASES} if timed else None
+        for clock in ("gpu", "thread")
+    }
     lag_n = delta("tts_event_loop_lag_seconds_count")
     lag_over = {le: round(1 - delta(f"tts_event_loop_lag_seconds_bucket@{le}") / lag_n, 4) if lag_n else None
                 for le in ("0.005", "0.02", "0.1")}
@@ -255,6 +263,8 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "row_frames_per_call_s_by_kind": {kind: _ratio(totals[f"token2wav_flow_row_frames_{kind}"],
                                                        totals[f"token2wav_call_seconds_{kind}"]) for kind in CALL_KINDS},
         "first_audio_ms": first_audio_ms,
+        "engine_thread_calls": timed,
+        "call_phase_ms": call_phase_ms,
         "turn_state": turn_state,
         "event_loop_lag_mean_ms": round(1000 * delta("tts_event_loop_lag_seconds_sum") / lag_n, 2) if lag_n else None,
         "event_loop_lag_share_over_s": lag_over,

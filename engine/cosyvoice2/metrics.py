@@ -6,6 +6,8 @@ exports them with the ``tts_`` prefix and documents them from here (the engine's
 
 from __future__ import annotations
 
+from tts_gateway.engine.cosyvoice2.serving.phase_clock import PHASES
+
 # The kinds of token2wav call (engine/cosyvoice2/serving/chunking.py, call_kind). In paged mode
 # last chunks share the later chunks' calls, which then count as calls of later chunks.
 CALL_KINDS = {"first": "first chunks", "later": "later chunks", "final": "final chunks"}
@@ -47,6 +49,12 @@ TOTALS = {
     "token2wav_flow_row_frames_final": "Mel frames the flow computed in calls of final chunks (rows x widths).",
     "token2wav_flow_padded_row_frames": "Mel frames the flow computed with padding (rows and frames padded to the "
     "call's widest row or graph bucket); 1 - needed / padded is the share spent on padding.",
+    "token2wav_flow_phase_calls": "Calls of the token2wav engine thread timed phase by phase (the "
+    "token2wav_flow_phase_* totals; mean = / this).",
+    **{f"token2wav_flow_phase_gpu_seconds_{phase}": f"GPU time of {what}, in the engine thread's calls (its stream's "
+       "timeline, idle gaps included)." for phase, what in PHASES.items()},
+    **{f"token2wav_flow_phase_thread_seconds_{phase}": f"The engine thread's time in {what} (launching, or waiting "
+       "for the GPU)." for phase, what in PHASES.items()},
     "token2wav_turn_state_peak_bytes": "Most GPU memory the paged pool of turns' decoder state held at once, "
     "since start (flow_mode paged).",
     "token2wav_turn_state_stored_bytes": "Decoder state stored for turns (stored / turns = memory per turn).",

@@ -27,6 +27,10 @@ tts_token2wav_flow_padded_row_frames_total{engine="cosyvoice2"} 8000.0
 tts_token2wav_calls_first_total{engine="cosyvoice2"} 4.0
 tts_token2wav_call_seconds_first_total{engine="cosyvoice2"} 0.4
 tts_token2wav_calls_later_total{engine="cosyvoice2"} 6.0
+tts_token2wav_flow_phase_calls_total{engine="cosyvoice2"} 8.0
+tts_token2wav_flow_phase_gpu_seconds_decoder_total{engine="cosyvoice2"} 0.8
+tts_token2wav_flow_phase_thread_seconds_decoder_total{engine="cosyvoice2"} 0.4
+tts_token2wav_flow_phase_thread_seconds_vocoder_total{engine="cosyvoice2"} 0.2
 tts_token2wav_call_seconds_later_total{engine="cosyvoice2"} 4.0
 tts_first_audio_chunks_total{engine="cosyvoice2"} 4.0
 tts_first_audio_llm_first_token_seconds_total{engine="cosyvoice2"} 0.08
@@ -66,6 +70,10 @@ def test_stage_report_is_the_change_over_the_level():
     assert report["event_loop_lag_share_over_s"] == {"0.005": 0.1, "0.02": 0.01, "0.1": 0.0}
     assert report["call_ms_by_kind"] == {"first": 100.0, "later": 666.7, "final": None}
     assert report["row_frames_per_call_s_by_kind"] == {"first": 2500.0, "later": 1250.0, "final": None}
+    # The engine thread's calls phase by phase: ms per call (4 calls in the level).
+    assert report["engine_thread_calls"] == 4.0
+    assert report["call_phase_ms"]["gpu"]["decoder"] == 100.0 and report["call_phase_ms"]["gpu"]["vocoder"] == 0.0
+    assert report["call_phase_ms"]["thread"]["decoder"] == 50.0 and report["call_phase_ms"]["thread"]["vocoder"] == 25.0
 
 
 def test_stack_sampler_reports_where_each_thread_is(tmp_path):

@@ -25,8 +25,9 @@ Synchronous torch code: the scheduler runs it on its worker threads (:meth:`run`
 from __future__ import annotations
 
 import collections
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,9 +47,27 @@ from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import EncoderStr
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, VoicePrefixCache, flow_after_prefix, solve_after_prefix
 from tts_gateway.engine.cosyvoice2.serving.request import StreamState, VoicePrompt
 from tts_gateway.engine.cosyvoice2.serving.paged_varlen import attend_reference, flash_attend
+from tts_gateway.engine.cosyvoice2.serving.phase_clock import PhaseClock
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
     PagedAttention, TurnRows, TurnStatePool, flow_paged, solve_paged,
 )
+
+
+def timed_as(phase: str) -> Callable:
+    """A runner method whose work is one phase of the engine thread's call in flight
+    (phase_clock.py); what the call launched before it was the flow's other work."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def timed(self: Token2WavRunner, *args, **kwargs):
+            self._lap("flow_other")
+            result = method(self, *args, **kwargs)
+            self._lap(phase)
+            return result
+
+        return timed
+
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -123,6 +142,7 @@ class Token2WavRunner:
         # The flow's work as running totals (see work_totals); two worker threads add to them.
         self._work: collections.Counter[str] = collections.Counter()
         self._work_lock = threading.Lock()
+        self._phases = threading.local()  # .clock: the PhaseClock of this thread's call in flight
 
     @classmethod
     def build(
@@ -193,19 +213,47 @@ class Token2WavRunner:
         ``lane``: run on a second thread's stream and graphs (None: the engine's own).
         """
         with torch.cuda.stream(lane.stream if lane is not None else None):
-            inputs = [self._hift_input(job, mel) for job, mel in zip(jobs, self._flows(jobs, lane))]
-            groups: dict[tuple, list[int]] = {}
-            for i, (mel, cache_source) in enumerate(inputs):
-                groups.setdefault((mel.shape[2], cache_source.shape[2]), []).append(i)
-            speech: list[torch.Tensor | None] = [None] * len(jobs)
-            source: list[torch.Tensor | None] = [None] * len(jobs)
-            for rows in groups.values():
-                mel = torch.cat([inputs[i][0] for i in rows])
-                cache_source = torch.cat([inputs[i][1] for i in rows])
-                wav, src = self._vocode(mel, cache_source, lane)
-                for k, i in enumerate(rows):
-                    speech[i], source[i] = wav[k : k + 1], src[k : k + 1]
-            return [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
+            if lane is not None:
+                return self._run(jobs, lane)
+            # The engine thread's calls are timed phase by phase (phase_clock.py).
+            on_gpu = self.planner.on_gpu
+            clock = PhaseClock(torch.cuda.current_stream(self.flow.decoder.noise.device) if on_gpu else None)
+            self._phases.clock = clock
+            try:
+                audio = self._run(jobs, lane)
+            finally:
+                self._phases.clock = None
+            totals = clock.close()
+            with self._work_lock:
+                self._work.update({f"phase_{name}": value for name, value in totals.items()})
+                self._work["phase_calls"] += 1
+            return audio
+
+    def _run(self, jobs: list[ChunkJob], lane: Lane | None) -> list[np.ndarray]:
+        """``run`` on the current stream."""
+        inputs = [self._hift_input(job, mel) for job, mel in zip(jobs, self._flows(jobs, lane))]
+        self._lap("flow_other")
+        groups: dict[tuple, list[int]] = {}
+        for i, (mel, cache_source) in enumerate(inputs):
+            groups.setdefault((mel.shape[2], cache_source.shape[2]), []).append(i)
+        speech: list[torch.Tensor | None] = [None] * len(jobs)
+        source: list[torch.Tensor | None] = [None] * len(jobs)
+        for rows in groups.values():
+            mel = torch.cat([inputs[i][0] for i in rows])
+            cache_source = torch.cat([inputs[i][1] for i in rows])
+            wav, src = self._vocode(mel, cache_source, lane)
+            for k, i in enumerate(rows):
+                speech[i], source[i] = wav[k : k + 1], src[k : k + 1]
+        self._lap("vocoder")
+        audio = [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
+        self._lap("output")
+        return audio
+
+    def _lap(self, phase: str) -> None:
+        """Close a phase of the engine thread's call in flight (PhaseClock.lap); else nothing."""
+        clock = getattr(self._phases, "clock", None)
+        if clock is not None:
+            clock.lap(phase)
 
     def _flows(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[torch.Tensor]:
         """Each job's new mel: batched flow calls as ``plan`` splits them (after the turns'
@@ -245,6 +293,7 @@ class Token2WavRunner:
         return token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding
 
     @torch.inference_mode()
+    @timed_as("recompute")
     def _flow_batched(self, jobs: list[ChunkJob], finalize: bool, lane: Lane | None = None) -> list[torch.Tensor]:
         """Chunks of several utterances in one flow call (each row equals running it alone)."""
         prompts = [job.request.prompt for job in jobs]
@@ -331,6 +380,7 @@ class Token2WavRunner:
             state.turn = turn
             if turn.fell_back:  # it goes on by recompute: its encoder state serves no later call
                 state.encoder = None
+        self._lap("decoder")
         served = [i for i, s in enumerate(result.served) if s]
         if not served:
             return {}
@@ -348,6 +398,7 @@ class Token2WavRunner:
             mels[i] = mel[row : row + 1, :, first - start[i] : end[i] - start[i]]
         return mels
 
+    @timed_as("encoder")
     def _encode_turns(self, jobs: list[ChunkJob], embedding: torch.Tensor) -> EncodedTokens:
         """A paged call's token encoding, each turn's tokens encoded once: its stream keeps the
         encoder's state of its complete chunks from call to call (incremental_encoder.py), so a
@@ -417,6 +468,7 @@ class Token2WavRunner:
         return self.prefixes.prepare(prompts, widest_prompt_tokens)
 
     @torch.inference_mode()
+    @timed_as("recompute")
     def _flow(self, job: ChunkJob, lane: Lane | None = None) -> torch.Tensor:
         request, prompt = job.request, job.request.prompt
         state = request.stream
@@ -536,7 +588,9 @@ class Token2WavRunner:
         compute for each kind of chunk (rows x their own widths: what the work grows with);
         ``flow_padded_row_frames``, what it computed (rows and frames padded to the call's
         widest row, or to its graph's bucket). Padded / needed is the share spent on padding.
-        With a turn-state pool, its ``turn_state_*`` totals too (``TurnStatePool.totals``)."""
+        With a turn-state pool, its ``turn_state_*`` totals too (``TurnStatePool.totals``). The
+        engine thread's calls phase by phase (phase_clock.py): ``flow_phase_calls``, and
+        ``flow_phase_gpu_seconds_<phase>`` (on a GPU) and ``flow_phase_thread_seconds_<phase>``."""
         with self._work_lock:
             totals = {f"flow_{name}": float(value) for name, value in self._work.items()}
         if self.turn_pool is not None:

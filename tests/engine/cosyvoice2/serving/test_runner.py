@@ -22,6 +22,7 @@ import dataclasses
 from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
 from tts_gateway.engine.cosyvoice2.model.loading import load_models
 from tts_gateway.engine.cosyvoice2.serving import call_plan as call_plan_module
+from tts_gateway.engine.cosyvoice2.serving import phase_clock
 from tts_gateway.engine.cosyvoice2.serving import runner as runner_module
 from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets
 from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkSchedule, call_kind
@@ -761,3 +762,41 @@ def test_without_look_ahead_the_held_back_tail_is_still_flushed():
     assert (final.advance, final.finalize) == (0, True)
     request.stream.hift_speech = None  # the final chunk flushed it
     assert schedule.next_job(request) is None
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_engine_thread_calls_are_timed_phase_by_phase(models, voice, tokens, monkeypatch, paged):
+    """Each call of the engine thread books its phases (phase_clock.py; exported as metrics):
+    a paged call its token encoder and decoder, a recompute call its flow by recompute, both
+    their vocoder and output; a lane's calls are not booked. Each reading of the clock here
+    is one second later than the last, so a phase's seconds count its laps."""
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(phase_clock, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    if paged:
+        page = TurnStatePool.page_bytes(models.flow.decoder, torch.float32)
+        token2wav = make_runner(
+            models, incremental=False, prefix_voices=2, turn_state_bytes=65 * page, final_attention="chunk"
+        )
+    else:
+        token2wav = make_runner(models, incremental=False, prefix_voices=1)
+    state = stream(token2wav, VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding), tokens, done=True)
+    token2wav.run([token2wav.schedule.next_job(state)], Lane())  # the first chunk on a lane
+    calls = 0
+    while (job := token2wav.schedule.next_job(state)) is not None:
+        token2wav.run([job])
+        calls += 1
+    work = token2wav.work_totals()
+    booked = {name.removeprefix("flow_phase_thread_seconds_"): value
+              for name, value in work.items() if name.startswith("flow_phase_thread_seconds_")}
+    flow = {"encoder": calls, "decoder": calls} if paged else {"recompute": calls}
+    assert calls >= 3 and work["flow_phase_calls"] == calls
+    assert booked == {"flow_other": 2 * calls, **flow, "vocoder": calls, "output": calls}
+    assert not any(name.startswith("flow_phase_gpu_seconds_") for name in work)  # no GPU timeline on a CPU
+
+
+def test_a_phase_clock_knows_its_phases():
+    clock = phase_clock.PhaseClock(None)
+    clock.lap("vocoder")
+    with pytest.raises(ValueError, match="unknown phase 'flow'"):
+        clock.lap("flow")
+    assert set(clock.close()) == {"thread_seconds_vocoder"}

@@ -1,0 +1,66 @@
+"""Where a token2wav call's time goes, phase by phase: on the GPU's timeline and the thread's.
+
+A call's phases (the token encoder, the decoder, recompute of turns outside the pool, the
+vocoder, the output) run one after another on one CUDA stream, launched by one thread.
+``PhaseClock.lap(phase)`` closes the phase that ran since the last lap: it records a CUDA
+event on the stream (nothing waits for it) and reads the thread's clock. Once the call has
+synchronized with the GPU (its audio is copied to the host at its end), ``close`` reads the
+events. The GPU time between two laps is how long the stream took to get through that
+phase's work, idle gaps included (the GPU waiting for kernels the thread had not launched
+yet): what the phase cost the call. The thread's time says how much of it was the thread
+launching, and how much waiting. Off a GPU only the thread's clock is read.
+
+The phases' sum is the call's time; the totals are exported as running counters
+(``Token2WavRunner.work_totals``), read per level by ``bench/gpu_check.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+
+# The phases a call books (the runner's laps), and what each holds.
+PHASES = {
+    "flow_other": "the flow's work around its calls (batch arguments, voice prefixes)",
+    "encoder": "the paged call's token encoder",
+    "decoder": "the paged call's decoder, with the pool's reads and writes",
+    "recompute": "flow calls by recompute (turns outside the pool, recompute mode)",
+    "vocoder": "the vocoder",
+    "output": "cross-fades and the audio's copy to the host",
+}
+
+class PhaseClock:
+    """Laps of one call on one stream (``stream`` None: the thread's clock only)."""
+
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        self._stream = stream
+        self._start = self._mark()
+        self._laps: list[tuple[str, float, torch.cuda.Event | None]] = []
+
+    def lap(self, phase: str) -> None:
+        """The work launched since the last lap (or the start) was ``phase``'s."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}")
+        self._laps.append((phase, *self._mark()))
+
+    def close(self) -> collections.Counter[str]:
+        """Seconds per phase, ``thread_seconds_<phase>`` and ``gpu_seconds_<phase>`` (on a GPU):
+        waits for the last lap's event, which the call's final copy to the host has passed."""
+        totals: collections.Counter[str] = collections.Counter()
+        before_s, before_event = self._start
+        for phase, at_s, event in self._laps:
+            totals[f"thread_seconds_{phase}"] += at_s - before_s
+            if event is not None and before_event is not None:
+                event.synchronize()
+                totals[f"gpu_seconds_{phase}"] += before_event.elapsed_time(event) / 1000
+            before_s, before_event = at_s, event
+        return totals
+
+    def _mark(self) -> tuple[float, torch.cuda.Event | None]:
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(self._stream)
+        return time.perf_counter(), event
