@@ -234,13 +234,16 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
     firsts = delta("tts_first_audio_chunks_total")
     first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None
                       for stage in ("llm_first_token", "llm_chunk", "token2wav_wait", "token2wav_run")}
-    # The engine thread's calls phase by phase (engine/cosyvoice2/serving/phase_clock.py): ms per call.
-    timed = delta("tts_token2wav_flow_phase_calls_total")
-    call_phase_ms = {
-        clock: {phase: round(1000 * delta(f"tts_token2wav_flow_phase_{clock}_seconds_{phase}_total") / timed, 1)
-                for phase in PHASES} if timed else None
-        for clock in ("gpu", "thread")
-    }
+    # Calls phase by phase (engine/cosyvoice2/serving/phase_clock.py), the engine thread's and the
+    # first-chunk lane's: ms per call, on the GPU's timeline and the thread's.
+    call_phase_ms = {}
+    for thread, name in (("", "engine_thread"), ("lane_", "lane")):
+        timed = delta(f"tts_token2wav_flow_{thread}phase_calls_total")
+        call_phase_ms[name] = {"calls": timed} | {
+            clock: {phase: round(1000 * delta(f"tts_token2wav_flow_{thread}phase_{clock}_seconds_{phase}_total")
+                                 / timed, 1) for phase in PHASES} if timed else None
+            for clock in ("gpu", "thread")
+        }
     lag_n = delta("tts_event_loop_lag_seconds_count")
     lag_over = {le: round(1 - delta(f"tts_event_loop_lag_seconds_bucket@{le}") / lag_n, 4) if lag_n else None
                 for le in ("0.005", "0.02", "0.1")}
@@ -263,7 +266,6 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "row_frames_per_call_s_by_kind": {kind: _ratio(totals[f"token2wav_flow_row_frames_{kind}"],
                                                        totals[f"token2wav_call_seconds_{kind}"]) for kind in CALL_KINDS},
         "first_audio_ms": first_audio_ms,
-        "engine_thread_calls": timed,
         "call_phase_ms": call_phase_ms,
         "turn_state": turn_state,
         "event_loop_lag_mean_ms": round(1000 * delta("tts_event_loop_lag_seconds_sum") / lag_n, 2) if lag_n else None,

@@ -11,6 +11,8 @@ from tts_gateway.engine.cosyvoice2.serving.phase_clock import PHASES
 # The kinds of token2wav call (engine/cosyvoice2/serving/chunking.py, call_kind). In paged mode
 # last chunks share the later chunks' calls, which then count as calls of later chunks.
 CALL_KINDS = {"first": "first chunks", "later": "later chunks", "final": "final chunks"}
+# The token2wav threads whose calls are timed phase by phase, by their totals' infix.
+PHASE_THREADS = {"": "engine thread", "lane_": "first-chunk lane"}
 # Exported as tts_<name> (EngineStats.extra) and tts_<name>_total (EngineStats.totals).
 GAUGES = {
     "llm_streams": "Utterances the LLM stage is decoding.",
@@ -49,12 +51,13 @@ TOTALS = {
     "token2wav_flow_row_frames_final": "Mel frames the flow computed in calls of final chunks (rows x widths).",
     "token2wav_flow_padded_row_frames": "Mel frames the flow computed with padding (rows and frames padded to the "
     "call's widest row or graph bucket); 1 - needed / padded is the share spent on padding.",
-    "token2wav_flow_phase_calls": "Calls of the token2wav engine thread timed phase by phase (the "
-    "token2wav_flow_phase_* totals; mean = / this).",
-    **{f"token2wav_flow_phase_gpu_seconds_{phase}": f"GPU time of {what}, in the engine thread's calls (its stream's "
-       "timeline, idle gaps included)." for phase, what in PHASES.items()},
-    **{f"token2wav_flow_phase_thread_seconds_{phase}": f"The engine thread's time in {what} (launching, or waiting "
-       "for the GPU)." for phase, what in PHASES.items()},
+    **{f"token2wav_flow_{thread}phase_calls": f"Calls of the token2wav {who} timed phase by phase (the "
+       f"token2wav_flow_{thread}phase_* totals; mean = / this)." for thread, who in PHASE_THREADS.items()},
+    **{f"token2wav_flow_{thread}phase_gpu_seconds_{phase}": f"GPU time of {what}, in calls of the token2wav {who} "
+       "(its stream's timeline, idle gaps included)." for thread, who in PHASE_THREADS.items()
+       for phase, what in PHASES.items()},
+    **{f"token2wav_flow_{thread}phase_thread_seconds_{phase}": f"The token2wav {who}'s time in {what} (launching, "
+       "or waiting for the GPU)." for thread, who in PHASE_THREADS.items() for phase, what in PHASES.items()},
     "token2wav_turn_state_peak_bytes": "Most GPU memory the paged pool of turns' decoder state held at once, "
     "since start (flow_mode paged).",
     "token2wav_turn_state_stored_bytes": "Decoder state stored for turns (stored / turns = memory per turn).",

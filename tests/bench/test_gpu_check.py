@@ -70,10 +70,12 @@ def test_stage_report_is_the_change_over_the_level():
     assert report["event_loop_lag_share_over_s"] == {"0.005": 0.1, "0.02": 0.01, "0.1": 0.0}
     assert report["call_ms_by_kind"] == {"first": 100.0, "later": 666.7, "final": None}
     assert report["row_frames_per_call_s_by_kind"] == {"first": 2500.0, "later": 1250.0, "final": None}
-    # The engine thread's calls phase by phase: ms per call (4 calls in the level).
-    assert report["engine_thread_calls"] == 4.0
-    assert report["call_phase_ms"]["gpu"]["decoder"] == 100.0 and report["call_phase_ms"]["gpu"]["vocoder"] == 0.0
-    assert report["call_phase_ms"]["thread"]["decoder"] == 50.0 and report["call_phase_ms"]["thread"]["vocoder"] == 25.0
+    # The engine thread's calls phase by phase: ms per call (4 calls in the level); no lane's.
+    engine = report["call_phase_ms"]["engine_thread"]
+    assert engine["calls"] == 4.0
+    assert engine["gpu"]["decoder"] == 100.0 and engine["gpu"]["vocoder"] == 0.0
+    assert engine["thread"]["decoder"] == 50.0 and engine["thread"]["vocoder"] == 25.0
+    assert report["call_phase_ms"]["lane"] == {"calls": 0.0, "gpu": None, "thread": None}
 
 
 def test_stack_sampler_reports_where_each_thread_is(tmp_path):

@@ -54,8 +54,8 @@ from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
 
 
 def timed_as(phase: str) -> Callable:
-    """A runner method whose work is one phase of the engine thread's call in flight
-    (phase_clock.py); what the call launched before it was the flow's other work."""
+    """A runner method whose work is one phase of its thread's call in flight (phase_clock.py);
+    what the call launched before it was the flow's other work."""
 
     def wrap(method: Callable) -> Callable:
         @functools.wraps(method)
@@ -213,9 +213,7 @@ class Token2WavRunner:
         ``lane``: run on a second thread's stream and graphs (None: the engine's own).
         """
         with torch.cuda.stream(lane.stream if lane is not None else None):
-            if lane is not None:
-                return self._run(jobs, lane)
-            # The engine thread's calls are timed phase by phase (phase_clock.py).
+            # Each call is timed phase by phase (phase_clock.py), the lane's apart.
             on_gpu = self.planner.on_gpu
             clock = PhaseClock(torch.cuda.current_stream(self.flow.decoder.noise.device) if on_gpu else None)
             self._phases.clock = clock
@@ -224,9 +222,10 @@ class Token2WavRunner:
             finally:
                 self._phases.clock = None
             totals = clock.close()
+            thread = "phase" if lane is None else "lane_phase"
             with self._work_lock:
-                self._work.update({f"phase_{name}": value for name, value in totals.items()})
-                self._work["phase_calls"] += 1
+                self._work.update({f"{thread}_{name}": value for name, value in totals.items()})
+                self._work[f"{thread}_calls"] += 1
             return audio
 
     def _run(self, jobs: list[ChunkJob], lane: Lane | None) -> list[np.ndarray]:
@@ -250,7 +249,7 @@ class Token2WavRunner:
         return audio
 
     def _lap(self, phase: str) -> None:
-        """Close a phase of the engine thread's call in flight (PhaseClock.lap); else nothing."""
+        """Close a phase of this thread's call in flight (PhaseClock.lap); else nothing."""
         clock = getattr(self._phases, "clock", None)
         if clock is not None:
             clock.lap(phase)
@@ -590,7 +589,8 @@ class Token2WavRunner:
         widest row, or to its graph's bucket). Padded / needed is the share spent on padding.
         With a turn-state pool, its ``turn_state_*`` totals too (``TurnStatePool.totals``). The
         engine thread's calls phase by phase (phase_clock.py): ``flow_phase_calls``, and
-        ``flow_phase_gpu_seconds_<phase>`` (on a GPU) and ``flow_phase_thread_seconds_<phase>``."""
+        ``flow_phase_gpu_seconds_<phase>`` (on a GPU) and ``flow_phase_thread_seconds_<phase>``;
+        the first-chunk lane's as ``flow_lane_phase_*``."""
         with self._work_lock:
             totals = {f"flow_{name}": float(value) for name, value in self._work.items()}
         if self.turn_pool is not None:
