@@ -230,6 +230,7 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "turns": turns,
         "mb_per_turn": round(delta("tts_token2wav_turn_state_stored_bytes_total") / turns / 1e6, 1) if turns else None,
         "fallback_turns": delta("tts_token2wav_turn_state_fallbacks_total"),
+        "returned_turns": delta("tts_token2wav_turn_state_returns_total"),
     }
     firsts = delta("tts_first_audio_chunks_total")
     first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None

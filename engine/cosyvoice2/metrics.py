@@ -63,7 +63,8 @@ TOTALS = {
     "token2wav_turn_state_stored_bytes": "Decoder state stored for turns (stored / turns = memory per turn).",
     "token2wav_turn_state_turns": "Turns that stored decoder state in the pool.",
     "token2wav_turn_state_fallbacks": "Turns that found too few free pages in the pool and went on by recompute "
-    "after their voice prefix instead.",
+    "after their voice prefix instead (a turn each time it fell back).",
+    "token2wav_turn_state_returns": "Turns that fell back and came back to the pool once it had room for them.",
     "first_audio_chunks": "Utterances' first chunks delivered (divide the first_audio_*_seconds totals by it).",
     "first_audio_llm_first_token_seconds": "First chunks: first text given to the LLM stage to its first speech token.",
     "first_audio_llm_chunk_seconds": "First chunks: first speech token to the chunk's tokens all there.",

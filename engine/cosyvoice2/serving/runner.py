@@ -348,13 +348,25 @@ class Token2WavRunner:
         the chunks they complete (turn_pool.py): each costs its own frames. Chunks of turns the
         pool has no room for run without it (after their voice prefix), in one call."""
         mels: dict[int, torch.Tensor] = {}
-        # Turns that fell back stay out of the paged call (they would widen it) to their end.
-        paged = [i for i, job in enumerate(jobs) if not getattr(job.request.stream.turn, "fell_back", False)]
-        if paged:
-            mels.update((paged[k], mel) for k, mel in self._paged_call([jobs[i] for i in paged]).items())
+        fallen = [i for i, job in enumerate(jobs) if getattr(job.request.stream.turn, "fell_back", False)]
+        # A turn that fell back comes back once the pool has room for it (TurnStatePool.takes_back),
+        # in a paged call of its own: it would widen the others' (all of it after its voice
+        # prefix is new there, as on the recompute path).
+        returning = [i for i in fallen if self._comes_back(jobs[i])]
+        for i in returning:
+            jobs[i].request.stream.turn = None
+        for group in ([i for i in range(len(jobs)) if i not in fallen], returning):
+            if group:
+                mels.update((group[k], mel) for k, mel in self._paged_call([jobs[i] for i in group]).items())
         for finalize, rest in by_finalize([i for i in range(len(jobs)) if i not in mels], jobs):
             mels.update(zip(rest, self._flow_batched([jobs[i] for i in rest], finalize)))
         return [mels[i] for i in range(len(jobs))]
+
+    def _comes_back(self, job: ChunkJob) -> bool:
+        """Whether the pool takes the job's turn back, its pages counted to the job's end (its
+        look-ahead included: at most a page more than its call stores)."""
+        prefix = self.flow.voice_prefix_frames(job.request.prompt.tokens)
+        return self.turn_pool.takes_back(prefix, self.schedule.job_frames(job))
 
     def _paged_call(self, jobs: list[ChunkJob]) -> dict[int, torch.Tensor]:
         """One paged call of these jobs: the mel of each job it served, by index (those it did

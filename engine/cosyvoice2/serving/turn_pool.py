@@ -31,10 +31,11 @@ Memory: ~0.57 MB per frame at full size in bf16 (10 steps x 2 rows x 56 layers x
 so the pool is sized by a budget and a turn holds pages only while it is being generated:
 they go back the moment it ends or is cancelled. A call allocates the pages its new frames
 need first; a turn that cannot get them (the pool is full, or the turn outgrew the
-page table) gives its pages back and goes on by recompute to its end (the runner's calls
-without the pool; a fallback, counted once), so nothing fails. A new turn gets pages only
-while some of the pool stays free for the turns already in it to grow, so that turns
-admitted finish in it.
+page table) gives its pages back and goes on by recompute (the runner's calls without the
+pool; a fallback, counted), so nothing fails. A new turn gets pages only while some of the
+pool stays free for the turns already in it to grow, so that turns admitted finish in it; a
+turn that fell back comes back on the same terms (a return, counted): its next call costs the
+whole turn after its voice prefix either way, and then stores it.
 
 Every shape depends on the call's bucket only (the page table has a fixed width), so a CUDA
 graph of an Euler step reads and writes the pool in place (flow_graphs.py).
@@ -78,7 +79,7 @@ class TurnState:
     """One turn's share of the pool: its own pages (positions from the page its voice prefix
     ends in, in order), its conv-context slot, and how many frames after the voice prefix
     are committed (their state is final). A turn that ``fell_back`` holds nothing and goes on
-    by recompute to its end."""
+    by recompute, until the pool has room for it again (``TurnStatePool.takes_back``)."""
 
     slot: int
     pages: list[int] = field(default_factory=list)
@@ -143,11 +144,13 @@ class TurnStatePool:
         # Bank slot -> (the bank, its generation of that slot, the prefix's pages).
         self._prefixes: dict[int, tuple[PrefixBank, int, list[int]]] = {}
         # Running totals (the engine exports them): the most pages held by turns at once, pages
-        # and turns given state, and calls of a turn that ran on the recompute path instead.
+        # and turns given state, turns that fell back to the recompute path, and of those the
+        # returns to the pool (takes_back).
         self.peak_pages = 0
         self.pages_stored = 0
         self.turns = 0
         self.fallbacks = 0
+        self.returns = 0
 
     @staticmethod
     def page_bytes(cfm: CFM, dtype: torch.dtype, steps: int = N_TIMESTEPS) -> int:
@@ -178,19 +181,19 @@ class TurnStatePool:
         with self._lock:
             return {
                 "peak_bytes": self.peak_pages * page, "stored_bytes": self.pages_stored * page,
-                "turns": self.turns, "fallbacks": self.fallbacks,
+                "turns": self.turns, "fallbacks": self.fallbacks, "returns": self.returns,
             }
 
     @contextlib.contextmanager
     def uncounted(self) -> Iterator[None]:
         """The running totals as they were before, whatever turns come and go inside (a check's)."""
         with self._lock:
-            saved = self.peak_pages, self.pages_stored, self.turns, self.fallbacks
+            saved = self.peak_pages, self.pages_stored, self.turns, self.fallbacks, self.returns
         try:
             yield
         finally:
             with self._lock:
-                self.peak_pages, self.pages_stored, self.turns, self.fallbacks = saved
+                self.peak_pages, self.pages_stored, self.turns, self.fallbacks, self.returns = saved
 
     @property
     def pages_in_use(self) -> int:
@@ -213,9 +216,7 @@ class TurnStatePool:
         too few free (then nothing is taken); a new turn also leaves GROWTH_RESERVE of the
         pool free."""
         with self._lock:
-            if turn is None and (
-                not self._free_slots or len(self._free_pages) - pages < GROWTH_RESERVE * self.pages
-            ):
+            if turn is None and not self._admits(pages):
                 return None
             taken = self._take(pages)
             if taken is None:
@@ -227,6 +228,28 @@ class TurnStatePool:
             self.pages_stored += pages
             self.peak_pages = max(self.peak_pages, self._turn_pages())
             return turn
+
+    def takes_back(self, prefix_frames: int, end: int) -> bool:
+        """Whether a turn that fell back may come back to reach position ``end`` after its voice
+        prefix (within the page table, and admitted as a new turn would be: GROWTH_RESERVE kept
+        free); counted as a return when it may (the engine exports the count). Nothing is
+        taken: its next call grows it."""
+        if -(-end // PAGE_FRAMES) > TABLE_PAGES:
+            return False
+        with self._lock:
+            if not self._admits(self.pages_between(prefix_frames, end)):
+                return False
+            self.returns += 1
+            return True
+
+    def _admits(self, pages: int) -> bool:
+        return bool(self._free_slots) and len(self._free_pages) - pages >= GROWTH_RESERVE * self.pages
+
+    @staticmethod
+    def pages_between(prefix_frames: int, end: int) -> int:
+        """Pages a turn needs to reach position ``end`` after a voice prefix of ``prefix_frames``:
+        its own start on the page the prefix ends in."""
+        return -(-end // PAGE_FRAMES) - prefix_frames // PAGE_FRAMES
 
     def release(self, turn: TurnState) -> None:
         """Give a turn's pages and slot back (it ended, or was cancelled); again is a no-op."""
@@ -410,7 +433,7 @@ def turn_rows(
         prefix = prefix_frames[slot]
         prefix_pages = pool.prefix_pages(bank, slot)
         first = prefix // PAGE_FRAMES  # the page the prefix ends in: the turn's own from here
-        need = -(-end[b] // PAGE_FRAMES) - first
+        need = pool.pages_between(prefix, end[b])
         grown = None
         if prefix_pages is not None and -(-end[b] // PAGE_FRAMES) <= TABLE_PAGES:
             have = len(turn.pages) if turn is not None else 0

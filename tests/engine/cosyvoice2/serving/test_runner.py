@@ -801,3 +801,49 @@ def test_a_phase_clock_knows_its_phases():
     with pytest.raises(ValueError, match="unknown phase 'flow'"):
         clock.lap("flow")
     assert set(clock.close()) == {"thread_seconds_vocoder"}
+
+
+def test_a_turn_that_fell_back_comes_back_when_the_pool_has_room(official_chunks, models, voice, tokens):
+    """A turn that found the pool full (another turn held it) goes on by recompute, and comes
+    back to the pool once the other turn has ended: its later chunks start after its stored
+    frames again. Every chunk still equals the official streaming flow's."""
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    page = TurnStatePool.page_bytes(models.flow.decoder, torch.float32)
+
+    def runner(pages: int) -> Token2WavRunner:
+        return make_runner(
+            models, incremental=False, prefix_voices=2, final_attention="chunk", turn_state_bytes=(pages + 1) * page
+        )
+
+    # What the other turn holds at its peak, and the voice prefix's pages, in a pool with room.
+    roomy = runner(64)
+    other = stream(roomy, prompt, tokens[:110], done=True)
+    while (job := roomy.schedule.next_job(other)) is not None:
+        roomy.run([job])
+    prefix_pages = -(-roomy.prefixes.bank.frames // roomy.turn_pool.page_frames)
+    token2wav = runner(prefix_pages + roomy.turn_pool.peak_pages + 1)
+    pool = token2wav.turn_pool
+
+    def run_other(job) -> None:  # its vocoder's random draws apart from ours (as in the reference)
+        with torch.random.fork_rng():
+            token2wav.run([job])
+
+    other = stream(token2wav, prompt, tokens[:110], done=True)
+    for _ in range(3):  # most of the other turn, into the pool
+        run_other(token2wav.schedule.next_job(other))
+    ours = stream(token2wav, prompt, tokens, done=True)
+    torch.manual_seed(1234)
+    chunks = [token2wav.run([token2wav.schedule.next_job(ours)])[0]]
+    assert ours.stream.turn.fell_back and pool.fallbacks == 1 and pool.returns == 0
+    while (job := token2wav.schedule.next_job(other)) is not None:  # the other turn ends
+        run_other(job)
+    stored = []
+    while (job := token2wav.schedule.next_job(ours)) is not None:
+        chunks.append(token2wav.run([job])[0])
+        stored.append(ours.stream.turn.frames if ours.stream.turn is not None else 0)
+    assert pool.returns >= 1 and max(stored) > 0  # back in the pool: chunks after stored frames
+    reference = official_chunks("chunk", N_TIMESTEPS)
+    assert [len(c) for c in chunks] == [len(c) for c in reference]
+    error = max(float(np.max(np.abs(a - b))) for a, b in zip(chunks, reference))
+    assert error <= 1e-4, error
+    assert pool.pages_in_use == 0

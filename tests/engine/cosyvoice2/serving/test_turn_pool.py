@@ -10,7 +10,13 @@ from torch import Tensor, nn
 
 from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, flow_after_prefix, voice_prefix
-from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnRows, TurnStatePool, flow_paged, solve_paged
+from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
+    TABLE_PAGES,
+    TurnRows,
+    TurnStatePool,
+    flow_paged,
+    solve_paged,
+)
 from tests.engine.cosyvoice2.flow_pairs import STEPS, TOLERANCE, max_err, official_steps, utterance
 
 
@@ -144,6 +150,15 @@ def test_pool_budget_and_bookkeeping(flow_pair) -> None:
     pool.release(turn)
     assert pool.fall_back(other).fell_back and pool.fall_back(None).fell_back
     assert pool.pages_in_use == 0 and pool.peak_pages == 4 and pool.fallbacks == 2
+    # A turn that fell back comes back as a new turn would be admitted (one page of the eight
+    # kept free), within the page table; asking takes nothing.
+    assert pool.pages_between(20, 100) == 6 and pool.pages_between(16, 16) == 0  # pages 1..6, 1..0
+    assert pool.takes_back(0, 7 * 16) and not pool.takes_back(0, 8 * 16)
+    assert not pool.takes_back(0, (TABLE_PAGES + 1) * 16)
+    assert pool.returns == 1 and pool.pages_in_use == 0
+    held = pool.grow(None, 5)
+    assert not pool.takes_back(0, 3 * 16) and pool.takes_back(0, 2 * 16)
+    pool.release(held)
     with pytest.raises(ValueError, match="no page"):
         TurnStatePool.within(ours.decoder, page, like)
     # State is kept per Euler step: a page of 4 steps is 4/10 of one of the official 10.
