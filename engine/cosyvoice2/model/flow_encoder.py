@@ -110,7 +110,8 @@ class AttentionFrames:
 
     @classmethod
     def build(cls, offset: Tensor, lengths: Tensor, width: int, cache_width: int, chunk: int | None) -> AttentionFrames:
-        """offset [B]: frames already cached per row; lengths [B]: valid new frames; width: new frames (padded)."""
+        """offset [B]: frames already cached per row; lengths [B]: valid new frames; width: new frames
+        (padded); cache_width: cached slots (padded: at least every row's offset)."""
         device = offset.device
         slots = torch.arange(width, device=device)
         cache_slots = torch.arange(cache_width, device=device)
@@ -121,9 +122,10 @@ class AttentionFrames:
         if chunk is not None:
             chunk_end = (torch.div(query_pos, chunk, rounding_mode="floor") + 1) * chunk
             mask = mask & (key_pos[:, None, :] < chunk_end[:, :, None])
-        # Valid distances run from max(offset) + width - 1 (last query, first key)
-        # down to -(width - 1) (first new query, last new key).
-        top = int(offset.max()) + width - 1
+        # Valid distances run from at most cache_width + width - 1 (last query, first key) down
+        # to -(width - 1) (first new query, last new key). The padded width, not the largest
+        # offset (which it equals but for padding rows): that would be a read of the device.
+        top = cache_width + width - 1
         count = top + width
         distance = query_pos[:, :, None] - key_pos[:, None, :]
         index = (top - distance).clamp(0, count - 1)  # padded cache slots only, masked anyway

@@ -107,11 +107,12 @@ class IncrementalEncoder:
         stride = self.encoder.stride
 
         rows = [torch.cat([s.pending.to(device), t.to(device).long()]) for s, t in zip(states, tokens)]
+        # Lengths are known here: counted on the host, so that nothing waits for the device.
+        counts = [max(0, len(r) - (0 if f else lookahead)) for r, f in zip(rows, finals)]
         lengths = torch.tensor([len(r) for r in rows], device=device)
-        held_back = torch.tensor([0 if f else lookahead for f in finals], device=device)
-        encoded = (lengths - held_back).clamp(min=0)
+        encoded = torch.tensor(counts, device=device)
         mel_start = torch.tensor([s.committed * stride for s in states], device=device)
-        width = int(encoded.max())
+        width = max(counts)
         if width == 0:  # nothing but look-ahead yet
             for state, ids in zip(states, rows):
                 state.pending = ids
@@ -126,7 +127,7 @@ class IncrementalEncoder:
         mel_len = encoded * stride
         mu = project_frames({"encoder_proj": self.encoder_proj}, out.ys, mel_len)
         for row, (state, final) in enumerate(zip(states, finals)):
-            self._commit(state, row, out, rows[row], int(encoded[row]), final)
+            self._commit(state, row, out, rows[row], counts[row], final)
         committed = torch.tensor([s.committed * stride for s in states], device=device)
         mel_final = torch.where(torch.tensor(finals, device=device), mel_start + mel_len, committed)
         return IncrementalOutput(mu, mel_start, mel_len, mel_final)
