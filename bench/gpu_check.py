@@ -33,8 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tts_gateway.gateway import loadgen  # noqa: E402
-from tts_gateway.engine.cosyvoice2.metrics import CALL_KINDS  # noqa: E402
-from tts_gateway.engine.cosyvoice2.serving.phase_clock import PHASES  # noqa: E402
+from tts_gateway.engine.cosyvoice2.metrics import CALL_KINDS, PHASE_THREADS, PHASES  # noqa: E402
 from tts_gateway.gateway.wire import STREAM_PATH  # noqa: E402
 
 PROMPT_TEXT = "This is the voice of the prompt, spoken clearly and slowly."
@@ -229,7 +228,7 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "peak_gb_since_start": round(after.get("tts_token2wav_turn_state_peak_bytes_total", 0.0) / 1e9, 2),
         "turns": turns,
         "mb_per_turn": round(delta("tts_token2wav_turn_state_stored_bytes_total") / turns / 1e6, 1) if turns else None,
-        "fallback_turns": delta("tts_token2wav_turn_state_fallbacks_total"),
+        "fallbacks": delta("tts_token2wav_turn_state_fallbacks_total"),  # "fallback_turns" before turns came back
         "returned_turns": delta("tts_token2wav_turn_state_returns_total"),
     }
     firsts = delta("tts_first_audio_chunks_total")
@@ -238,7 +237,8 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
     # Calls phase by phase (engine/cosyvoice2/serving/phase_clock.py), the engine thread's and the
     # first-chunk lane's: ms per call, on the GPU's timeline and the thread's.
     call_phase_ms = {}
-    for thread, name in (("", "engine_thread"), ("lane_", "lane")):
+    for thread, who in PHASE_THREADS.items():
+        name = who.replace(" ", "_").replace("-", "_")
         timed = delta(f"tts_token2wav_flow_{thread}phase_calls_total")
         call_phase_ms[name] = {"calls": timed} | {
             clock: {phase: round(1000 * delta(f"tts_token2wav_flow_{thread}phase_{clock}_seconds_{phase}_total")

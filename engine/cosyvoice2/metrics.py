@@ -6,11 +6,19 @@ exports them with the ``tts_`` prefix and documents them from here (the engine's
 
 from __future__ import annotations
 
-from tts_gateway.engine.cosyvoice2.serving.phase_clock import PHASES
-
 # The kinds of token2wav call (engine/cosyvoice2/serving/chunking.py, call_kind). In paged mode
 # last chunks share the later chunks' calls, which then count as calls of later chunks.
 CALL_KINDS = {"first": "first chunks", "later": "later chunks", "final": "final chunks"}
+# The phases of a token2wav call (engine/cosyvoice2/serving/phase_clock.py, the runner's laps)
+# and what each holds.
+PHASES = {
+    "flow_other": "the flow's work around its calls (batch arguments, voice prefixes, the vocoder's inputs)",
+    "encoder": "the paged call's token encoder",
+    "decoder": "the paged call's decoder, with the pool's reads and writes",
+    "unpaged": "flow calls outside the pool (recompute, incremental, last chunks of full attention)",
+    "vocoder": "the vocoder",
+    "output": "cross-fades and the audio's copy to the host",
+}
 # The token2wav threads whose calls are timed phase by phase, by their totals' infix.
 PHASE_THREADS = {"": "engine thread", "lane_": "first-chunk lane"}
 # Exported as tts_<name> (EngineStats.extra) and tts_<name>_total (EngineStats.totals).

@@ -75,7 +75,7 @@ def test_stage_report_is_the_change_over_the_level():
     assert engine["calls"] == 4.0
     assert engine["gpu"]["decoder"] == 100.0 and engine["gpu"]["vocoder"] == 0.0
     assert engine["thread"]["decoder"] == 50.0 and engine["thread"]["vocoder"] == 25.0
-    assert report["call_phase_ms"]["lane"] == {"calls": 0.0, "gpu": None, "thread": None}
+    assert report["call_phase_ms"]["first_chunk_lane"] == {"calls": 0.0, "gpu": None, "thread": None}
 
 
 def test_stack_sampler_reports_where_each_thread_is(tmp_path):

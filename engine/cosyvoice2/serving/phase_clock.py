@@ -1,7 +1,7 @@
 """Where a token2wav call's time goes, phase by phase: on the GPU's timeline and the thread's.
 
-A call's phases (the token encoder, the decoder, recompute of turns outside the pool, the
-vocoder, the output) run one after another on one CUDA stream, launched by one thread.
+A call's phases (the token encoder, the decoder, flow calls outside the pool, the vocoder,
+the output) run one after another on one CUDA stream, launched by one thread.
 ``PhaseClock.lap(phase)`` closes the phase that ran since the last lap: it records a CUDA
 event on the stream (nothing waits for it) and reads the thread's clock. Once the call has
 synchronized with the GPU (its audio is copied to the host at its end), ``close`` reads the
@@ -10,8 +10,11 @@ phase's work, idle gaps included (the GPU waiting for kernels the thread had not
 yet): what the phase cost the call. The thread's time says how much of it was the thread
 launching, and how much waiting. Off a GPU only the thread's clock is read.
 
-The phases' sum is the call's time; the totals are exported as running counters
-(``Token2WavRunner.work_totals``), read per level by ``bench/gpu_check.py``.
+The thread's series is wall time, and a wait for the GPU lands in the phase where the thread
+syncs (the paged call's positions, the audio's copy to the host), not in the phase whose work
+it waits for; the GPU series puts each phase's work where it ran. The phases' sum is the
+call's time; the totals are exported as running counters (``Token2WavRunner.work_totals``,
+the phases named in ``metrics.PHASES``), read per level by ``bench/gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -21,15 +24,8 @@ import time
 
 import torch
 
-# The phases a call books (the runner's laps), and what each holds.
-PHASES = {
-    "flow_other": "the flow's work around its calls (batch arguments, voice prefixes)",
-    "encoder": "the paged call's token encoder",
-    "decoder": "the paged call's decoder, with the pool's reads and writes",
-    "recompute": "flow calls by recompute (turns outside the pool, recompute mode)",
-    "vocoder": "the vocoder",
-    "output": "cross-fades and the audio's copy to the host",
-}
+from tts_gateway.engine.cosyvoice2.metrics import PHASES
+
 
 class PhaseClock:
     """Laps of one call on one stream (``stream`` None: the thread's clock only)."""

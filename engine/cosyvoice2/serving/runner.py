@@ -222,10 +222,10 @@ class Token2WavRunner:
             finally:
                 self._phases.clock = None
             totals = clock.close()
-            thread = "phase" if lane is None else "lane_phase"
+            infix = "" if lane is None else "lane_"  # as metrics.PHASE_THREADS names the threads
             with self._work_lock:
-                self._work.update({f"{thread}_{name}": value for name, value in totals.items()})
-                self._work[f"{thread}_calls"] += 1
+                self._work.update({f"{infix}phase_{name}": value for name, value in totals.items()})
+                self._work[f"{infix}phase_calls"] += 1
             return audio
 
     def _run(self, jobs: list[ChunkJob], lane: Lane | None) -> list[np.ndarray]:
@@ -292,7 +292,7 @@ class Token2WavRunner:
         return token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding
 
     @torch.inference_mode()
-    @timed_as("recompute")
+    @timed_as("unpaged")
     def _flow_batched(self, jobs: list[ChunkJob], finalize: bool, lane: Lane | None = None) -> list[torch.Tensor]:
         """Chunks of several utterances in one flow call (each row equals running it alone)."""
         prompts = [job.request.prompt for job in jobs]
@@ -349,24 +349,29 @@ class Token2WavRunner:
         pool has no room for run without it (after their voice prefix), in one call."""
         mels: dict[int, torch.Tensor] = {}
         fallen = [i for i, job in enumerate(jobs) if getattr(job.request.stream.turn, "fell_back", False)]
-        # A turn that fell back comes back once the pool has room for it (TurnStatePool.takes_back),
-        # in a paged call of its own: it would widen the others' (all of it after its voice
-        # prefix is new there, as on the recompute path).
-        returning = [i for i in fallen if self._comes_back(jobs[i])]
-        for i in returning:
-            jobs[i].request.stream.turn = None
-        for group in ([i for i in range(len(jobs)) if i not in fallen], returning):
-            if group:
-                mels.update((group[k], mel) for k, mel in self._paged_call([jobs[i] for i in group]).items())
+        paged = [i for i in range(len(jobs)) if i not in fallen]
+        if paged:
+            mels.update((paged[k], mel) for k, mel in self._paged_call([jobs[i] for i in paged]).items())
+        # A turn that fell back comes back once the pool has room for it again, one a call (each
+        # judged by the pool as the calls before left it), in a paged call of its own: it would
+        # widen the others' (all of it after its voice prefix is new there, as on the recompute
+        # path). Not for its last chunk: nothing would use what it stored.
+        back = next((i for i in fallen if not jobs[i].finalize and self._pool_has_room(jobs[i])), None)
+        if back is not None:
+            jobs[back].request.stream.turn = None
+            served = self._paged_call([jobs[back]])
+            if served:
+                mels[back] = served[0]
+                self.turn_pool.count_return()
         for finalize, rest in by_finalize([i for i in range(len(jobs)) if i not in mels], jobs):
             mels.update(zip(rest, self._flow_batched([jobs[i] for i in rest], finalize)))
         return [mels[i] for i in range(len(jobs))]
 
-    def _comes_back(self, job: ChunkJob) -> bool:
-        """Whether the pool takes the job's turn back, its pages counted to the job's end (its
-        look-ahead included: at most a page more than its call stores)."""
+    def _pool_has_room(self, job: ChunkJob) -> bool:
+        """Whether the pool would take the job's turn now, its pages counted to the job's end
+        (its look-ahead included: at most a page more than its call stores)."""
         prefix = self.flow.voice_prefix_frames(job.request.prompt.tokens)
-        return self.turn_pool.takes_back(prefix, self.schedule.job_frames(job))
+        return self.turn_pool.has_room(prefix, self.schedule.job_frames(job))
 
     def _paged_call(self, jobs: list[ChunkJob]) -> dict[int, torch.Tensor]:
         """One paged call of these jobs: the mel of each job it served, by index (those it did
@@ -395,7 +400,7 @@ class Token2WavRunner:
         served = [i for i, s in enumerate(result.served) if s]
         if not served:
             return {}
-        start, end, mel, replayed = result.start.tolist(), result.end.tolist(), result.mel, padded[0]
+        start, end, mel, replayed = result.start, result.end, result.mel, padded[0]
         computed = len(served) * mel.shape[2] if replayed is None else replayed
         self._book([jobs[i] for i in served], [end[i] - start[i] for i in served], computed, replayed is None)
         mels = {}
@@ -479,7 +484,7 @@ class Token2WavRunner:
         return self.prefixes.prepare(prompts, widest_prompt_tokens)
 
     @torch.inference_mode()
-    @timed_as("recompute")
+    @timed_as("unpaged")
     def _flow(self, job: ChunkJob, lane: Lane | None = None) -> torch.Tensor:
         request, prompt = job.request, job.request.prompt
         state = request.stream

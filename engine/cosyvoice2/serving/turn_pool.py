@@ -70,6 +70,12 @@ PAGES_PER_TURN_SLOT = 4
 # turn then fails to grow at once.
 GROWTH_RESERVE = 0.125
 
+
+def within_table(end: int) -> bool:
+    """Whether a row's page table reaches position ``end`` (frames from the start of the prompt)."""
+    return -(-end // PAGE_FRAMES) <= TABLE_PAGES
+
+
 # (query [rows * queries, heads, dim], key pages, value pages, plan, softmax scale) -> output like query
 PagedAttention = Callable[[Tensor, Tensor, Tensor, ChunkSequences, float], Tensor]
 
@@ -79,7 +85,7 @@ class TurnState:
     """One turn's share of the pool: its own pages (positions from the page its voice prefix
     ends in, in order), its conv-context slot, and how many frames after the voice prefix
     are committed (their state is final). A turn that ``fell_back`` holds nothing and goes on
-    by recompute, until the pool has room for it again (``TurnStatePool.takes_back``)."""
+    by recompute, until the pool has room for it again (``TurnStatePool.has_room``)."""
 
     slot: int
     pages: list[int] = field(default_factory=list)
@@ -144,8 +150,8 @@ class TurnStatePool:
         # Bank slot -> (the bank, its generation of that slot, the prefix's pages).
         self._prefixes: dict[int, tuple[PrefixBank, int, list[int]]] = {}
         # Running totals (the engine exports them): the most pages held by turns at once, pages
-        # and turns given state, turns that fell back to the recompute path, and of those the
-        # returns to the pool (takes_back).
+        # and turns given state (a turn that came back counts again), turns that fell back to
+        # the recompute path (each time), and returns of those to the pool.
         self.peak_pages = 0
         self.pages_stored = 0
         self.turns = 0
@@ -229,18 +235,19 @@ class TurnStatePool:
             self.peak_pages = max(self.peak_pages, self._turn_pages())
             return turn
 
-    def takes_back(self, prefix_frames: int, end: int) -> bool:
-        """Whether a turn that fell back may come back to reach position ``end`` after its voice
-        prefix (within the page table, and admitted as a new turn would be: GROWTH_RESERVE kept
-        free); counted as a return when it may (the engine exports the count). Nothing is
-        taken: its next call grows it."""
-        if -(-end // PAGE_FRAMES) > TABLE_PAGES:
+    def has_room(self, prefix_frames: int, end: int) -> bool:
+        """Whether a turn would be admitted now to reach position ``end`` (frames from the start
+        of the prompt) after a voice prefix of ``prefix_frames``: within the page table, with
+        GROWTH_RESERVE of the pool kept free after it. Nothing is taken (its call grows it)."""
+        if not within_table(end):
             return False
         with self._lock:
-            if not self._admits(self.pages_between(prefix_frames, end)):
-                return False
+            return self._admits(self.pages_between(prefix_frames, end))
+
+    def count_return(self) -> None:
+        """A turn that fell back came back (the engine exports the count)."""
+        with self._lock:
             self.returns += 1
-            return True
 
     def _admits(self, pages: int) -> bool:
         return bool(self._free_slots) and len(self._free_pages) - pages >= GROWTH_RESERVE * self.pages
@@ -260,8 +267,8 @@ class TurnStatePool:
             turn.pages, turn.frames, turn.slot = [], 0, -1
 
     def fall_back(self, turn: TurnState | None) -> TurnState:
-        """``turn`` (None: one that never had state) going on by recompute to its end: what it
-        held given back, and the fallback counted (the engine exports the count)."""
+        """``turn`` (None: one that never had state) going on by recompute: what it held given
+        back, and the fallback counted (the engine exports the count)."""
         if turn is None:
             turn = TurnState(-1)
         self.release(turn)
@@ -435,7 +442,7 @@ def turn_rows(
         first = prefix // PAGE_FRAMES  # the page the prefix ends in: the turn's own from here
         need = pool.pages_between(prefix, end[b])
         grown = None
-        if prefix_pages is not None and -(-end[b] // PAGE_FRAMES) <= TABLE_PAGES:
+        if prefix_pages is not None and within_table(end[b]):
             have = len(turn.pages) if turn is not None else 0
             grown = pool.grow(turn, max(0, need - have))
         if grown is None:
@@ -465,11 +472,12 @@ def turn_rows(
 class PagedResult:
     """A paged call's decoder mel ``[B', 80, width]`` for the rows it served (``served``, B'
     of them): row b's column i is frame start[b] + i, up to end[b] (frames counted from the
-    start of the prompt); ``start`` and ``end`` cover every row."""
+    start of the prompt); ``start`` and ``end`` cover every row, read from the device before
+    the decoder ran (so reading them waits for nothing)."""
 
     mel: Tensor | None
-    start: Tensor
-    end: Tensor
+    start: list[int]
+    end: list[int]
     served: list[bool]
 
 
@@ -507,7 +515,7 @@ def flow_paged(
     given = list(turns)
     rows, turns, served = turn_rows(bank, pool, slots.tolist(), turns, ends, commit)
     if rows is None:
-        return PagedResult(None, start, end, served), turns
+        return PagedResult(None, starts, ends, served), turns
     rows_served = [b for b, s in enumerate(served) if s]
     index = torch.tensor(rows_served, device=slots.device)
     width = max(ends[b] - starts[b] for b in rows_served)  # rows not served may be wider
@@ -527,4 +535,4 @@ def flow_paged(
     for b, count in enumerate(commit):
         if served[b]:
             turns[b].frames += count
-    return PagedResult(mel, start, end, served), turns
+    return PagedResult(mel, starts, ends, served), turns

@@ -448,14 +448,16 @@ def test_incremental_steps_too_large_for_one_pass_run_in_groups_of_sessions(tiny
         incremental.step(states, [s[sum(f[:step]) : sum(f[: step + 1])] for s, f in zip(streams, feeds)])
     assert [s.committed for s in states] == [50, 50, 100]
     encoder, cached = incremental.encoder, 100
-    copied = 2 * encoder.config.output_size * cached * (len(encoder.encoders) + encoder.stride * len(encoder.up_encoders))
+    blocks = len(encoder.encoders) + encoder.stride * len(encoder.up_encoders)  # cached frames per token
+    copied = 2 * encoder.config.output_size * cached * blocks
     queries = encoder.stride * (7 + 25)  # the widest row of the last step: 7 pending + 25 new tokens
     scores = encoder.config.attention_heads * queries * (encoder.stride * cached + queries)
     assert 2 * scores < 2 * copied - 1
     monkeypatch.setattr(flow_encoder, "ENCODER_PASS_ELEMENTS", 2 * copied - 1)
     del built[:]
-    incremental.step(states, [s[sum(f[:2]) :] for s, f in zip(streams, feeds)], finalize=True)
+    last = incremental.step(states, [s[sum(f[:2]) :] for s, f in zip(streams, feeds)], finalize=True)
     assert built == [1, 1, 1]
+    assert last.mu.shape == whole[2].mu.shape and max_diff(last.mu, whole[2].mu) <= 1e-5
     for a, b in zip(grouped, whole):
         assert a.mu.shape == b.mu.shape and max_diff(a.mu, b.mu) <= 1e-5
         assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("mel_start", "mel_len", "mel_final"))

@@ -767,7 +767,7 @@ def test_without_look_ahead_the_held_back_tail_is_still_flushed():
 @pytest.mark.parametrize("paged", [True, False])
 def test_engine_thread_calls_are_timed_phase_by_phase(models, voice, tokens, monkeypatch, paged):
     """Each call of the engine thread books its phases (phase_clock.py; exported as metrics):
-    a paged call its token encoder and decoder, a recompute call its flow by recompute, both
+    a paged call its token encoder and decoder, a recompute call its flow outside the pool, both
     their vocoder and output; the first-chunk lane's calls are booked apart. Each reading of the clock here
     is one second later than the last, so a phase's seconds count its laps."""
     ticks = iter(range(10**6))
@@ -788,7 +788,7 @@ def test_engine_thread_calls_are_timed_phase_by_phase(models, voice, tokens, mon
     work = token2wav.work_totals()
     booked = {name.removeprefix("flow_phase_thread_seconds_"): value
               for name, value in work.items() if name.startswith("flow_phase_thread_seconds_")}
-    flow = {"encoder": calls, "decoder": calls} if paged else {"recompute": calls}
+    flow = {"encoder": calls, "decoder": calls} if paged else {"unpaged": calls}
     assert calls >= 3 and work["flow_phase_calls"] == calls
     assert booked == {"flow_other": 2 * calls, **flow, "vocoder": calls, "output": calls}
     assert not any("_gpu_seconds_" in name for name in work)  # no GPU timeline on a CPU
@@ -803,11 +803,9 @@ def test_a_phase_clock_knows_its_phases():
     assert set(clock.close()) == {"thread_seconds_vocoder"}
 
 
-def test_a_turn_that_fell_back_comes_back_when_the_pool_has_room(official_chunks, models, voice, tokens):
-    """A turn that found the pool full (another turn held it) goes on by recompute, and comes
-    back to the pool once the other turn has ended: its later chunks start after its stored
-    frames again. Every chunk still equals the official streaming flow's."""
-    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+def pool_for_one_other_turn(models, prompt: VoicePrompt, other_tokens: list[int]) -> Token2WavRunner:
+    """A paged runner whose pool holds the voice prefix and one turn of ``other_tokens`` at its
+    peak, a page to spare: while that turn is in it, no other turn is admitted."""
     page = TurnStatePool.page_bytes(models.flow.decoder, torch.float32)
 
     def runner(pages: int) -> Token2WavRunner:
@@ -815,13 +813,21 @@ def test_a_turn_that_fell_back_comes_back_when_the_pool_has_room(official_chunks
             models, incremental=False, prefix_voices=2, final_attention="chunk", turn_state_bytes=(pages + 1) * page
         )
 
-    # What the other turn holds at its peak, and the voice prefix's pages, in a pool with room.
     roomy = runner(64)
-    other = stream(roomy, prompt, tokens[:110], done=True)
+    other = stream(roomy, prompt, other_tokens, done=True)
     while (job := roomy.schedule.next_job(other)) is not None:
         roomy.run([job])
     prefix_pages = -(-roomy.prefixes.bank.frames // roomy.turn_pool.page_frames)
-    token2wav = runner(prefix_pages + roomy.turn_pool.peak_pages + 1)
+    return runner(prefix_pages + roomy.turn_pool.peak_pages + 1)
+
+
+def test_a_turn_that_fell_back_comes_back_when_the_pool_has_room(official_chunks, models, voice, tokens):
+    """A turn that found the pool full (another turn held it) goes on by recompute, and comes
+    back to the pool once the other turn has ended: its later chunks start after its stored
+    frames again, until it outgrows the pool. Every chunk still equals the official streaming
+    flow's."""
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    token2wav = pool_for_one_other_turn(models, prompt, tokens[:110])
     pool = token2wav.turn_pool
 
     def run_other(job) -> None:  # its vocoder's random draws apart from ours (as in the reference)
@@ -841,9 +847,28 @@ def test_a_turn_that_fell_back_comes_back_when_the_pool_has_room(official_chunks
     while (job := token2wav.schedule.next_job(ours)) is not None:
         chunks.append(token2wav.run([job])[0])
         stored.append(ours.stream.turn.frames if ours.stream.turn is not None else 0)
-    assert pool.returns >= 1 and max(stored) > 0  # back in the pool: chunks after stored frames
+    # Back in the pool at its next chunk, stored on from there; its last chunk outgrew the pool.
+    assert stored == [150, 200, 250, 0] and pool.returns == 1 and pool.fallbacks == 2
     reference = official_chunks("chunk", N_TIMESTEPS)
     assert [len(c) for c in chunks] == [len(c) for c in reference]
     error = max(float(np.max(np.abs(a - b))) for a, b in zip(chunks, reference))
     assert error <= 1e-4, error
     assert pool.pages_in_use == 0
+
+
+def test_turns_that_fell_back_come_back_one_a_call(models, voice, tokens):
+    """Two turns that fell back, called together once the pool has room for one: one comes
+    back, judged by the pool as the call before left it; the other stays on recompute."""
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    token2wav = pool_for_one_other_turn(models, prompt, tokens[:110])
+    pool = token2wav.turn_pool
+    other = stream(token2wav, prompt, tokens[:110], done=True)
+    token2wav.run([token2wav.schedule.next_job(other)])
+    fallen = [stream(token2wav, prompt, tokens, done=True) for _ in range(2)]
+    token2wav.run([token2wav.schedule.next_job(state) for state in fallen])
+    assert all(state.stream.turn.fell_back for state in fallen) and pool.fallbacks == 2
+    while (job := token2wav.schedule.next_job(other)) is not None:
+        token2wav.run([job])
+    token2wav.run([token2wav.schedule.next_job(state) for state in fallen])
+    assert sorted(state.stream.turn.fell_back for state in fallen) == [False, True]
+    assert pool.returns == 1 and pool.fallbacks == 2

@@ -150,15 +150,17 @@ def test_pool_budget_and_bookkeeping(flow_pair) -> None:
     pool.release(turn)
     assert pool.fall_back(other).fell_back and pool.fall_back(None).fell_back
     assert pool.pages_in_use == 0 and pool.peak_pages == 4 and pool.fallbacks == 2
-    # A turn that fell back comes back as a new turn would be admitted (one page of the eight
-    # kept free), within the page table; asking takes nothing.
+    # Room for a turn (one that fell back, to come back): as a new turn is admitted (one page of
+    # the eight kept free), within the page table; asking takes nothing.
     assert pool.pages_between(20, 100) == 6 and pool.pages_between(16, 16) == 0  # pages 1..6, 1..0
-    assert pool.takes_back(0, 7 * 16) and not pool.takes_back(0, 8 * 16)
-    assert not pool.takes_back(0, (TABLE_PAGES + 1) * 16)
-    assert pool.returns == 1 and pool.pages_in_use == 0
+    assert pool.has_room(0, 7 * 16) and not pool.has_room(0, 8 * 16)
+    assert not pool.has_room(0, (TABLE_PAGES + 1) * 16)
+    assert pool.pages_in_use == 0
     held = pool.grow(None, 5)
-    assert not pool.takes_back(0, 3 * 16) and pool.takes_back(0, 2 * 16)
+    assert not pool.has_room(0, 3 * 16) and pool.has_room(0, 2 * 16)
     pool.release(held)
+    pool.count_return()
+    assert pool.totals()["returns"] == 1
     with pytest.raises(ValueError, match="no page"):
         TurnStatePool.within(ours.decoder, page, like)
     # State is kept per Euler step: a page of 4 steps is 4/10 of one of the official 10.
