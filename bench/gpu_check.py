@@ -228,7 +228,7 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "peak_gb_since_start": round(after.get("tts_token2wav_turn_state_peak_bytes_total", 0.0) / 1e9, 2),
         "turns": turns,
         "mb_per_turn": round(delta("tts_token2wav_turn_state_stored_bytes_total") / turns / 1e6, 1) if turns else None,
-        "fallbacks": delta("tts_token2wav_turn_state_fallbacks_total"),  # "fallback_turns" before turns came back
+        "fallbacks": delta("tts_token2wav_turn_state_fallbacks_total"),  # was "fallback_turns"
         "returned_turns": delta("tts_token2wav_turn_state_returns_total"),
     }
     firsts = delta("tts_first_audio_chunks_total")
