@@ -182,12 +182,30 @@ def load_clients(sessions: int) -> list[tuple[int, int]]:
             for k, start in enumerate(range(0, sessions, SESSIONS_PER_CLIENT))]
 
 
+# Replies begun in a level's first BURST_S seconds are its opening burst: every session's first
+# reply, when a level starts them all at once (--start-spread 0.5); the rest are "later".
+BURST_S = 2.0
+
+
+def by_start(records: list) -> dict:
+    """A level's opening burst and its later replies, each as: replies, stall-free share, TTFA
+    and errors (None: no such reply)."""
+    def brief(part: list) -> dict | None:
+        if not part:
+            return None
+        summary = loadgen.summarize(part)
+        return {key: summary[key] for key in ("contexts", "stall_free_fraction", "ttfa_ms", "errors")}
+
+    burst = [r for r in records if (r.started_s or 0.0) < BURST_S]
+    return {"burst": brief(burst), "later": brief([r for r in records if (r.started_s or 0.0) >= BURST_S])}
+
+
 def run_load(url: str, workload: str, sessions: int, start_spread: float, args, word_timings: bool = True
-             ) -> tuple[dict, list[list]]:
-    """One level, its sessions spread over load-generator processes: the merged summary, and each
+             ) -> tuple[dict, list[list], dict]:
+    """One level, its sessions spread over load-generator processes: the merged summary; each
     reply as ``[started_s, ttfa_ms, stall_audio_ms, outcome]`` (when in the level it began, its
-    first audio, where its stalls fell, and how it ended), to tell the stalls of the level's
-    opening burst from the rest."""
+    first audio, where its stalls fell, and how it ended); and ``by_start``, the level's
+    opening burst apart from the rest."""
     procs = []
     for k, (seed, count) in enumerate(load_clients(sessions)):
         path = Path(f"/tmp/loadgen-{sessions}-{k}.json")
@@ -207,7 +225,7 @@ def run_load(url: str, workload: str, sessions: int, start_spread: float, args, 
             records.append(loadgen.Record(**raw))
     replies = [[r.started_s, r.ttfa_ms, r.stall_audio_ms, r.outcome]
                for r in sorted(records, key=lambda r: r.started_s or 0.0)]
-    return loadgen.summarize(records), replies
+    return loadgen.summarize(records), replies, by_start(records)
 
 
 def stage_report(before: dict, after: dict, elapsed: float) -> dict:
@@ -478,7 +496,9 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
         before = scrape(f"{http}/metrics")
         take_profile(gateway_pid, profile_path)
         started = time.perf_counter()
-        summary, replies = await asyncio.to_thread(run_load, url, workload, sessions, start_spread, args, word_timings)
+        summary, replies, split = await asyncio.to_thread(
+            run_load, url, workload, sessions, start_spread, args, word_timings
+        )
         elapsed = time.perf_counter() - started
         after = scrape(f"{http}/metrics")
         queried = counter_delta(before, after, "tts_llm_prefix_cache_queried_tokens_total")
@@ -491,6 +511,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
             "word_timings": word_timings,
             "summary": summary,
             "replies": replies,
+            "by_start": split,
             "stall_free": loadgen.stall_free(summary, args.ttfa_p95_ms),
             "gpu": gpu_memory(),
             "prefix_cache_hit_ratio": round(hits / queried, 3) if queried else None,

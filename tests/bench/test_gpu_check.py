@@ -78,6 +78,24 @@ def test_stage_report_is_the_change_over_the_level():
     assert report["call_phase_ms"]["first_chunk_lane"] == {"calls": 0.0, "gpu": None, "thread": None}
 
 
+def test_a_levels_opening_burst_is_reported_apart_from_its_later_replies():
+    """Replies begun in the level's first 2 s (every session's first, started at once) and the
+    rest, each with its stall-free share and first audio."""
+    from tts_gateway.gateway.loadgen import Record
+
+    def reply(started_s: float, ttfa_ms: float, stalls: int = 0, outcome: str = "done") -> Record:
+        return Record(sessions=3, agent=0, workload="full", chars=10, outcome=outcome, ttfa_ms=ttfa_ms,
+                      stalls=stalls, started_s=started_s)
+
+    split = gpu_check.by_start([reply(0.1, 900.0, stalls=1), reply(0.4, 700.0), reply(5.0, 200.0),
+                                reply(9.0, 300.0, outcome="truncated")])
+    assert split["burst"]["contexts"] == 2 and split["burst"]["stall_free_fraction"] == 0.5
+    assert split["burst"]["ttfa_ms"]["p50"] == 800.0
+    assert split["later"]["contexts"] == 2 and split["later"]["stall_free_fraction"] == 1.0
+    assert split["later"]["ttfa_ms"]["p95"] == 295.0 and split["later"]["errors"] == 0
+    assert gpu_check.by_start([reply(3.0, 100.0)])["burst"] is None
+
+
 def test_stack_sampler_reports_where_each_thread_is(tmp_path):
     """bench/stack_sampler.py: the profile gpu_check takes per level names the busy function."""
     import json
