@@ -24,6 +24,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -57,6 +58,40 @@ def gpu_memory() -> dict:
     ).stdout.strip().split(", ")
     return {"used_mib": int(out[0]), "total_mib": int(out[1]), "util_pct": int(out[2]),
             "temp_c": int(out[3]), "sm_mhz": int(out[4])}
+
+
+class PeakMemory:
+    """The most GPU memory in use while a level runs (``read``: MiB, all processes, as
+    nvidia-smi counts them), sampled every ``interval_s`` on a thread of its own: what a total
+    memory budget (the 32 GB ramp) is checked against. A failed reading fails the level."""
+
+    def __init__(self, read: Callable[[], int], interval_s: float = 0.5) -> None:
+        self.read = read
+        self.interval_s = interval_s
+        self.peak_mib = 0
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="gpu-peak-memory", daemon=True)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self._error is not None and exc[0] is None:
+            raise RuntimeError(f"GPU memory could not be read: {self._error}") from self._error
+
+    def _sample(self) -> None:
+        try:
+            while True:
+                self.peak_mib = max(self.peak_mib, self.read())
+                if self._stop.wait(self.interval_s):
+                    self.peak_mib = max(self.peak_mib, self.read())
+                    return
+        except Exception as error:  # handed to the level (__exit__)
+            self._error = error
 
 
 def mps_clients() -> dict | None:
@@ -496,9 +531,10 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
         before = scrape(f"{http}/metrics")
         take_profile(gateway_pid, profile_path)
         started = time.perf_counter()
-        summary, replies, split = await asyncio.to_thread(
-            run_load, url, workload, sessions, start_spread, args, word_timings
-        )
+        with PeakMemory(lambda: gpu_memory()["used_mib"]) as memory:
+            summary, replies, split = await asyncio.to_thread(
+                run_load, url, workload, sessions, start_spread, args, word_timings
+            )
         elapsed = time.perf_counter() - started
         after = scrape(f"{http}/metrics")
         queried = counter_delta(before, after, "tts_llm_prefix_cache_queried_tokens_total")
@@ -514,6 +550,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
             "by_start": split,
             "stall_free": loadgen.stall_free(summary, args.ttfa_p95_ms),
             "gpu": gpu_memory(),
+            "gpu_peak_used_mib": memory.peak_mib,
             "prefix_cache_hit_ratio": round(hits / queried, 3) if queried else None,
             "stages": stage_report(before, after, elapsed),
             "profile": take_profile(gateway_pid, profile_path),

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.paths import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -94,6 +96,24 @@ def test_a_levels_opening_burst_is_reported_apart_from_its_later_replies():
     assert split["later"]["contexts"] == 2 and split["later"]["stall_free_fraction"] == 1.0
     assert split["later"]["ttfa_ms"]["p95"] == 295.0 and split["later"]["errors"] == 0
     assert gpu_check.by_start([reply(3.0, 100.0)])["burst"] is None
+
+
+def test_peak_memory_is_the_most_read_while_a_level_runs():
+    """The level's peak GPU memory (for a total budget) from readings on a thread of its own;
+    a reading that fails fails the level instead of leaving a peak that was never measured."""
+    import time
+
+    readings = iter([100, 300, 200] + [150] * 1000)
+    with gpu_check.PeakMemory(lambda: next(readings), interval_s=0.001) as memory:
+        time.sleep(0.05)
+    assert memory.peak_mib == 300
+
+    def broken() -> int:
+        raise OSError("nvidia-smi: not found")
+
+    with pytest.raises(RuntimeError, match="GPU memory could not be read: nvidia-smi: not found"):
+        with gpu_check.PeakMemory(broken, interval_s=0.001):
+            time.sleep(0.01)
 
 
 def test_stack_sampler_reports_where_each_thread_is(tmp_path):
