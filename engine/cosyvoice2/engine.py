@@ -131,6 +131,8 @@ class CosyVoice2Engine(Engine):
         lane = None
         if device.type == "cuda" and settings.first_chunk_lane:
             lane = await asyncio.to_thread(startup.first_chunk_lane, runner, settings, prompt_tokens, device)
+        if device.type == "cuda":
+            startup.check_memory(settings, device)
         self.scheduler = Scheduler(
             runner, settings.max_batch, asyncio.get_running_loop(), early_chunks=settings.early_chunks,
             first_chunk_lane=lane, first_chunk_by_load=settings.first_chunk_by_load,

@@ -60,7 +60,7 @@ async def start_vllm_stage(settings: CosyVoice2Settings) -> LMStage:
 
 def capture_flow_graphs(runner: Token2WavRunner, settings: CosyVoice2Settings, device: torch.device) -> None:
     """CUDA graphs of the flow for every bucket served (after the voice-prefix bank, which
-    they read), then the token2wav memory check."""
+    they read)."""
     buckets = FlowBuckets.up_to(settings.graph_max_batch, settings.graph_max_frames, settings.graph_frame_step)
     bank = runner.prefixes.bank if runner.prefixes is not None else None
     pool = runner.turn_pool
@@ -82,18 +82,22 @@ def capture_flow_graphs(runner: Token2WavRunner, settings: CosyVoice2Settings, d
         final_batches = [b for b in buckets.batches if b <= FINAL_GRAPH_MAX_BATCH]
         graphs.capture(final_batches, frames, [False], max_row_frames=budget)
     runner.flow_graphs = graphs
-    held = torch.cuda.memory_reserved(device) / 2**30
     # A small graph of each kind against its eager solve.
     checked = [buckets.key(3, 250, streaming, after) for streaming, after in ((True, bank is not None), (False, False))]
     if pool is not None:
         checked.append(buckets.key(3, 100, True, paged=True))
     errors = ", ".join(f"{key}: {graphs.replay_error(key):.2e}" for key in checked if key in graphs.graphs)
     log.info(
-        "flow CUDA graphs: %d captured in %.1f s (%.2f GiB); |replay - eager| %s; "
-        "token2wav holds %.1f GiB of %.1f GiB budgeted",
-        len(graphs.graphs), graphs.capture_seconds, graphs.reserved_bytes / 2**30, errors, held,
-        settings.vllm.token2wav_memory_gb,
+        "flow CUDA graphs: %d captured in %.1f s (%.2f GiB); |replay - eager| %s",
+        len(graphs.graphs), graphs.capture_seconds, graphs.reserved_bytes / 2**30, errors,
     )
+
+
+def check_memory(settings: CosyVoice2Settings, device: torch.device) -> None:
+    """What token2wav holds once every graph is captured (the flow's, the vocoder's and the
+    lane's each add their pools), against ``token2wav_memory_gb``."""
+    held = torch.cuda.memory_reserved(device) / 2**30
+    log.info("token2wav holds %.1f GiB of %.1f GiB budgeted", held, settings.vllm.token2wav_memory_gb)
     if held > settings.vllm.token2wav_memory_gb:
         log.warning("token2wav holds more GPU memory than token2wav_memory_gb; raise it or lower max_batch")
 
