@@ -110,6 +110,7 @@ def capture_hift_graphs(runner: Token2WavRunner, max_batch: int, voice_prompt_to
     for prompt_tokens in voice_prompt_tokens:
         for shape in runner.schedule.chunk_shapes(prompt_tokens):
             graphs.allow(*shape)
+    reserved = torch.cuda.memory_reserved(graphs.device)
     try:
         graphs.capture_allowed()
     except Exception as exc:  # an optional speed-up: the vocoder still runs, eagerly
@@ -117,8 +118,9 @@ def capture_hift_graphs(runner: Token2WavRunner, max_batch: int, voice_prompt_to
         log.error("HiFT CUDA graphs could not be captured, the vocoder runs eagerly: %s", exc)
         return
     log.info(
-        "HiFT CUDA graphs: %d captured in %.1f s; largest |replay - eager| %.2e",
-        len(graphs.graphs), graphs.capture_seconds, graphs.max_error,
+        "HiFT CUDA graphs: %d captured in %.1f s (%.2f GiB); largest |replay - eager| %.2e",
+        len(graphs.graphs), graphs.capture_seconds, (torch.cuda.memory_reserved(graphs.device) - reserved) / 2**30,
+        graphs.max_error,
     )
 
 
