@@ -90,6 +90,12 @@ def paged_kernel(flow: Flow) -> PagedAttention:
     return flash_attend(flow.decoder.estimator.attention_layers[0].dim)  # the pool keeps layer inputs
 
 
+def _padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows padded into a batch, and their lengths."""
+    lengths = torch.tensor([len(row) for row in rows], dtype=torch.int32, device=rows[0].device)
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), lengths
+
+
 def by_finalize(indices: list[int], jobs: list[ChunkJob]) -> Iterator[tuple[bool, list[int]]]:
     """``indices`` of ``jobs`` split by ``finalize``, for calls that take one flag: (flag, part)."""
     for finalize in (False, True):
@@ -276,20 +282,19 @@ class Token2WavRunner:
 
     def _batch_args(self, jobs: list[ChunkJob]) -> tuple[torch.Tensor, ...]:
         """``Flow.decoder_inputs``' arguments up to ``embedding`` for these jobs, rows padded."""
-        prompts = [job.request.prompt for job in jobs]
-        device = prompts[0].speech_feat.device
-
-        def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-            lengths = torch.tensor([len(row) for row in rows], dtype=torch.int32, device=device)
-            return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), lengths
-
-        token, token_len = padded(
+        device = jobs[0].request.prompt.speech_feat.device
+        token, token_len = _padded(
             [torch.tensor(job.request.tokens[: job.end], dtype=torch.int32, device=device) for job in jobs]
         )
-        prompt_token, prompt_token_len = padded([p.speech_tokens[0] for p in prompts])
-        prompt_feat, prompt_feat_len = padded([p.speech_feat[0] for p in prompts])
-        embedding = torch.cat([p.embedding for p in prompts])
-        return token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding
+        prompt_token, prompt_token_len = _padded([job.request.prompt.speech_tokens[0] for job in jobs])
+        return token, token_len, prompt_token, prompt_token_len, *self._prompt_args(jobs)
+
+    @staticmethod
+    def _prompt_args(jobs: list[ChunkJob]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The jobs' prompt mel (rows padded), its lengths and their speaker embeddings: the
+        decoder's conditions (``Flow.inputs_after``)."""
+        prompts = [job.request.prompt for job in jobs]
+        return *_padded([p.speech_feat[0] for p in prompts]), torch.cat([p.embedding for p in prompts])
 
     @torch.inference_mode()
     @timed_as("unpaged")
@@ -379,8 +384,8 @@ class Token2WavRunner:
         device = jobs[0].request.prompt.speech_feat.device
         slots = torch.tensor([self.prefixes.slot(job.request.prompt) for job in jobs], device=device)
         states = [job.request.stream for job in jobs]
-        args = self._batch_args(jobs)
-        encoded = self._encode_turns(jobs, embedding=args[-1])
+        prompt_feat, prompt_feat_len, embedding = self._prompt_args(jobs)
+        encoded = self._encode_turns(jobs, embedding)
         padded: list[int | None] = []
 
         def solve(rows: TurnRows, *inputs: torch.Tensor) -> torch.Tensor:
@@ -389,8 +394,9 @@ class Token2WavRunner:
             return mel
 
         result, turns = flow_paged(
-            self.flow, self.prefixes.bank, self.turn_pool, slots, [s.turn for s in states], args,
-            [job.finalize for job in jobs], keep=[not job.finalize for job in jobs], solve=solve, encoded=encoded,
+            self.flow, self.prefixes.bank, self.turn_pool, slots, [s.turn for s in states],
+            lambda start: self.flow.inputs_after(encoded, prompt_feat, prompt_feat_len, start),
+            keep=[not job.finalize for job in jobs], solve=solve,
         )
         for state, turn in zip(states, turns):
             state.turn = turn

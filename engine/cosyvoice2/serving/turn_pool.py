@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
-from tts_gateway.engine.cosyvoice2.model.flow import EncodedTokens, Flow, gather_frames
+from tts_gateway.engine.cosyvoice2.model.flow import DecoderInputs, Flow, gather_frames
 from tts_gateway.engine.cosyvoice2.serving.paged_varlen import ChunkSequences, attend_reference, chunk_sequences
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView
 
@@ -420,6 +420,9 @@ def solve_paged(
 
 # (rows, mu, mask, spks, cond) -> the mel of a paged call (solve_paged, or a CUDA graph's replay)
 SolvePaged = Callable[[TurnRows, Tensor, Tensor, Tensor, Tensor], Tensor]
+# start [B] -> the rows' decoder inputs for the frames from start[b] on (Flow.inputs_after of the
+# turns' kept encoder output, or Flow.decoder_inputs of their tokens encoded whole)
+InputsFrom = Callable[[Tensor], DecoderInputs]
 
 
 def turn_rows(
@@ -484,31 +487,22 @@ class PagedResult:
 @torch.inference_mode()
 def flow_paged(
     flow: Flow, bank: PrefixBank, pool: TurnStatePool, slots: Tensor, turns: list[TurnState | None],
-    args: tuple[Tensor, ...], finalize: bool | list[bool], keep: list[bool], solve: SolvePaged | None = None,
-    encoded: EncodedTokens | None = None,
+    inputs_from: InputsFrom, keep: list[bool], solve: SolvePaged | None = None,
 ) -> tuple[PagedResult, list[TurnState | None]]:
-    """A streaming flow call of these rows (``args`` as ``Flow.decoder_inputs``) that starts each
-    row after its voice prefix (bank slot ``slots[b]``) and its turn's stored frames
-    (``turns[b]``, None: none yet), and commits the whole chunks it completes for the rows
-    that ``keep`` state (not on the last chunk: nothing follows it). ``finalize``: one flag, or
-    one per row (a turn's last chunk beside other turns' later ones). Returns the mel of the
-    rows it served and the turns (a row not served fell back: run it on the recompute path).
+    """A streaming flow call of these rows that starts each row after its voice prefix (bank
+    slot ``slots[b]``) and its turn's stored frames (``turns[b]``, None: none yet), and commits
+    the whole chunks it completes for the rows that ``keep`` state (not on the last chunk:
+    nothing follows it). ``inputs_from``: the rows' decoder inputs from those start frames on
+    (a turn's last chunk, with finalize, may share the call with other turns' later ones).
+    Returns the mel of the rows it served and the turns (a row not served fell back: run it on
+    the recompute path).
 
     ``solve``: the decoder (default :func:`solve_paged`, eager; the runner passes a graph's replay).
-    ``encoded``: the token encoder's output for these rows, where the caller keeps each turn's
-    encoder state (it must hold the frames from each row's start on); None: the tokens of
-    ``args`` are encoded whole.
     """
     chunk = pool.chunk
     stored = torch.tensor([t.frames if t is not None else 0 for t in turns], device=slots.device)
     start = bank.start[slots] + stored
-    if isinstance(finalize, list):
-        finalize = torch.tensor(finalize, device=slots.device)
-    if encoded is None:
-        inputs = flow.decoder_inputs(*args, True, finalize, start=start)
-    else:
-        *_, prompt_feat, prompt_feat_len, _ = args
-        inputs = flow.inputs_after(encoded, prompt_feat, prompt_feat_len, start)
+    inputs = inputs_from(start)
     end = start + inputs.mask[:, 0].sum(dim=1).long()
     starts, ends = start.tolist(), end.tolist()
     commit = [(e // chunk * chunk - s) if k else 0 for s, e, k in zip(starts, ends, keep)]

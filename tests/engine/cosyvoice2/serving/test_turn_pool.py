@@ -35,6 +35,13 @@ def call_args(voices: list, counts: list[int]) -> tuple[Tensor, ...]:
     )
 
 
+def whole(ours, args: tuple[Tensor, ...], finalize: bool | list[bool]):
+    """A paged call's decoder inputs from its rows' tokens encoded whole (``call_args``), each
+    row finalized or not."""
+    flags = torch.tensor(finalize) if isinstance(finalize, list) else finalize
+    return lambda start: ours.decoder_inputs(*args, True, flags, start=start)
+
+
 def voices_bank(ours, voices: list, steps: int = N_TIMESTEPS) -> PrefixBank:
     """A bank of these voices' prefixes, slot b for voice b, kept with their layer inputs."""
     with torch.inference_mode():
@@ -87,7 +94,7 @@ def stream_turns(reference, ours, pool_pages: int, steps: int = N_TIMESTEPS) -> 
     for k, counts in enumerate(calls):
         finalize = k == len(calls) - 1
         args = call_args(voices, counts)
-        result, turns = flow_paged(ours, bank, pool, slots, turns, args, finalize, keep=[not finalize] * 2)
+        result, turns = flow_paged(ours, bank, pool, slots, turns, whole(ours, args, finalize), keep=[not finalize] * 2)
         recomputed = None
         if not all(result.served):
             with torch.inference_mode():
@@ -213,7 +220,8 @@ def test_a_failed_call_gives_back_the_turns_it_made(flow_pair) -> None:
         raise RuntimeError("the decoder failed")
 
     with pytest.raises(RuntimeError, match="the decoder failed"):
-        flow_paged(ours, bank, pool, torch.tensor([0, 0]), [None, older], args, False, [True, True], solve=failing)
+        flow_paged(ours, bank, pool, torch.tensor([0, 0]), [None, older], whole(ours, args, False), [True, True],
+                   solve=failing)
     assert pool.pages_in_use == len(older.pages) > 2  # the older turn grew; the new one is gone
     pool.release(older)
     assert pool.pages_in_use == 0
@@ -249,7 +257,8 @@ def test_a_last_chunk_shares_a_paged_call_with_another_turns_later_chunk(flow_pa
     errors = []
     for counts, finals in (([40, 48], [False, False]), ([60, 98], [True, False])):
         args = call_args(voices, counts)
-        result, turns = flow_paged(ours, bank, pool, slots, turns, args, finals, keep=[not f for f in finals])
+        inputs_from = whole(ours, args, finals)
+        result, turns = flow_paged(ours, bank, pool, slots, turns, inputs_from, keep=[not f for f in finals])
         assert all(result.served)
         errors += row_errors(reference, voices, counts, finals, result)
     assert max(errors) <= TOLERANCE, errors
