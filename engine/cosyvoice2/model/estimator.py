@@ -19,6 +19,11 @@ hands over its new frames' queries, keys and values (or, to a view that keeps la
 its carried query and its input) to be attended over all frames.
 Where that state is kept, and for how long, is the serving layer's business
 (engine/cosyvoice2/serving/prefix_bank.py, incremental.py); the module only computes.
+
+Layer norms: on CUDA tensors each causal block's norm, Mish and mask (and the add after the
+block), and each transformer block's residual add with the norm after it, run as one fused
+Triton kernel each (model/fused_norms.py, switched by its ``enabled``); elsewhere as the
+plain torch ops. Views see the same convolution and attention inputs either way.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tts_gateway.engine.cosyvoice2.model.fused_norms import add_norm, norm_mish_mask
 from tts_gateway.engine.cosyvoice2.modeldir.configs import EstimatorConfig
 
 
@@ -131,7 +137,8 @@ class CausalConv1d(nn.Conv1d):
 
 
 class CausalBlock(nn.Module):
-    """Causal conv -> LayerNorm over channels -> Mish, on masked input and output."""
+    """Causal conv -> LayerNorm over channels -> Mish, on masked input and output (plus an
+    optional addend, which the fused kernel folds in)."""
 
     def __init__(self, dim: int, dim_out: int) -> None:
         super().__init__()
@@ -139,11 +146,21 @@ class CausalBlock(nn.Module):
         # whose parameters are stored as block.0.* and block.2.*.
         self.block = nn.ModuleList([CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out)])
 
-    def forward(self, x: Tensor, mask: Tensor, view: CachedFrames | None) -> Tensor:
+    def forward(
+        self, x: Tensor, mask: Tensor, view: CachedFrames | None, addend: Tensor | None = None,
+        frames_major: bool = False,
+    ) -> Tensor:
+        """``mish(norm(conv(x * mask))) * mask (+ addend)``; ``addend`` broadcastable to the
+        output ``[B, C, T]``; ``frames_major`` as in :func:`fused_norms.norm_mish_mask`."""
+        return self.on_masked(x * mask, mask, view, addend, frames_major)
+
+    def on_masked(
+        self, x: Tensor, mask: Tensor, view: CachedFrames | None, addend: Tensor | None = None,
+        frames_major: bool = False,
+    ) -> Tensor:
+        """:meth:`forward` of an input already masked."""
         conv, _, norm = self.block
-        h = conv(x * mask, view)
-        h = norm(h.transpose(1, 2)).transpose(1, 2)
-        return F.mish(h) * mask
+        return norm_mish_mask(conv(x, view), norm, mask, addend, frames_major)
 
 
 class ResnetBlock(nn.Module):
@@ -157,10 +174,11 @@ class ResnetBlock(nn.Module):
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
     def forward(self, x: Tensor, mask: Tensor, time_emb: Tensor, view: CachedFrames | None) -> Tensor:
-        h = self.block1(x, mask, view)
-        h = h + self.mlp(time_emb)[:, :, None]
-        h = self.block2(h, mask, view)
-        return h + self.res_conv(x * mask)
+        """``[B, C, T]``, in ``[B, T, C]`` memory where the fused kernels run: the transformer
+        blocks after it work on frames as rows."""
+        masked = x * mask  # block1's input and the skip's, masked once
+        h = self.block1.on_masked(masked, mask, view, addend=self.mlp(time_emb)[:, :, None])
+        return self.block2(h, mask, view, addend=self.res_conv(masked), frames_major=True)
 
 
 class SelfAttention(nn.Module):
@@ -239,7 +257,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm self-attention and feed-forward, each with a residual (matcha's ``BasicTransformerBlock``)."""
+    """Pre-norm self-attention and feed-forward, each with a residual (matcha's ``BasicTransformerBlock``).
+
+    The feed-forward's residual is left to the caller (see :meth:`forward`): added by the next
+    block together with its first norm, in one fused kernel where those run."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, act_fn: str) -> None:
         super().__init__()
@@ -248,9 +269,18 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim, act_fn)
 
-    def forward(self, x: Tensor, mask: Tensor | None, view: CachedFrames | None) -> Tensor:
-        x = x + self.attn1(self.norm1(x), mask, view)
-        return x + self.ff(self.norm3(x))
+    def forward(
+        self, x: Tensor, pending: Tensor | None, mask: Tensor | None, view: CachedFrames | None
+    ) -> tuple[Tensor, Tensor]:
+        """The block on ``x + pending`` ``[B, T, C]`` (``pending``: the previous block's
+        feed-forward output, or None), as ``(stream, delta)``: the block's output is ``stream +
+        delta``, the add left to the next block or the stage's end."""
+        if pending is None:
+            normed = self.norm1(x)
+        else:
+            x, normed = add_norm(x, pending, self.norm1)
+        x, normed = add_norm(x, self.attn1(normed, mask, view), self.norm3)
+        return x, self.ff(normed)
 
 
 class TimestepMLP(nn.Module):
@@ -353,10 +383,12 @@ class Estimator(nn.Module):
             attn_mask = attention_bias(attn_mask, x.dtype)
 
         def transform(h: Tensor, blocks: nn.ModuleList) -> Tensor:
-            h = h.transpose(1, 2)
+            # Frames as contiguous rows, so each norm reads a frame's channels in one run (a
+            # no-op on a ResNet block's frames-major output).
+            h, pending = h.transpose(1, 2).contiguous(), None
             for block in blocks:
-                h = block(h, attn_mask, view)
-            return h.transpose(1, 2)
+                h, pending = block(h, pending, attn_mask, view)
+            return (h + pending).transpose(1, 2)
 
         resnet, blocks, conv = self.down_blocks[0]
         skip = transform(resnet(h, mask, time_emb, view), blocks)

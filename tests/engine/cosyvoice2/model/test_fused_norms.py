@@ -1,0 +1,136 @@
+"""The flow decoder's fused norm kernels (model/fused_norms.py).
+
+The Triton kernels are checked on CPU tensors by Triton's interpreter, in a subprocess
+(fused_norms_interpreted.py): ``TRITON_INTERPRET=1`` must be set before Triton is imported
+and turns every kernel of the process into Python, so it is kept out of this one. Each case
+there compares the fused path with the plain torch ops (the kernels switched off): the ops
+alone, the estimator's blocks, the whole estimator, and a voice prefix with a solve after it
+through a cached-frames view. Here, in the test process, the references are checked against
+the textbook formulas, and the dispatch: CPU tensors take the plain torch ops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tts_gateway.engine.cosyvoice2.model import fused_norms
+from tests.paths import ROOT
+
+# float32: each output is computed once either way, from the same inputs; only the order of
+# float32 operations differs.
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.engine.cosyvoice2.model.fused_norms_interpreted"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout)
+
+
+def test_the_interpreter_ran_every_case(interpreted) -> None:
+    ops = [name for name in interpreted if name.startswith(("norm_mish_mask/", "add_norm/"))]
+    assert len(ops) == 3 * (3 * 2 + 2) + 1  # three shapes x (addends x layouts, strided, add_norm), wide range
+    assert {"CausalBlock", "ResnetBlock", "TransformerBlock x2", "Estimator/streaming=False",
+            "Estimator/streaming=True", "voice prefix and solve after it"} <= set(interpreted)
+    for name, case in interpreted.items():
+        assert sum(case["launches"].values()) >= 1, name  # the fused path ran
+        assert case["scale"] > 1.0, name  # and had something to compute
+
+
+def test_fused_ops_match_their_references_in_float32(interpreted) -> None:
+    for name, case in interpreted.items():
+        if name.startswith("bfloat16/"):
+            continue
+        if name == "norm_mish_mask/wide_range":  # values to ~125: float32 rounding at that size
+            assert case["max_abs"] <= TOLERANCE * case["scale"], case
+        else:
+            assert case["max_abs"] <= TOLERANCE, (name, case)
+
+
+def test_fused_ops_round_once_in_bfloat16(interpreted) -> None:
+    """In bfloat16 the plain ops round after each op and the fused op once: at most a couple
+    of bfloat16 steps (2^-7 relative) apart."""
+    for name in ("bfloat16/norm_mish_mask", "bfloat16/add_norm"):
+        case = interpreted[name]
+        assert 0 < case["max_abs"] <= 2 * 2**-7 * case["scale"], (name, case)
+
+
+def test_the_fused_modules_launch_one_kernel_per_norm(interpreted) -> None:
+    """Every causal block's norm is one norm_mish_mask; a transformer stage's first norm is
+    the plain norm, every later one (and norm3) an add_norm."""
+    assert interpreted["CausalBlock"]["launches"] == {"norm_mish_mask": 1}
+    assert interpreted["ResnetBlock"]["launches"] == {"norm_mish_mask": 2}
+    assert interpreted["TransformerBlock x2"]["launches"] == {"add_norm": 3}
+    # The tiny estimator: 4 ResNet blocks' 2 causal blocks and the final one; 4 stages of 1 block.
+    assert interpreted["Estimator/streaming=True"]["launches"] == {"norm_mish_mask": 9, "add_norm": 4}
+
+
+def layer_norm(channels: int) -> nn.LayerNorm:
+    norm = nn.LayerNorm(channels, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    return norm
+
+
+def test_norm_mish_mask_reference_is_the_textbook_formula() -> None:
+    """LayerNorm over channels (biased variance, eps inside the root, affine), then
+    mish(y) = y tanh(softplus(y)), times the frame mask, plus the addend."""
+    torch.manual_seed(0)
+    h, mask, addend = 3 * torch.randn(2, 16, 9), (torch.rand(2, 1, 9) > 0.3).float(), torch.randn(2, 16, 1)
+    norm = layer_norm(16)
+    mean = h.mean(dim=1, keepdim=True)
+    var = ((h - mean) ** 2).mean(dim=1, keepdim=True)
+    y = (h - mean) / torch.sqrt(var + norm.eps) * norm.weight[:, None] + norm.bias[:, None]
+    expected = y * torch.tanh(nn.functional.softplus(y)) * mask + addend
+    with torch.no_grad():
+        got = fused_norms.norm_mish_mask_reference(h, norm, mask, addend)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_add_norm_reference_is_the_residual_and_its_norm() -> None:
+    torch.manual_seed(0)
+    x, delta, norm = torch.randn(2, 5, 16), torch.randn(2, 5, 16), layer_norm(16)
+    with torch.no_grad():
+        total, normed = fused_norms.add_norm_reference(x, delta, norm)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(normed, norm(x + delta))
+
+
+@pytest.mark.skipif(fused_norms.INTERPRETED, reason="Triton's interpreter takes CPU tensors")
+def test_cpu_tensors_take_the_plain_torch_ops(monkeypatch) -> None:
+    """On a CPU the fused kernels never run, switch on or off."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Triton kernel was launched for CPU tensors")
+
+    monkeypatch.setattr(fused_norms, "_norm_mish_mask_triton", refuse)
+    monkeypatch.setattr(fused_norms, "_add_norm_triton", refuse)
+    assert fused_norms.enabled  # shipped on: the engine's flow_fused_norms turns it off
+    norm = layer_norm(8)
+    with torch.no_grad():
+        fused_norms.norm_mish_mask(torch.randn(1, 8, 4), norm, torch.ones(1, 1, 4))
+        fused_norms.add_norm(torch.randn(1, 4, 8), torch.randn(1, 4, 8), norm)
+    assert not fused_norms.applies(torch.zeros(1))
+
+
+def test_the_switch_turns_the_fused_path_off(monkeypatch) -> None:
+    """With the switch off no tensor takes the fused path, whatever its device."""
+    monkeypatch.setattr(fused_norms, "enabled", False)
+    monkeypatch.setattr(fused_norms, "INTERPRETED", True)  # as if CPU tensors could run kernels
+    assert not fused_norms.applies(torch.zeros(1))
+    monkeypatch.setattr(fused_norms, "enabled", True)
+    assert fused_norms.applies(torch.zeros(1)) == fused_norms.available()
