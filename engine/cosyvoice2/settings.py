@@ -177,6 +177,11 @@ class CosyVoice2Settings:
     # vLLM's own model runs in its engine core process, so true turns it back on in the
     # gateway's: on the H200 later-chunk calls took 20-37% less time (docs/cosyvoice2.md).
     flow_cudnn_attention: bool = True
+    # GPU: the flow decoder's layer norms as fused Triton kernels (model/fused_norms.py): each
+    # causal block's norm, Mish, mask and following add in one kernel, and each transformer
+    # block's residual add with the norm after it in another, instead of 4-6 small kernels and
+    # copies each. false runs the plain torch ops (an A/B switch; CPUs always do).
+    flow_fused_norms: bool = True
     # The watchdog: a token2wav call running this long, or an utterance whose text has all
     # been sent waiting this long for its next speech token, means a stage has hung; the engine
     # then fails every utterance and reports itself failed (the gateway ends its sessions and

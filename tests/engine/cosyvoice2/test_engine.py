@@ -69,6 +69,23 @@ async def test_flow_cudnn_attention_is_turned_back_on(cv2_engine):
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
+async def test_flow_fused_norms_switches_the_decoders_fused_kernels(cv2_engine, monkeypatch):
+    """flow_fused_norms (on by default) is the flow decoder's switch between the fused Triton
+    norm kernels and the plain torch ops (which a CPU runs either way); false turns it off."""
+    import dataclasses
+
+    from tts_gateway.engine.cosyvoice2.model import fused_norms
+
+    assert cv2_engine.settings.flow_fused_norms and fused_norms.enabled
+    monkeypatch.setattr(fused_norms, "enabled", True)  # put back for the other tests
+    engine = CosyVoice2Engine(dataclasses.replace(cv2_engine.settings, flow_fused_norms=False))
+    await engine.start()
+    try:
+        assert not fused_norms.enabled
+    finally:
+        await engine.close()
+
+
 async def test_text_deltas_in_pcm_out(cv2_gateway):
     async with TTSClient.connect(ws_url(cv2_gateway), sample_rate=24000, encoding="pcm_f32le") as tts:
         assert tts.ready["voices"][0]["name"] == "narrator"
