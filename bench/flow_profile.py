@@ -6,19 +6,25 @@ a CUDA graph, in these variants:
 
 - ``bool``: the boolean mask handed to SDPA, which turns it into a bias in each of its 56
   attention calls (the decoder before ``flow.attention_bias``);
-- ``bias``: the decoder as it is: the mask turned into an additive bias once per estimator call;
+- ``bias``: the decoder as it is, with its fused norm kernels off (``flow_fused_norms = false``):
+  the mask turned into an additive bias once per estimator call, every norm plain torch ops;
+- ``fused``: the decoder as it ships: ``bias`` with the fused Triton norm kernels on
+  (``model/fused_norms.py``);
 - ``bias_efficient`` / ``bias_cudnn``: ``bias`` with SDPA held to one kernel;
 - ``flex``: FlexAttention over a chunk-causal block mask (skips masked blocks);
 - ``compile`` / ``flex_compile``: ``torch.compile`` of the estimator (inductor fuses the
   elementwise work), with SDPA and a bias / with FlexAttention;
 - ``compile_dynamic``: ``compile`` with dynamic shapes, one compile for every shape.
 
-For each variant not compiled it also records a profile of one eager solve, summed by
-kernel family (gemm, attention, conv, norm, elementwise, copy). The JSON says how far each
-variant's mel is from ``bool``'s. On a CPU (``--device cpu --size tiny``) it only times the
-eager solves: a smoke test of the script.
+Every variant but ``fused`` runs with the fused norms off. For each variant not compiled it
+also records a profile of one eager solve, summed by kernel family (gemm, attention, conv,
+norm, fused norms, elementwise, copy), and its kernel count. The JSON says how far each
+variant's mel is from ``bool``'s and from ``bias``'s (the float32 mel of a bfloat16 solve;
+its scale is ``mel_abs_max``). On a CPU (``--device cpu --size tiny``) it only times the
+eager solves: a smoke test of the script (``fused`` runs the plain ops there).
 
     python bench/flow_profile.py --shapes 1x320,8x1600,32x400 --json out.json
+    python bench/flow_profile.py --shapes 4x300,8x300,16x600 --variants bias,fused --json fused.json
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tts_gateway.engine.cosyvoice2.model import estimator as estimator_module  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model import fused_norms  # noqa: E402
 from tts_gateway.testkit.checkpoint import checkpoint_configs  # noqa: E402
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM  # noqa: E402
 
@@ -45,6 +52,7 @@ FAMILIES = (
     ("attention", ("fmha", "flash", "attention", "efficient", "cudnn_sdpa", "sdpa")),
     ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul")),
     ("conv", ("conv", "implicit", "winograd")),
+    ("fused norms", ("fused_norm_mish_mask", "fused_add_norm")),  # before "norm": their names hold it
     ("norm", ("layer_norm", "layernorm", "norm")),
     ("triton (fused)", ("triton",)),
     ("copy", ("copy", "cat", "index", "gather", "fill")),
@@ -71,15 +79,18 @@ def kernel_profile(solve, rows: int) -> dict:
         torch.cuda.synchronize()
     by_family: dict[str, float] = defaultdict(float)
     top: dict[str, float] = defaultdict(float)
+    kernels = 0
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+        kernels += 1
         by_family[family(event.name)] += us
         top[event.name[:90]] += us
     total = sum(by_family.values())
     return {
         "gpu_ms": round(total / 1000, 2),
+        "kernels": kernels,  # GPU events of one solve (kernels and memory copies/sets)
         "share": {k: round(v / total, 3) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": {k: round(v / 1000, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
     }
@@ -184,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    shipped_fused_norms = fused_norms.enabled
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16
@@ -197,9 +209,10 @@ def main(argv: list[str] | None = None) -> dict:
         x, mask, mu, spks, cond = decoder_inputs(cfm, rows, frames)  # one shorter row: padding as in a batch
         entry = {"rows": rows, "frames": frames, "row_frames": rows * frames, "variants": {}}
         report["shapes"].append(entry)
-        reference = None
+        reference = baseline = None
         for variant in args.variants.split(","):
             use_bool_mask(variant == "bool")
+            fused_norms.enabled = variant == "fused"
             use_flex(flex_block_mask(mask, 50) if variant.startswith("flex") else None)
             cfm.estimator = plain_estimator
             started = time.perf_counter()
@@ -236,10 +249,15 @@ def main(argv: list[str] | None = None) -> dict:
                 mel = out.clone()
                 result = {"graph_ms": ms, "eager_ms": eager_ms, "ready_s": round(ready_s, 1),
                           "us_per_row_frame": round(ms * 1000 / (rows * frames), 3)}
+                result["mel_abs_max"] = float(mel.abs().max())
                 if variant == "bool":
                     reference = mel
                 elif reference is not None:
                     result["max_abs_vs_bool"] = float((mel - reference).abs().max())
+                if variant == "bias":
+                    baseline = mel
+                elif baseline is not None:
+                    result["max_abs_vs_bias"] = float((mel - baseline).abs().max())
                 if "compile" not in variant and cuda:
                     result["profile"] = kernel_profile(solve, rows)
                 entry["variants"][variant] = result
@@ -249,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
                 args.json.write_text(json.dumps(report, indent=2))
     use_bool_mask(False)
     use_flex(None)
+    fused_norms.enabled = shipped_fused_norms
     return report
 
 

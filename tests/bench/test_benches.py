@@ -37,13 +37,14 @@ def test_bench_flow_graphs_smoke_cpu(tmp_path, capsys) -> None:
 
 def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
     """bench/flow_profile.py runs on CPU; the decoder's bias gives the boolean mask's mel exactly,
-    and the script puts the decoder back as it was."""
-    from tts_gateway.engine.cosyvoice2.model import estimator
+    the fused norms run the plain torch ops on a CPU (the same mel again), and the script puts the
+    decoder back as it was."""
+    from tts_gateway.engine.cosyvoice2.model import estimator, fused_norms
 
     shipped = estimator.attention_bias
     out = tmp_path / "profile.json"
     report = bench_flow_profile.main(
-        ["--size", "tiny", "--device", "cpu", "--shapes", "2x60", "--variants", "bool,bias", "--repeats", "1",
+        ["--size", "tiny", "--device", "cpu", "--shapes", "2x60", "--variants", "bool,bias,fused", "--repeats", "1",
          "--json", str(out)]
     )
     assert json.loads(out.read_text()) == report
@@ -51,7 +52,9 @@ def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
     assert (shape["rows"], shape["frames"]) == (2, 60)
     assert shape["variants"]["bool"]["graph_ms"] > 0
     assert shape["variants"]["bias"]["max_abs_vs_bool"] == 0.0
+    assert shape["variants"]["fused"]["max_abs_vs_bias"] == 0.0 < shape["variants"]["fused"]["mel_abs_max"]
     assert estimator.attention_bias is shipped
+    assert fused_norms.enabled
 
 
 def test_bench_gpu_sharing_smoke_cpu(tmp_path) -> None:
