@@ -29,6 +29,14 @@ the same inputs and RNG state (``max_error``); the engine logs the largest.
 
 All graphs share one private memory pool; each graph owns its static input and output
 tensors. Replays happen on the token2wav worker thread only.
+
+Memory: a graph's pool holds every intermediate of its call, which grows with rows x frames
+(the upsampled signal is 120 samples of 64 channels a frame, in the vocoder's float32). With
+graphs of every shape at every bucket up to 64 rows the pool took 27.3 GiB on an H100, most
+of the gateway's memory after the turn pool. So a shape's graphs go up to the largest bucket
+within ``GRAPH_ROW_FRAMES`` (``rows_per_replay``), and a call of more rows replays its graph
+several times, a part of the rows each: HiFT's rows are independent, and a part that size
+still fills the GPU.
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ from tts_gateway.engine.cosyvoice2.serving.buckets import batch_buckets, holding
 from tts_gateway.engine.cosyvoice2.model.hift import HiFT
 
 log = logging.getLogger(__name__)
+
+# The most mel frames (rows x frames) one vocoder graph covers: what bounds its memory.
+GRAPH_ROW_FRAMES = 4096
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,12 @@ def graph_key(
     if bucket is None or (frames, cached) not in shapes:
         return None
     return HiftKey(bucket, frames, cached)
+
+
+def rows_per_replay(batches: tuple[int, ...], frames: int) -> int:
+    """The rows a graph of chunks of ``frames`` mel frames takes at most: the largest batch
+    bucket within GRAPH_ROW_FRAMES (the smallest bucket if none is)."""
+    return max([b for b in batches if b * frames <= GRAPH_ROW_FRAMES], default=batches[0])
 
 
 class _CapturedVocoder:
@@ -106,7 +123,7 @@ class HiftGraphs:
     def capture_allowed(self) -> None:
         """Graphs of every allowed shape at every batch bucket (ahead of serving)."""
         for frames, cached in sorted(self.shapes):
-            for batch in self.batches:
+            for batch in self.batches[: self.batches.index(rows_per_replay(self.batches, frames)) + 1]:
                 key = HiftKey(batch, frames, cached)
                 if key not in self.graphs:
                     self._capture(key)
@@ -145,8 +162,15 @@ class HiftGraphs:
 
     @torch.inference_mode()
     def run(self, mel: Tensor, cache_source: Tensor) -> tuple[Tensor, Tensor] | None:
-        """``hift(mel, cache_source)`` by graph replay (fresh tensors), or None: run it eagerly."""
+        """``hift(mel, cache_source)`` by graph replay (fresh tensors), or None: run it eagerly.
+        Rows beyond the shape's ``rows_per_replay`` go in further replays."""
         rows, _, frames = mel.shape
+        part = rows_per_replay(self.batches, frames)
+        if rows > part:
+            parts = [self.run(mel[i : i + part], cache_source[i : i + part]) for i in range(0, rows, part)]
+            if None in parts:
+                return None
+            return torch.cat([wav for wav, _ in parts]), torch.cat([source for _, source in parts])
         key = graph_key(self.batches, self.shapes, rows, frames, cache_source.shape[2])
         if key is None or mel.dtype != self.dtype:
             return None

@@ -601,6 +601,18 @@ def test_hift_graph_keys():
     assert graph_key(buckets, shapes, 1, 58, 0) is None
 
 
+def test_vocoder_graphs_cover_rows_within_a_frame_budget():
+    """A vocoder graph's memory grows with rows x frames: a shape's graphs go up to the largest
+    bucket within GRAPH_ROW_FRAMES, and a call of more rows replays in parts of that many."""
+    from tts_gateway.engine.cosyvoice2.serving.hift_graphs import GRAPH_ROW_FRAMES, batch_buckets, rows_per_replay
+
+    buckets = batch_buckets(64)
+    assert GRAPH_ROW_FRAMES == 4096
+    assert rows_per_replay(buckets, 58) == 64  # steady chunks of the official hop: every bucket
+    assert rows_per_replay(buckets, 108) == 32 and rows_per_replay(buckets, 408) == 8
+    assert rows_per_replay(buckets, 5000) == 1  # longer than the budget: one row a replay
+
+
 def test_vocoder_rows_are_independent_under_padding(models):
     """Graph batches are padded with copies of row 0: a real row's audio must not depend on
     the rows beside it (same per-row random draws)."""
