@@ -159,7 +159,7 @@ first_chunk_lane = {str(not args.no_first_chunk_lane).lower()}
 first_chunk_by_load = {str(args.first_chunk_by_load).lower()}
 second_chunk_on_lane = {str(args.second_chunk_on_lane).lower()}
 flow_cudnn_attention = {str(not args.no_flow_cudnn_attention).lower()}
-flow_fused_norms = {str(not args.no_flow_fused_norms).lower()}
+flow_fused_norms = {str(args.flow_fused_norms).lower()}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
@@ -643,8 +643,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-flow-cudnn-attention", action="store_true",
                         help="the flow's attention left on the kernel vLLM's import leaves it (the memory-efficient "
                         "one; flow_cudnn_attention = false)")
-    parser.add_argument("--no-flow-fused-norms", action="store_true",
-                        help="the flow's layer norms as separate torch kernels (flow_fused_norms = false)")
+    parser.add_argument("--flow-fused-norms", action="store_true",
+                        help="the flow's layer norms as fused Triton kernels (flow_fused_norms = true)")
     parser.add_argument("--first-audio-without-word-timings", action="store_true",
                         help="each first-audio level again with sessions that ask for no word timings (their cost)")
     parser.add_argument("--kernel-profile-s", type=float, default=0.0,
