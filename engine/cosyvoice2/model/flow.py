@@ -199,13 +199,17 @@ class Flow(nn.Module):
         return self.inputs_after(encoded, prompt_feat, prompt_feat_len, start)
 
     def inputs_after(
-        self, encoded: EncodedTokens, prompt_feat: Tensor, prompt_feat_len: Tensor, start: Tensor
+        self, encoded: EncodedTokens, prompt_feat: Tensor, prompt_feat_len: Tensor, start: Tensor,
+        width: int | None = None,
     ) -> DecoderInputs:
         """A streaming call's decoder inputs for the frames from ``start[b]`` on, from the token
-        encoder's output ``encoded``, which holds them (``encoded.first`` <= ``start``)."""
+        encoder's output ``encoded``, which holds them (``encoded.first`` <= ``start``).
+        ``width``: the most frames of a row, ``max(end - start)``, where the caller counted it
+        (else it is read from the device, which waits for the encoder's work)."""
         mu, end = encoded.mu, encoded.end
         prompt_feat_len = prompt_feat_len.to(mu.device)
-        width = int((end - start).max())
+        if width is None:
+            width = int((end - start).max())
         mask = (torch.arange(width, device=mu.device) < (end - start)[:, None])[:, None].to(mu.dtype)
         cond = self.prompt_condition(prompt_feat, prompt_feat_len, start, width)
         mu = gather_frames(mu, start - encoded.first, width) * mask

@@ -317,7 +317,7 @@ class FlowGraphs:
         mask = torch.ones(batch, 1, frames, device=self.device, dtype=self.dtype)
         if key.paged:  # new turns in the pool, committing nothing, given back after, not counted
             slots = [b % self.bank.slots for b in range(batch)]
-            ends = [int(self.bank.start[slot]) + frames for slot in slots]
+            ends = [self.bank.start_frames[slot] + frames for slot in slots]
             with self.pool.uncounted():
                 rows, turns, served = turn_rows(self.bank, self.pool, slots, [None] * batch, ends, [0] * batch)
                 try:

@@ -34,6 +34,7 @@ from tts_gateway.engine.cosyvoice2.model.flow_encoder import (
     project_frames,
     token_encoder_part,
 )
+from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
 
 
 @dataclass
@@ -68,6 +69,7 @@ class IncrementalOutput:
     mel_start: Tensor  # [B]
     mel_len: Tensor  # [B]
     mel_final: Tensor  # [B]
+    mel_end: list[int]  # mel_start + mel_len, counted on the host
 
 
 class IncrementalEncoder:
@@ -109,15 +111,17 @@ class IncrementalEncoder:
         rows = [torch.cat([s.pending.to(device), t.to(device).long()]) for s, t in zip(states, tokens)]
         # Lengths are known here: counted on the host, so that nothing waits for the device.
         counts = [max(0, len(r) - (0 if f else lookahead)) for r, f in zip(rows, finals)]
-        lengths = torch.tensor([len(r) for r in rows], device=device)
-        encoded = torch.tensor(counts, device=device)
-        mel_start = torch.tensor([s.committed * stride for s in states], device=device)
+        lengths = to_device([len(r) for r in rows], torch.long, device)
+        encoded = to_device(counts, torch.long, device)
+        starts = [s.committed * stride for s in states]
+        mel_start = to_device(starts, torch.long, device)
+        mel_end = [start + count * stride for start, count in zip(starts, counts)]
         width = max(counts)
         if width == 0:  # nothing but look-ahead yet
             for state, ids in zip(states, rows):
                 state.pending = ids
             empty = torch.zeros(len(states), self.encoder_proj.out_features, 0, device=device, dtype=dtype)
-            return IncrementalOutput(empty, mel_start, encoded * stride, mel_start)
+            return IncrementalOutput(empty, mel_start, encoded * stride, mel_start, mel_end)
 
         ids = nn.utils.rnn.pad_sequence(rows, batch_first=True)
         parts = {"input_embedding": self.input_embedding, "encoder": self.encoder}
@@ -128,9 +132,9 @@ class IncrementalEncoder:
         mu = project_frames({"encoder_proj": self.encoder_proj}, out.ys, mel_len)
         for row, (state, final) in enumerate(zip(states, finals)):
             self._commit(state, row, out, rows[row], counts[row], final)
-        committed = torch.tensor([s.committed * stride for s in states], device=device)
-        mel_final = torch.where(torch.tensor(finals, device=device), mel_start + mel_len, committed)
-        return IncrementalOutput(mu, mel_start, mel_len, mel_final)
+        committed = to_device([s.committed * stride for s in states], torch.long, device)
+        mel_final = torch.where(to_device(finals, torch.bool, device), mel_start + mel_len, committed)
+        return IncrementalOutput(mu, mel_start, mel_len, mel_final, mel_end)
 
     def step_joined(
         self, states: Sequence[EncoderStreamState], joined: Sequence[Tensor], finalize: bool | Sequence[bool] = False
@@ -191,7 +195,7 @@ class SessionCaches:
     def rows(self, start: int, stop: int) -> EncoderCache:
         states = self.states[start:stop]
         cache = self.encoder.empty_cache(len(states), self.device, self.dtype)
-        cache.offset = torch.tensor([s.committed for s in states], dtype=torch.long, device=self.device)
+        cache.offset = to_device([s.committed for s in states], torch.long, self.device)
         for row, state in enumerate(states):
             if state.committed:
                 cache.lookahead_activations[row] = state.lookahead_activations

@@ -92,6 +92,7 @@ class PrefixBank:
             like.new_zeros(steps, slots, 2, conv.in_channels, conv.context) for conv in cfm.estimator.causal_convs
         ]
         self.start = torch.zeros(slots, dtype=torch.long, device=like.device)
+        self.start_frames = [0] * slots  # ``start`` on the host: reading it needs no wait for the GPU
         self.generation = [0] * slots  # how often each slot was written (copies of it go stale)
 
     def put(self, slot: int, prefix: VoicePrefix) -> None:
@@ -113,6 +114,7 @@ class PrefixBank:
             step, conv = divmod(index, self.n_conv)
             self.conv_context[conv][step, slot] = part
         self.start[slot] = prefix.frames
+        self.start_frames[slot] = prefix.frames
         self.generation[slot] += 1
 
     @property

@@ -51,6 +51,7 @@ from tts_gateway.engine.cosyvoice2.serving.phase_clock import PhaseClock
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
     PagedAttention, TurnRows, TurnStatePool, flow_paged, solve_paged,
 )
+from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
 
 
 def timed_as(phase: str) -> Callable:
@@ -92,7 +93,7 @@ def paged_kernel(flow: Flow) -> PagedAttention:
 
 def _padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows padded into a batch, and their lengths."""
-    lengths = torch.tensor([len(row) for row in rows], dtype=torch.int32, device=rows[0].device)
+    lengths = to_device([len(row) for row in rows], torch.int32, rows[0].device)
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), lengths
 
 
@@ -284,7 +285,7 @@ class Token2WavRunner:
         """``Flow.decoder_inputs``' arguments up to ``embedding`` for these jobs, rows padded."""
         device = jobs[0].request.prompt.speech_feat.device
         token, token_len = _padded(
-            [torch.tensor(job.request.tokens[: job.end], dtype=torch.int32, device=device) for job in jobs]
+            [to_device(job.request.tokens[: job.end], torch.int32, device) for job in jobs]
         )
         prompt_token, prompt_token_len = _padded([job.request.prompt.speech_tokens[0] for job in jobs])
         return token, token_len, prompt_token, prompt_token_len, *self._prompt_args(jobs)
@@ -315,7 +316,7 @@ class Token2WavRunner:
             prefixes.make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), prompts[0].speech_feat)
             taken = [prefixes.slot(p) for p in prompts]
             if None not in taken:
-                slots = torch.tensor(taken, device=device)
+                slots = to_device(taken, torch.long, device)
         widths = [self.planner.decoder_width(self.schedule.job_frames(job), finalize) for job in jobs]
         if slots is not None:
             widths = [w - self.flow.voice_prefix_frames(p.tokens) for w, p in zip(widths, prompts)]
@@ -381,12 +382,18 @@ class Token2WavRunner:
     def _paged_call(self, jobs: list[ChunkJob]) -> dict[int, torch.Tensor]:
         """One paged call of these jobs: the mel of each job it served, by index (those it did
         not serve fell back)."""
-        device = jobs[0].request.prompt.speech_feat.device
-        slots = torch.tensor([self.prefixes.slot(job.request.prompt) for job in jobs], device=device)
+        slots = [self.prefixes.slot(job.request.prompt) for job in jobs]
         states = [job.request.stream for job in jobs]
         prompt_feat, prompt_feat_len, embedding = self._prompt_args(jobs)
-        encoded = self._encode_turns(jobs, embedding)
+        encoded, ends = self._encode_turns(jobs, embedding)
         padded: list[int | None] = []
+
+        def inputs_from(starts: list[int]) -> tuple[DecoderInputs, list[int]]:
+            # A row whose encoded frames end before its start has no new frame (as inputs_after gives it).
+            row_ends = [max(first, end) for first, end in zip(starts, ends)]
+            width = max(end - first for first, end in zip(starts, row_ends))
+            start = to_device(starts, torch.long, prompt_feat.device)
+            return self.flow.inputs_after(encoded, prompt_feat, prompt_feat_len, start, width), row_ends
 
         def solve(rows: TurnRows, *inputs: torch.Tensor) -> torch.Tensor:
             mel, replayed = self._solve_paged(rows, *inputs)
@@ -394,8 +401,7 @@ class Token2WavRunner:
             return mel
 
         result, turns = flow_paged(
-            self.flow, self.prefixes.bank, self.turn_pool, slots, [s.turn for s in states],
-            lambda start: self.flow.inputs_after(encoded, prompt_feat, prompt_feat_len, start),
+            self.flow, self.prefixes.bank, self.turn_pool, slots, [s.turn for s in states], inputs_from,
             keep=[not job.finalize for job in jobs], solve=solve,
         )
         for state, turn in zip(states, turns):
@@ -421,13 +427,14 @@ class Token2WavRunner:
         return mels
 
     @timed_as("encoder")
-    def _encode_turns(self, jobs: list[ChunkJob], embedding: torch.Tensor) -> EncodedTokens:
+    def _encode_turns(self, jobs: list[ChunkJob], embedding: torch.Tensor) -> tuple[EncodedTokens, list[int]]:
         """A paged call's token encoding, each turn's tokens encoded once: its stream keeps the
         encoder's state of its complete chunks from call to call (incremental_encoder.py), so a
         call encodes only the tokens after them (a turn's first paged call: its prompt's and all
         so far), attending over the kept ones: a call's encoder work grows linearly with its
         turn, not quadratically. The decoder commits the same whole chunks, so the encoder
-        holds the frames the decoder starts at. ``embedding``: the rows' speaker embeddings."""
+        holds the frames the decoder starts at. ``embedding``: the rows' speaker embeddings.
+        Also each row's end frame, counted on the host."""
         states, joined = [], []
         for job in jobs:
             stream, prompt = job.request.stream, job.request.prompt
@@ -438,10 +445,11 @@ class Token2WavRunner:
                 raise RuntimeError(f"the token encoder has moved past frame {start}, where the decoder starts")
             states.append(stream.encoder)
             device = prompt.speech_tokens.device
-            turn_tokens = torch.tensor(job.request.tokens[: job.end], dtype=torch.long, device=device)
+            turn_tokens = to_device(job.request.tokens[: job.end], torch.long, device)
             joined.append(torch.cat([prompt.speech_tokens[0].long(), turn_tokens]))
         out = self.token_encoder.step_joined(states, joined, [job.finalize for job in jobs])
-        return EncodedTokens(out.mu, out.mel_start, out.mel_start + out.mel_len, project_speaker(self.flow, embedding))
+        speaker = project_speaker(self.flow, embedding)
+        return EncodedTokens(out.mu, out.mel_start, out.mel_start + out.mel_len, speaker), out.mel_end
 
     def _solve_paged(
         self, rows: TurnRows, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
@@ -495,14 +503,14 @@ class Token2WavRunner:
         request, prompt = job.request, job.request.prompt
         state = request.stream
         device = prompt.speech_feat.device
-        token = torch.tensor([request.tokens[: job.end]], dtype=torch.int32, device=device)
+        token = to_device([request.tokens[: job.end]], torch.int32, device)
         args = (
             token,
-            torch.tensor([token.shape[1]], dtype=torch.int32, device=device),
+            to_device([token.shape[1]], torch.int32, device),
             prompt.speech_tokens,
-            torch.tensor([prompt.tokens], dtype=torch.int32, device=device),
+            to_device([prompt.tokens], torch.int32, device),
             prompt.speech_feat,
-            torch.tensor([prompt.speech_feat.shape[1]], dtype=torch.int32, device=device),
+            to_device([prompt.speech_feat.shape[1]], torch.int32, device),
             prompt.embedding,
         )
         graphs = self._flow_graphs(lane)

@@ -56,6 +56,7 @@ from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
 from tts_gateway.engine.cosyvoice2.model.flow import DecoderInputs, Flow, gather_frames
 from tts_gateway.engine.cosyvoice2.serving.paged_varlen import ChunkSequences, attend_reference, chunk_sequences
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView
+from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
 
 # The paged kernel's page size (a multiple of 16 frames): small pages waste little at a
 # prefix's or a turn's end.
@@ -283,7 +284,7 @@ class TurnStatePool:
         held = self._prefixes.get(slot)
         if held is not None and held[0] is bank and held[1] == bank.generation[slot]:
             return held[2]
-        frames = int(bank.start[slot])
+        frames = bank.start_frames[slot]
         with self._lock:
             # Copies of prefixes the bank no longer holds (this slot's old one, another bank's).
             for stale in [s for s, (b, g, _) in self._prefixes.items() if b is not bank or g != bank.generation[s]]:
@@ -292,7 +293,7 @@ class TurnStatePool:
             if pages is None:
                 return None
             self._prefixes[slot] = (bank, bank.generation[slot], pages)
-        index = torch.tensor(pages, dtype=torch.long, device=bank.start.device)
+        index = to_device(pages, torch.long, bank.start.device)
         for ours, stored in zip(self.inputs, bank.inputs, strict=True):
             # [steps, 2, frames, dim] -> pages of [16, 1, dim] per step and row
             prefix = torch.nn.functional.pad(stored[:, slot, :, :frames], (0, 0, 0, len(pages) * PAGE_FRAMES - frames))
@@ -420,9 +421,10 @@ def solve_paged(
 
 # (rows, mu, mask, spks, cond) -> the mel of a paged call (solve_paged, or a CUDA graph's replay)
 SolvePaged = Callable[[TurnRows, Tensor, Tensor, Tensor, Tensor], Tensor]
-# start [B] -> the rows' decoder inputs for the frames from start[b] on (Flow.inputs_after of the
-# turns' kept encoder output, or Flow.decoder_inputs of their tokens encoded whole)
-InputsFrom = Callable[[Tensor], DecoderInputs]
+# The rows' start frames (on the host) -> their decoder inputs for the frames from start[b] on
+# (Flow.inputs_after of the turns' kept encoder output, or Flow.decoder_inputs of their tokens
+# encoded whole), and the frame each row ends at, on the host
+InputsFrom = Callable[[list[int]], tuple[DecoderInputs, list[int]]]
 
 
 def turn_rows(
@@ -436,7 +438,7 @@ def turn_rows(
     turns = list(turns)
     served = [False] * len(slots)
     table = np.full((len(slots), TABLE_PAGES), pool.scratch, dtype=np.int64)
-    prefix_frames = bank.start.tolist()  # one read of the device, not one per row
+    prefix_frames = bank.start_frames
     for b, (slot, turn) in enumerate(zip(slots, turns)):
         if turn is not None and turn.fell_back:
             continue
@@ -463,10 +465,10 @@ def turn_rows(
     device = bank.start.device
 
     def column(values: list[int]) -> Tensor:
-        return torch.tensor([values[b] for b in rows], dtype=torch.long).to(device)
+        return to_device([values[b] for b in rows], torch.long, device)
 
     return TurnRows(
-        column(slots), torch.from_numpy(table[rows]).to(device), column([t and t.frames for t in turns]),
+        column(slots), to_device(table[rows], None, device), column([t and t.frames for t in turns]),
         column([t and t.slot for t in turns]), column(commit),
     ), turns, served
 
@@ -475,8 +477,7 @@ def turn_rows(
 class PagedResult:
     """A paged call's decoder mel ``[B', 80, width]`` for the rows it served (``served``, B'
     of them): row b's column i is frame start[b] + i, up to end[b] (frames counted from the
-    start of the prompt); ``start`` and ``end`` cover every row, read from the device before
-    the decoder ran (so reading them waits for nothing)."""
+    start of the prompt); ``start`` and ``end`` cover every row, counted on the host."""
 
     mel: Tensor | None
     start: list[int]
@@ -486,7 +487,7 @@ class PagedResult:
 
 @torch.inference_mode()
 def flow_paged(
-    flow: Flow, bank: PrefixBank, pool: TurnStatePool, slots: Tensor, turns: list[TurnState | None],
+    flow: Flow, bank: PrefixBank, pool: TurnStatePool, slots: list[int], turns: list[TurnState | None],
     inputs_from: InputsFrom, keep: list[bool], solve: SolvePaged | None = None,
 ) -> tuple[PagedResult, list[TurnState | None]]:
     """A streaming flow call of these rows that starts each row after its voice prefix (bank
@@ -498,20 +499,19 @@ def flow_paged(
     the recompute path).
 
     ``solve``: the decoder (default :func:`solve_paged`, eager; the runner passes a graph's replay).
+    Positions are counted on the host: the call waits for the GPU nowhere (``inputs_from`` as
+    the runner gives it neither).
     """
     chunk = pool.chunk
-    stored = torch.tensor([t.frames if t is not None else 0 for t in turns], device=slots.device)
-    start = bank.start[slots] + stored
-    inputs = inputs_from(start)
-    end = start + inputs.mask[:, 0].sum(dim=1).long()
-    starts, ends = start.tolist(), end.tolist()
+    starts = [bank.start_frames[slot] + (t.frames if t is not None else 0) for slot, t in zip(slots, turns)]
+    inputs, ends = inputs_from(starts)
     commit = [(e // chunk * chunk - s) if k else 0 for s, e, k in zip(starts, ends, keep)]
     given = list(turns)
-    rows, turns, served = turn_rows(bank, pool, slots.tolist(), turns, ends, commit)
+    rows, turns, served = turn_rows(bank, pool, slots, turns, ends, commit)
     if rows is None:
         return PagedResult(None, starts, ends, served), turns
     rows_served = [b for b, s in enumerate(served) if s]
-    index = torch.tensor(rows_served, device=slots.device)
+    index = to_device(rows_served, torch.long, bank.start.device)
     width = max(ends[b] - starts[b] for b in rows_served)  # rows not served may be wider
     if solve is None:
         def solve(rows, mu, mask, spks, cond):

@@ -37,9 +37,14 @@ def call_args(voices: list, counts: list[int]) -> tuple[Tensor, ...]:
 
 def whole(ours, args: tuple[Tensor, ...], finalize: bool | list[bool]):
     """A paged call's decoder inputs from its rows' tokens encoded whole (``call_args``), each
-    row finalized or not."""
+    row finalized or not, and the rows' end frames (read back here; the runner counts them)."""
     flags = torch.tensor(finalize) if isinstance(finalize, list) else finalize
-    return lambda start: ours.decoder_inputs(*args, True, flags, start=start)
+
+    def inputs_from(starts: list[int]):
+        inputs = ours.decoder_inputs(*args, True, flags, start=torch.tensor(starts))
+        return inputs, [s + n for s, n in zip(starts, inputs.mask[:, 0].sum(dim=1).long().tolist())]
+
+    return inputs_from
 
 
 def voices_bank(ours, voices: list, steps: int = N_TIMESTEPS) -> PrefixBank:
@@ -86,7 +91,7 @@ def stream_turns(reference, ours, pool_pages: int, steps: int = N_TIMESTEPS) -> 
     voices = [utterance(60, 140, seed=80), utterance(30, 120, seed=81)]
     bank = voices_bank(ours, voices, steps)
     pool = TurnStatePool(ours.decoder, pool_pages, bank.keys[0], steps)
-    slots = torch.tensor([0, 1])
+    slots = [0, 1]
     # Token counts per call: on and off chunk boundaries, rows at different points of their turn.
     calls = [(18, 23), (43, 48), (44, 73), (93, 98), (140, 120)]
     turns = [None, None]
@@ -98,7 +103,7 @@ def stream_turns(reference, ours, pool_pages: int, steps: int = N_TIMESTEPS) -> 
         recomputed = None
         if not all(result.served):
             with torch.inference_mode():
-                recomputed, _ = flow_after_prefix(ours, bank, slots, *args, finalize=finalize)
+                recomputed, _ = flow_after_prefix(ours, bank, torch.tensor(slots), *args, finalize=finalize)
         errors += row_errors(reference, voices, counts, [finalize] * 2, result, steps, recomputed)
     for turn in turns:
         if turn is not None:
@@ -220,7 +225,7 @@ def test_a_failed_call_gives_back_the_turns_it_made(flow_pair) -> None:
         raise RuntimeError("the decoder failed")
 
     with pytest.raises(RuntimeError, match="the decoder failed"):
-        flow_paged(ours, bank, pool, torch.tensor([0, 0]), [None, older], whole(ours, args, False), [True, True],
+        flow_paged(ours, bank, pool, [0, 0], [None, older], whole(ours, args, False), [True, True],
                    solve=failing)
     assert pool.pages_in_use == len(older.pages) > 2  # the older turn grew; the new one is gone
     pool.release(older)
@@ -252,7 +257,7 @@ def test_a_last_chunk_shares_a_paged_call_with_another_turns_later_chunk(flow_pa
     voices = [utterance(60, 60, seed=85), utterance(30, 120, seed=86)]
     bank = voices_bank(ours, voices)
     pool = TurnStatePool(ours.decoder, 64, bank.keys[0])
-    slots = torch.tensor([0, 1])
+    slots = [0, 1]
     turns = [None, None]
     errors = []
     for counts, finals in (([40, 48], [False, False]), ([60, 98], [True, False])):
