@@ -160,6 +160,7 @@ first_chunk_by_load = {str(args.first_chunk_by_load).lower()}
 second_chunk_on_lane = {str(args.second_chunk_on_lane).lower()}
 flow_cudnn_attention = {str(not args.no_flow_cudnn_attention).lower()}
 flow_fused_norms = {str(args.flow_fused_norms).lower()}
+launch_ahead = {str(args.launch_ahead).lower()}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
@@ -643,6 +644,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-flow-cudnn-attention", action="store_true",
                         help="the flow's attention left on the kernel vLLM's import leaves it (the memory-efficient "
                         "one; flow_cudnn_attention = false)")
+    parser.add_argument("--launch-ahead", action="store_true",
+                        help="the token2wav thread launches its next call before it waits for the last (launch_ahead)")
     parser.add_argument("--flow-fused-norms", action="store_true",
                         help="the flow's layer norms as fused Triton kernels (flow_fused_norms = true)")
     parser.add_argument("--first-audio-without-word-timings", action="store_true",

@@ -18,6 +18,7 @@ PHASES = {
     "unpaged": "flow calls outside the pool (recompute, incremental, last chunks of full attention)",
     "vocoder": "the vocoder",
     "output": "cross-fades and the audio's copy to the host",
+    "wait": "the wait for the call's audio on the host (the thread's time only)",
 }
 # The token2wav threads whose calls are timed phase by phase, by their totals' infix.
 PHASE_THREADS = {"": "engine thread", "lane_": "first-chunk lane"}

@@ -112,6 +112,11 @@ class CosyVoice2Settings:
     # (scheduler.LOAD_RISE_FACTOR); else start with the official first chunk. Trades first
     # audio for no stall under load (H200: docs/benchmarks.md). Off: always the short one.
     first_chunk_by_load: bool = False
+    # The token2wav engine thread launches its next call before it waits for the one in flight,
+    # so that the GPU has the next call's work queued while the host finishes the last one.
+    # Off until a GPU run has measured it on the paged path that waits for the GPU nowhere
+    # (H100: before that it lost; docs/benchmarks.md).
+    launch_ahead: bool = False
     stream_scale_factor: int = 1
     # A reply that reaches this many speech tokens per text token without eos is ended
     # there (the official maximum ratio, 20). Benchmarks on random weights, which never

@@ -83,6 +83,19 @@ class Lane:
     hift_graphs: HiftGraphs | None = None
 
 
+@dataclass(frozen=True)
+class LaunchedCall:
+    """A call whose work is enqueued (``Token2WavRunner.launch``): its chunks' audio, one after
+    another in ``host`` (pinned host memory on a GPU, filled once ``done`` has passed), their
+    ``lengths``, and the phase clock it ran on (``thread``: its totals' infix)."""
+
+    host: torch.Tensor
+    lengths: list[int]
+    done: torch.cuda.Event | None
+    clock: PhaseClock
+    thread: str
+
+
 def paged_kernel(flow: Flow) -> PagedAttention:
     """The turn pool's attention: vLLM's paged FlashAttention on a GPU (the engine runs on
     vLLM there), the reference by gathers elsewhere."""
@@ -209,9 +222,17 @@ class Token2WavRunner:
 
     # ------------------------------------------------------------------ running chunks
 
-    @torch.inference_mode()
     def run(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[np.ndarray]:
-        """Run chunks of several utterances; returns each one's new audio (float32, 24 kHz).
+        """Run chunks of several utterances; returns each one's new audio (float32, 24 kHz):
+        ``launch`` then ``finish``."""
+        return self.finish(self.launch(jobs, lane))
+
+    @torch.inference_mode()
+    def launch(self, jobs: list[ChunkJob], lane: Lane | None = None) -> LaunchedCall:
+        """Enqueue a call's GPU work for these chunks of several utterances and move their
+        streams past them; their audio reaches the host at ``finish``. Nothing here waits for
+        the GPU on the paged path, so a worker thread can launch its next call while this one
+        runs (the two are ordered on the stream, and no utterance is in both).
 
         The flow runs in the calls ``plan`` splits the chunks into (rows padded to the call's
         longest; each row equals running it alone); incremental non-final chunks run per
@@ -221,22 +242,38 @@ class Token2WavRunner:
         """
         with torch.cuda.stream(lane.stream if lane is not None else None):
             # Each call is timed phase by phase (phase_clock.py), the lane's apart.
-            on_gpu = self.planner.on_gpu
-            clock = PhaseClock(torch.cuda.current_stream(self.flow.decoder.noise.device) if on_gpu else None)
+            stream = torch.cuda.current_stream(self.flow.decoder.noise.device) if self.planner.on_gpu else None
+            clock = PhaseClock(stream)
             self._phases.clock = clock
             try:
                 audio = self._run(jobs, lane)
+                # One copy to the host for the whole call, which finish waits for.
+                lengths = [len(a) for a in audio]
+                joined = torch.cat(audio)
+                host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=stream is not None)
+                host.copy_(joined, non_blocking=stream is not None)
+                self._lap("output")
             finally:
                 self._phases.clock = None
-            totals = clock.close()
-            infix = "" if lane is None else "lane_"  # as metrics.PHASE_THREADS names the threads
-            with self._work_lock:
-                self._work.update({f"{infix}phase_{name}": value for name, value in totals.items()})
-                self._work[f"{infix}phase_calls"] += 1
-            return audio
+            done = None
+            if stream is not None:
+                done = torch.cuda.Event()
+                done.record(stream)
+            return LaunchedCall(host, lengths, done, clock, "" if lane is None else "lane_")
 
-    def _run(self, jobs: list[ChunkJob], lane: Lane | None) -> list[np.ndarray]:
-        """``run`` on the current stream."""
+    def finish(self, call: LaunchedCall) -> list[np.ndarray]:
+        """A launched call's audio on the host, once its GPU work is done (waits for it)."""
+        call.clock.wait(call.done)
+        totals = call.clock.close()
+        infix = call.thread  # as metrics.PHASE_THREADS names the threads
+        with self._work_lock:
+            self._work.update({f"{infix}phase_{name}": value for name, value in totals.items()})
+            self._work[f"{infix}phase_calls"] += 1
+        audio = call.host.numpy()
+        return [chunk.copy() for chunk in np.split(audio, np.cumsum(call.lengths)[:-1])]
+
+    def _run(self, jobs: list[ChunkJob], lane: Lane | None) -> list[torch.Tensor]:
+        """``launch`` on the current stream: each job's audio, on the device."""
         inputs = [self._hift_input(job, mel) for job, mel in zip(jobs, self._flows(jobs, lane))]
         self._lap("flow_other")
         groups: dict[tuple, list[int]] = {}
@@ -251,9 +288,7 @@ class Token2WavRunner:
             for k, i in enumerate(rows):
                 speech[i], source[i] = wav[k : k + 1], src[k : k + 1]
         self._lap("vocoder")
-        audio = [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
-        self._lap("output")
-        return audio
+        return [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
 
     def _lap(self, phase: str) -> None:
         """Close a phase of this thread's call in flight (PhaseClock.lap); else nothing."""
@@ -578,8 +613,8 @@ class Token2WavRunner:
             return mel, mel.new_zeros(1, 1, 0)
         return torch.cat([state.hift_mel, mel], dim=2), state.hift_source
 
-    def _emit(self, job: ChunkJob, mel: torch.Tensor, speech: torch.Tensor, source: torch.Tensor) -> np.ndarray:
-        """The chunk's audio: cross-faded with the last chunk's tail, its own tail held back for
+    def _emit(self, job: ChunkJob, mel: torch.Tensor, speech: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """The chunk's audio (float32, on the device): cross-faded with the last chunk's tail, its own tail held back for
         the next (all of it at the end of the turn); moves the utterance past the chunk."""
         state = job.request.stream
         cache_samples = self.schedule.cache_samples
@@ -594,7 +629,7 @@ class Token2WavRunner:
             state.hift_speech = speech[:, -cache_samples:]
             speech = speech[:, :-cache_samples]
         self.schedule.spoken(job)
-        return speech[0].float().cpu().numpy()
+        return speech[0].float()
 
     @property
     def _hift_dtype(self) -> torch.dtype:

@@ -20,16 +20,18 @@ Requests (request.py) are the scheduler's: every change to one happens under its
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 from tts_gateway.engine.base import EngineError
 from tts_gateway.engine.cosyvoice2.serving.call_plan import PADDING_LIMIT
 from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob, call_kind
 from tts_gateway.engine.cosyvoice2.serving.latency import LatencyBook
 from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus
-from tts_gateway.engine.cosyvoice2.serving.runner import Lane
+from tts_gateway.engine.cosyvoice2.serving.runner import Lane, LaunchedCall
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,19 @@ END = object()  # the last item of a request's output
 STOP_JOIN_S = 5.0
 
 
+@dataclass
+class InFlight:
+    """A call a worker thread has launched (``launched``, or the ``error`` it raised) and not yet
+    delivered: its (request, job) pairs, its kind (``call_kind``), its thread, when it began."""
+
+    batch: list[tuple[Request, ChunkJob]]
+    kind: str
+    on_lane: bool
+    launched_at: float
+    launched: LaunchedCall | None = None
+    error: EngineError | None = None
+
+
 def short_first_chunk_fits(playable_s: float, next_tokens: int, token_s: float, call_s: float, busy: bool) -> bool:
     """Whether the chunk after a short first chunk can be out before that one has played.
 
@@ -64,14 +79,14 @@ def short_first_chunk_fits(playable_s: float, next_tokens: int, token_s: float, 
 class Scheduler:
     """Runs token2wav for every open request, most urgent first, in batches.
 
-    ``runner``: what runs chunks (runner.Token2WavRunner: ``schedule``, ``plan``, ``run``,
+    ``runner``: what runs chunks (runner.Token2WavRunner: ``schedule``, ``plan``, ``launch``, ``finish``,
     ``call_frames``, ``release``, ``lane_serves``, ``work_totals``, ``hift``); ``loop``: the event loop the requests'
     outputs belong to.
     """
 
     def __init__(
         self, runner, max_batch: int, loop: asyncio.AbstractEventLoop, *, early_chunks: bool = True,
-        first_chunk_lane: Lane | None = None, first_chunk_by_load: bool = False,
+        first_chunk_lane: Lane | None = None, first_chunk_by_load: bool = False, launch_ahead: bool = False,
     ) -> None:
         self.runner = runner
         self.schedule = runner.schedule
@@ -80,9 +95,13 @@ class Scheduler:
         self.early_chunks = early_chunks
         self.first_chunk_lane = first_chunk_lane
         self.first_chunk_by_load = first_chunk_by_load
+        self.launch_ahead = launch_ahead
         self._lane_busy = False
         self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
-        self._recent_call_s = 0.0  # moving average of one flow call of the main thread
+        self._recent_call_s = 0.0  # moving average of one flow call of the main thread, launch to delivery
+        self._recent_period_s = 0.0  # ... of its share of the main thread (calls in flight overlap)
+        self._recent_launch_s = 0.0  # ... of the main thread's time to launch one
+        self._delivered_at: dict[int, float] = {}  # worker thread ident -> when it last delivered a call
         self._recent_lane_call_s = 0.0  # ... and of the first-chunk lane
         self._recent_call_requests = 0.0  # moving average of the open requests as batches (either thread's) start
         self._wake_at: float | None = None  # when a listener becomes urgent (early chunks)
@@ -94,7 +113,8 @@ class Scheduler:
         self._stopping = False
         # Why the scheduler can serve no more (a worker thread died, the watchdog saw a stall).
         self.failure: str | None = None
-        self._calls_since: dict[int, float] = {}  # worker thread ident -> start of its call in flight
+        # Worker thread ident -> when each of its calls in flight was launched, oldest first.
+        self._calls_since: dict[int, collections.deque[float]] = {}
         self._threads = [threading.Thread(target=self._guarded(self._run), name="cosyvoice2-token2wav", daemon=True)]
         if first_chunk_lane is not None:
             self._threads.append(threading.Thread(
@@ -221,7 +241,8 @@ class Scheduler:
         call running that long, or a request whose text has all been sent waiting that long
         for its next speech token. Reads without the lock: a hung worker may hold it."""
         now = time.monotonic()
-        for started in tuple(self._calls_since.values()):
+        for launched in tuple(self._calls_since.values()):
+            started = next(iter(tuple(launched)), now)
             if now - started > timeout_s:
                 return f"a token2wav call has run for more than {timeout_s:g} s"
         for request in tuple(self.requests):
@@ -368,19 +389,44 @@ class Scheduler:
     # ------------------------------------------------------------ the worker threads
 
     def _run(self) -> None:
+        """The engine thread. With ``launch_ahead`` it launches each call before it waits for the
+        one in flight, as late as lets the launch end about when that call's GPU work does
+        (``_next_launch``): the GPU has the next call queued while the host finishes the last
+        one, so its launches (the token encoder's kernels, the graphs' inputs) do not leave the
+        GPU idle, and a call still takes every chunk that became ready while the last one ran.
+        Without it, each call is delivered before the next is picked."""
+        in_flight: InFlight | None = None
         while True:
             with self.lock:
-                batch = self._next_batch()
-                while not batch and not self._stopping:
-                    self.wake.wait(None if self._wake_at is None else max(0.0, self._wake_at - time.monotonic()))
-                    batch = self._next_batch()
+                batch = self._next_launch(in_flight)
                 if self._stopping:
-                    return
+                    break
                 self._take(batch)
+            if not batch:  # nothing to launch behind the call in flight: deliver it, then look again
+                self._deliver(in_flight)
+                in_flight = None
+                continue
             started = time.monotonic()
-            self._run_calls(batch)
+            in_flight = self._run_calls(batch, in_flight=in_flight)
             # The whole round of calls: how long until the worker looks at the queue again.
             self._recent_batch_s += 0.2 * (time.monotonic() - started - self._recent_batch_s)
+        self._deliver(in_flight)
+
+    def _next_launch(self, in_flight: InFlight | None) -> list[tuple[Request, ChunkJob]]:
+        """The engine thread's next batch (under the lock). With a call in flight, picked once
+        that call has run its recent period less a recent launch's time (at once when nothing
+        is in flight and work is ready, else when work comes); empty if there is nothing to
+        launch then, or the scheduler is stopping."""
+        if in_flight is not None:
+            launch_at = in_flight.launched_at + self._recent_period_s - self._recent_launch_s
+            while not self._stopping and (delay := launch_at - time.monotonic()) > 0:
+                self.wake.wait(delay)
+            return [] if self._stopping else self._next_batch()
+        batch = self._next_batch()
+        while not batch and not self._stopping:
+            self.wake.wait(None if self._wake_at is None else max(0.0, self._wake_at - time.monotonic()))
+            batch = self._next_batch()
+        return batch
 
     def _run_first_chunk_lane(self) -> None:
         lane = self.first_chunk_lane
@@ -394,15 +440,19 @@ class Scheduler:
                     return
                 self._take(batch)
                 self._lane_busy = True
-            self._run_calls(batch, lane)
+            self._run_calls(batch, lane)  # first chunks go out as soon as each is done
             with self.lock:
                 self._lane_busy = False
                 self.wake.notify_all()  # first chunks the main thread left to the lane
 
-    def _run_calls(self, batch: list[tuple[Request, ChunkJob]], lane: Lane | None = None) -> None:
+    def _run_calls(
+        self, batch: list[tuple[Request, ChunkJob]], lane: Lane | None = None, in_flight: InFlight | None = None
+    ) -> InFlight | None:
         """Run a batch as the flow calls ``runner.plan`` splits it into, in its order (new
-        turns' first chunks, then narrowest first), each delivered when done; ``lane``: on the
-        first-chunk lane.
+        turns' first chunks, then narrowest first). With ``launch_ahead`` on the engine thread,
+        each is launched before the call in flight (``in_flight``, then each of these in turn)
+        is delivered, and the last is returned still in flight; else each is delivered once
+        done (None returned). ``lane``: on the first-chunk lane.
 
         A call runs to its end, and the rest of the batch may take many calls: without a
         first-chunk lane, first chunks that became ready meanwhile go next, so that a new turn
@@ -410,7 +460,12 @@ class Scheduler:
         """
         calls = [[batch[i] for i in group] for group in self.runner.plan([job for _, job in batch], lane)]
         while calls:
-            self._run_call(calls.pop(0), lane)
+            launched = self._launch(calls.pop(0), lane)
+            self._deliver(in_flight)
+            in_flight = launched
+            if not self.launch_ahead or lane is not None:  # delivered as soon as it is done
+                self._deliver(in_flight)
+                in_flight = None
             if self.first_chunk_lane is not None:
                 continue
             with self.lock:
@@ -418,40 +473,61 @@ class Scheduler:
             if arrived:
                 plan = self.runner.plan([job for _, job in arrived])
                 calls[:0] = [[arrived[i] for i in group] for group in plan]
+        return in_flight
 
-    def _run_call(self, batch: list[tuple[Request, ChunkJob]], lane: Lane | None = None) -> None:
-        """Run one call's (request, job) and hand each request its audio (or the error)."""
+    def _launch(self, batch: list[tuple[Request, ChunkJob]], lane: Lane | None) -> InFlight:
+        """Launch one call (``runner.launch``); an error fails the call's requests when it is
+        delivered."""
         jobs = [job for _, job in batch]
-        call = call_kind(jobs)  # before the run: it moves the streams on
-        started = time.monotonic()
-        self._calls_since[threading.get_ident()] = started  # the watchdog's view (stalled())
+        call = InFlight(batch, call_kind(jobs), lane is not None, time.monotonic())  # kind: before the streams move on
+        self._calls_since.setdefault(threading.get_ident(), collections.deque()).append(call.launched_at)
         try:
-            audio = self.runner.run(jobs, lane)
-            error = None
-        except Exception as exc:  # delivered to each request of the call
+            call.launched = self.runner.launch(jobs, lane)
+        except Exception as exc:
             log.exception("token2wav failed")
-            error = EngineError(f"audio generation failed: {exc}")
-        finally:
-            del self._calls_since[threading.get_ident()]
+            call.error = EngineError(f"audio generation failed: {exc}")
+        if not call.on_lane:
+            self._recent_launch_s += 0.2 * (time.monotonic() - call.launched_at - self._recent_launch_s)
+        return call
+
+    def _deliver(self, call: InFlight | None) -> None:
+        """Wait for a launched call's audio and hand each request its chunk (or the error)."""
+        if call is None:
+            return
+        thread = threading.get_ident()
+        audio = None
+        if call.error is None:
+            try:
+                audio = self.runner.finish(call.launched)
+            except Exception as exc:
+                log.exception("token2wav failed")
+                call.error = EngineError(f"audio generation failed: {exc}")
         now = time.monotonic()
-        compute_s = (now - started) / max(len(batch), 1)
+        # The call's share of the thread: from its launch, or from the last delivery if that was
+        # later (calls in flight overlap); its chunks' latency runs from the launch.
+        busy_from = max(call.launched_at, self._delivered_at.get(thread, call.launched_at))
+        self._delivered_at[thread] = now
+        self._calls_since[thread].popleft()  # calls are delivered in the order they were launched
+        batch, jobs = call.batch, [job for _, job in call.batch]
+        compute_s = (now - busy_from) / max(len(batch), 1)
         with self.lock:
-            self.latency.call(call, jobs, started, now, lane is not None)
-            if lane is None:
-                self._recent_call_s += 0.2 * (now - started - self._recent_call_s)
+            self.latency.call(call.kind, jobs, busy_from, now, call.on_lane)
+            if call.on_lane:
+                self._recent_lane_call_s += 0.2 * (now - call.launched_at - self._recent_lane_call_s)
             else:
-                self._recent_lane_call_s += 0.2 * (now - started - self._recent_lane_call_s)
+                self._recent_call_s += 0.2 * (now - call.launched_at - self._recent_call_s)
+                self._recent_period_s += 0.2 * (now - busy_from - self._recent_period_s)
             self.running -= len(batch)
             for i, (request, job) in enumerate(batch):
                 request.running = False
                 if request not in self.requests:
                     self._release(request)  # cancelled while running
                     continue
-                if error is not None:
-                    self._fail(request, error)
+                if call.error is not None:
+                    self._fail(request, call.error)
                     continue
                 samples = audio[i]
-                self.latency.delivered(request, started, now)
+                self.latency.delivered(request, call.launched_at, now)
                 request.clock.produced(len(samples) / self.schedule.sample_rate, now)
                 request.pending += 1
                 self.loop.call_soon_threadsafe(request.output.put_nowait, (samples, compute_s, job.finalize))

@@ -55,9 +55,9 @@ async def engine(model_dir) -> AsyncIterator[CosyVoice2Engine]:
 
 @pytest.fixture
 def hung_call(engine, monkeypatch):
-    """token2wav's next call never returns (until the test ends)."""
+    """token2wav's next call never finishes (until the test ends): its wait for the GPU hangs."""
     release = threading.Event()
-    monkeypatch.setattr(engine.runner, "run", lambda jobs, lane=None: release.wait())
+    monkeypatch.setattr(engine.runner, "finish", lambda launched: release.wait())
     yield
     release.set()
 

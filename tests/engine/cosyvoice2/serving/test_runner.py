@@ -802,7 +802,7 @@ def test_engine_thread_calls_are_timed_phase_by_phase(models, voice, tokens, mon
               for name, value in work.items() if name.startswith("flow_phase_thread_seconds_")}
     flow = {"encoder": calls, "decoder": calls} if paged else {"unpaged": calls}
     assert calls >= 3 and work["flow_phase_calls"] == calls
-    assert booked == {"flow_other": 2 * calls, **flow, "vocoder": calls, "output": calls}
+    assert booked == {"flow_other": 2 * calls, **flow, "vocoder": calls, "output": calls, "wait": calls}
     assert not any("_gpu_seconds_" in name for name in work)  # no GPU timeline on a CPU
     assert work["flow_lane_phase_calls"] == 1 and work["flow_lane_phase_thread_seconds_output"] == 1
 

@@ -92,6 +92,13 @@ class FakeToken2Wav:
             request.status = RequestStatus.TOKENS_DONE
         return FakeJob(request, finalize=state.chunks == 1)
 
+    def launch(self, jobs, lane=None):
+        # Runs the call at once (its "GPU work" included); finish hands its audio over.
+        return self.run(jobs, lane)
+
+    def finish(self, audio):
+        return audio
+
     def run(self, jobs, lane=None):
         self.batches.append([job.state.name for job in jobs])
         for job in jobs:
@@ -121,6 +128,48 @@ async def test_the_listener_closest_to_running_dry_goes_first():
             await until(queues[name].get())
             assert await until(queues[name].get()) is END
         assert fake.batches == [["c"], ["b"], ["a"]]
+    finally:
+        await asyncio.to_thread(scheduler.stop)
+
+
+class LaunchingToken2Wav(FakeToken2Wav):
+    """Records when each call is launched and when its audio is taken (finish)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, list[str]]] = []
+
+    def launch(self, jobs, lane=None):
+        names = [job.state.name for job in jobs]
+        self.events.append(("launch", names))
+        return names, self.run(jobs, lane)
+
+    def finish(self, launched):
+        names, audio = launched
+        self.events.append(("finish", names))
+        return audio
+
+
+@pytest.mark.parametrize("launch_ahead", [False, True])
+async def test_with_launch_ahead_the_next_call_is_launched_before_the_last_is_delivered(launch_ahead):
+    """launch_ahead: the engine thread launches its next call before it takes the audio of the
+    one in flight (whose chunks then go out), and delivers the last when nothing follows;
+    without it each call is delivered before the next is launched. Every chunk arrives."""
+    fake = LaunchingToken2Wav()
+    scheduler = Scheduler(fake, max_batch=1, loop=asyncio.get_running_loop(), launch_ahead=launch_ahead)
+    try:
+        queues = {name: asyncio.Queue() for name in "ab"}
+        for name in "ab":
+            add(scheduler, FakeState(name, 1), queues[name])
+        with scheduler.lock:
+            scheduler.wake.notify_all()
+        for name in "ab":
+            await until(queues[name].get())
+            assert await until(queues[name].get()) is END
+        if launch_ahead:
+            assert fake.events == [("launch", ["a"]), ("launch", ["b"]), ("finish", ["a"]), ("finish", ["b"])]
+        else:
+            assert fake.events == [("launch", ["a"]), ("finish", ["a"]), ("launch", ["b"]), ("finish", ["b"])]
     finally:
         await asyncio.to_thread(scheduler.stop)
 
