@@ -10,6 +10,7 @@ import pytest
 from bench import flow_graphs as bench_flow_graphs
 from bench import flow_profile as bench_flow_profile
 from bench import gpu_sharing as bench_gpu_sharing
+from bench import launch_waits as bench_launch_waits
 from bench import sdpa_choice as bench_sdpa_choice
 from bench import word_timings_cost as bench_word_timings_cost
 
@@ -33,6 +34,16 @@ def test_bench_flow_graphs_smoke_cpu(tmp_path, capsys) -> None:
         assert 0 < row["eager_vs_fp32_rel"] < 0.1  # bf16 rounding, not a broken solve
         # padding changes matmul shapes, hence bf16 rounding: small, but not necessarily 0
         assert row["padded_eager_vs_eager_max_abs"] < 0.1 * row["fp32_max_abs"]
+
+
+def test_bench_launch_waits_smoke_cpu(tmp_path) -> None:
+    """Two turns streamed through a paged runner to their ends, a launch per chunk (a CPU has
+    no waits to find: a smoke test of the script)."""
+    out = tmp_path / "waits.json"
+    report = bench_launch_waits.main(["--size", "tiny", "--device", "cpu", "--rows", "2", "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert len(report["calls"]) >= 4 and all(call["rows"] == 2 for call in report["calls"])
+    assert report["launches_that_waited"] == 0
 
 
 def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:

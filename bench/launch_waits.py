@@ -1,0 +1,140 @@
+"""Does launching a paged token2wav call wait for the GPU?
+
+``launch_ahead`` needs the engine thread to launch its next call while the last one runs: the
+launch must enqueue its work and return, never wait for the device (a wait there serialized
+the two calls on an H100, docs/benchmarks.md). This builds a paged runner as the engine does
+(a voice-prefix bank, a turn pool, CUDA graphs of the paged calls' shapes), streams several
+turns through it call by call, and runs each call's ``Token2WavRunner.launch`` under torch's
+sync debug mode ``error``: any host-device synchronization in it raises, and the report names
+the lines. ``finish`` (the wait for the call's audio) is the only wait a call may have.
+
+    python bench/launch_waits.py --device cuda --size full --rows 8 --json waits.json
+
+A first pass of streams warms every shape up unchecked (library set-up, pinned host memory),
+as the engine's start-up does; a second is checked. On a CPU (``--device cpu --size tiny``)
+there is nothing to wait for: a smoke test of the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.token2wav_chunk_cost import voiced_prompt  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model.loading import DTYPES, load_models  # noqa: E402
+from tts_gateway.engine.cosyvoice2.modeldir.layout import missing_files  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.call_plan import MAX_CALL_ROW_FRAMES  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.runner import Token2WavRunner  # noqa: E402
+from tts_gateway.testkit.checkpoint import make_checkpoint  # noqa: E402
+
+TOKENS = 400  # each turn's speech tokens: chunks of 25, 50, 100 and 200 tokens, then its last
+
+
+@contextlib.contextmanager
+def waits_raise(device: torch.device) -> Iterator[None]:
+    """Any host-device synchronization on ``device`` raises inside (nothing on a CPU)."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def where(error: BaseException) -> list[str]:
+    """The product's lines on the way to ``error``, innermost last."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames if f.filename.startswith(str(ROOT))]
+
+
+def stream(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: bool) -> list[dict]:
+    """Turns of ``rows`` streams run to their ends, one call per chunk; each call's launch
+    checked for waits when ``checked``."""
+    device = prompt.speech_feat.device
+    generator = torch.Generator().manual_seed(rows)
+    streams = [
+        Request(prompt, runner.new_stream(), None, status=RequestStatus.TOKENS_DONE,
+                tokens=torch.randint(0, 6561, (TOKENS + 7 * row,), generator=generator).tolist())
+        for row in range(rows)
+    ]
+    calls = []
+    while jobs := [job for job in map(runner.schedule.next_job, streams) if job is not None]:
+        call = {"rows": len(jobs), "frames": max(runner.call_frames(job) for job in jobs), "waits": None}
+        try:
+            with waits_raise(device) if checked else contextlib.nullcontext():
+                launched = runner.launch(jobs)
+        except RuntimeError as error:  # the launch is broken off: report where, and stop
+            call["waits"] = {"error": str(error).splitlines()[0], "at": where(error)}
+            calls.append(call)
+            break
+        runner.finish(launched)
+        calls.append(call)
+    return calls
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
+    parser.add_argument("--model-dir", type=Path)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on cuda")
+    parser.add_argument("--rows", type=int, default=4, help="turns streamed together")
+    parser.add_argument("--pool-gb", type=float, default=4.0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    model_dir = args.model_dir
+    if model_dir is None or missing_files(model_dir):
+        model_dir = model_dir or Path(tempfile.mkdtemp()) / f"cv2-{args.size}"
+        make_checkpoint(model_dir, args.size, seed=0)
+    models = load_models(model_dir, device=device, flow_dtype=dtype, load_llm=False)
+    voice = models.frontend.prepare(voiced_prompt(4.0), 24000, "A four second prompt recording.")
+    prompt = VoicePrompt(
+        voice.speech_tokens.to(device), voice.speech_feat.to(device, dtype), voice.embedding.to(device, dtype)
+    )
+    runner = Token2WavRunner.build(
+        models.flow, models.hift, scale=2, max_hop_len=200, incremental=False, prefix_voices=1,
+        turn_state_bytes=int(args.pool_gb * 2**30), final_attention="chunk",
+    )
+    runner.prepare_voices([prompt], prompt.tokens)
+    if device.type == "cuda":  # the paged calls' graphs, as the engine captures them
+        buckets = FlowBuckets.up_to(args.rows, 2 * 200 + 100, 50)
+        graphs = FlowGraphs(models.flow.decoder, buckets, bank=runner.prefixes.bank, pool=runner.turn_pool)
+        graphs.capture(buckets.batches, buckets.frame_buckets(), [True], max_row_frames=MAX_CALL_ROW_FRAMES,
+                       paged=True)
+        runner.flow_graphs = graphs
+    with torch.inference_mode():
+        stream(runner, prompt, args.rows, checked=False)
+        calls = stream(runner, prompt, args.rows, checked=True)
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "size": args.size,
+        "rows": args.rows,
+        "calls": calls,
+        "launches_that_waited": sum(call["waits"] is not None for call in calls),
+    }
+    print(json.dumps(report), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
