@@ -11,8 +11,10 @@ the lines. ``finish`` (the wait for the call's audio) is the only wait a call ma
     python bench/launch_waits.py --device cuda --size full --rows 8 --json waits.json
 
 A first pass of streams warms every shape up unchecked (library set-up, pinned host memory),
-as the engine's start-up does; a second is checked. On a CPU (``--device cpu --size tiny``)
-there is nothing to wait for: a smoke test of the script.
+as the engine's start-up does; a second is checked. With a pool too small for every turn
+(``--pool-gb 0.5``), turns fall back to recompute after their voice prefix, whose calls read
+the device by design: the report then names those lines. On a CPU (``--device cpu --size
+tiny``) there is nothing to wait for: a smoke test of the script.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tts_gateway.engine.cosyvoice2.serving.call_plan import MAX_CALL_ROW_FRAMES 
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs  # noqa: E402
 from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt  # noqa: E402
 from tts_gateway.engine.cosyvoice2.serving.runner import Token2WavRunner  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.startup import capture_hift_graphs  # noqa: E402
 from tts_gateway.testkit.checkpoint import make_checkpoint  # noqa: E402
 
 TOKENS = 400  # each turn's speech tokens: chunks of 25, 50, 100 and 200 tokens, then its last
@@ -114,12 +117,13 @@ def main(argv: list[str] | None = None) -> dict:
         turn_state_bytes=int(args.pool_gb * 2**30), final_attention="chunk",
     )
     runner.prepare_voices([prompt], prompt.tokens)
-    if device.type == "cuda":  # the paged calls' graphs, as the engine captures them
+    if device.type == "cuda":  # the paged calls' graphs and the vocoder's, as the engine captures them
         buckets = FlowBuckets.up_to(args.rows, 2 * 200 + 100, 50)
         graphs = FlowGraphs(models.flow.decoder, buckets, bank=runner.prefixes.bank, pool=runner.turn_pool)
         graphs.capture(buckets.batches, buckets.frame_buckets(), [True], max_row_frames=MAX_CALL_ROW_FRAMES,
                        paged=True)
         runner.flow_graphs = graphs
+        capture_hift_graphs(runner, args.rows, [prompt.tokens])
     with torch.inference_mode():
         stream(runner, prompt, args.rows, checked=False)
         calls = stream(runner, prompt, args.rows, checked=True)

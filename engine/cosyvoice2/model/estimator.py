@@ -388,7 +388,7 @@ class Estimator(nn.Module):
             h, pending = h.transpose(1, 2).contiguous(), None
             for block in blocks:
                 h, pending = block(h, pending, attn_mask, view)
-            return (h + pending).transpose(1, 2)
+            return (h if pending is None else h + pending).transpose(1, 2)
 
         resnet, blocks, conv = self.down_blocks[0]
         skip = transform(resnet(h, mask, time_emb, view), blocks)

@@ -167,9 +167,12 @@ class HiftGraphs:
         rows, _, frames = mel.shape
         part = rows_per_replay(self.batches, frames)
         if rows > part:
-            parts = [self.run(mel[i : i + part], cache_source[i : i + part]) for i in range(0, rows, part)]
-            if None in parts:
-                return None
+            parts = []
+            for i in range(0, rows, part):
+                replayed = self.run(mel[i : i + part], cache_source[i : i + part])
+                if replayed is None:
+                    return None
+                parts.append(replayed)
             return torch.cat([wav for wav, _ in parts]), torch.cat([source for _, source in parts])
         key = graph_key(self.batches, self.shapes, rows, frames, cache_source.shape[2])
         if key is None or mel.dtype != self.dtype:

@@ -4,17 +4,19 @@ A call's phases (the token encoder, the decoder, flow calls outside the pool, th
 the output) run one after another on one CUDA stream, launched by one thread.
 ``PhaseClock.lap(phase)`` closes the phase that ran since the last lap: it records a CUDA
 event on the stream (nothing waits for it) and reads the thread's clock. Once the call has
-waited for its work (``wait``: its audio copied to the host), ``close`` reads the events. The GPU time between two laps is how long the stream took to get through that
-phase's work, idle gaps included (the GPU waiting for kernels the thread had not launched
-yet): what the phase cost the call. The thread's time says how much of it was the thread
+waited for its work (``wait``: its audio copied to the host), ``close`` reads the events. The
+GPU time between two laps is how long the stream took to get through that phase's work, idle
+gaps included (the GPU waiting for kernels the thread had not launched yet): what the phase
+cost the call. The thread's time says how much of it was the thread
 launching, and how much waiting. Off a GPU only the thread's clock is read.
 
 The thread's series is wall time. The call's wait for its audio on the host is a phase of its
 own (``wait``), on the thread's clock only: the thread may launch its next call first. A wait
 for the GPU inside a phase (a fallback's positions read to the host) lands in that phase, not
 in the phase whose work it waits for; the GPU series puts each phase's work where it ran, from
-when the stream got to the call (past the work enqueued before it). The totals are exported as running counters (``Token2WavRunner.work_totals``,
-the phases named in ``metrics.PHASES``), read per level by ``bench/gpu_check.py``.
+when the stream got to the call (past the work enqueued before it). The totals are exported as
+running counters (``Token2WavRunner.work_totals``, the phases named in ``metrics.PHASES``), read
+per level by ``bench/gpu_check.py``.
 """
 
 from __future__ import annotations

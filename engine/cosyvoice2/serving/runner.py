@@ -19,7 +19,8 @@ mode) or one pass of full attention over prompt + all tokens (``"full"``, as the
 (``flow_steps``; 10, the official count, by default), and every state it keeps (incremental
 caches, voice prefixes, the turn pool, the CUDA graphs' step loop) is laid out for it.
 
-Synchronous torch code: the scheduler runs it on its worker threads (:meth:`run`).
+Synchronous torch code: the scheduler runs it on its worker threads (:meth:`launch`, then
+:meth:`finish`; :meth:`run` does both).
 """
 
 from __future__ import annotations
@@ -83,17 +84,19 @@ class Lane:
     hift_graphs: HiftGraphs | None = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class LaunchedCall:
     """A call whose work is enqueued (``Token2WavRunner.launch``): its chunks' audio, one after
     another in ``host`` (pinned host memory on a GPU, filled once ``done`` has passed), their
-    ``lengths``, and the phase clock it ran on (``thread``: its totals' infix)."""
+    ``lengths``, and the phase clock it ran on (``infix``: its thread's, in the totals' names).
+    ``finish`` sets ``gpu_seconds``: the call's time on its stream (None off a GPU)."""
 
     host: torch.Tensor
     lengths: list[int]
     done: torch.cuda.Event | None
     clock: PhaseClock
-    thread: str
+    infix: str
+    gpu_seconds: float | None = None
 
 
 def paged_kernel(flow: Flow) -> PagedAttention:
@@ -110,6 +113,16 @@ def _padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), lengths
 
 
+def _read_on_this_stream(*tensors: torch.Tensor) -> None:
+    """Tensors of an utterance's state that this call reads on the current stream, which may
+    not be the stream that made them (a turn's first chunk runs on the first-chunk lane's):
+    once they are replaced, the allocator must not hand their memory to the other stream's
+    work before this stream's reads of them have run."""
+    for tensor in tensors:
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
+
 def by_finalize(indices: list[int], jobs: list[ChunkJob]) -> Iterator[tuple[bool, list[int]]]:
     """``indices`` of ``jobs`` split by ``finalize``, for calls that take one flag: (flag, part)."""
     for finalize in (False, True):
@@ -119,7 +132,7 @@ def by_finalize(indices: list[int], jobs: list[ChunkJob]) -> Iterator[tuple[bool
 
 
 class Token2WavRunner:
-    """Speech tokens -> 24 kHz audio for chunks of many utterances (:meth:`run`).
+    """Speech tokens -> 24 kHz audio for chunks of many utterances (:meth:`launch` and :meth:`finish`).
 
     ``incremental``: keep each utterance's flow state (else recompute, see the module
     docstring); ``prefix_voices``: slots of the voice-prefix cache (recompute mode only);
@@ -259,16 +272,22 @@ class Token2WavRunner:
             if stream is not None:
                 done = torch.cuda.Event()
                 done.record(stream)
-            return LaunchedCall(host, lengths, done, clock, "" if lane is None else "lane_")
+            return LaunchedCall(host, lengths, done, clock, "" if lane is None else "lane_")  # metrics.PHASE_THREADS
+
+    @staticmethod
+    def done(call: LaunchedCall | None) -> bool:
+        """Whether a launched call's work is done (no call: nothing to wait for); waits for nothing."""
+        return call is None or call.done is None or call.done.query()
 
     def finish(self, call: LaunchedCall) -> list[np.ndarray]:
         """A launched call's audio on the host, once its GPU work is done (waits for it)."""
         call.clock.wait(call.done)
         totals = call.clock.close()
-        infix = call.thread  # as metrics.PHASE_THREADS names the threads
+        if call.done is not None:
+            call.gpu_seconds = sum(value for name, value in totals.items() if name.startswith("gpu_seconds_"))
         with self._work_lock:
-            self._work.update({f"{infix}phase_{name}": value for name, value in totals.items()})
-            self._work[f"{infix}phase_calls"] += 1
+            self._work.update({f"{call.infix}phase_{name}": value for name, value in totals.items()})
+            self._work[f"{call.infix}phase_calls"] += 1
         audio = call.host.numpy()
         return [chunk.copy() for chunk in np.split(audio, np.cumsum(call.lengths)[:-1])]
 
@@ -425,8 +444,8 @@ class Token2WavRunner:
 
         def inputs_from(starts: list[int]) -> tuple[DecoderInputs, list[int]]:
             # A row whose encoded frames end before its start has no new frame (as inputs_after gives it).
-            row_ends = [max(first, end) for first, end in zip(starts, ends)]
-            width = max(end - first for first, end in zip(starts, row_ends))
+            row_ends = [max(s, e) for s, e in zip(starts, ends)]
+            width = max(e - s for s, e in zip(starts, row_ends))
             start = to_device(starts, torch.long, prompt_feat.device)
             return self.flow.inputs_after(encoded, prompt_feat, prompt_feat_len, start, width), row_ends
 
@@ -611,14 +630,17 @@ class Token2WavRunner:
         mel = mel.to(self._hift_dtype)
         if state.hift_mel is None:
             return mel, mel.new_zeros(1, 1, 0)
+        _read_on_this_stream(state.hift_mel, state.hift_source)
         return torch.cat([state.hift_mel, mel], dim=2), state.hift_source
 
     def _emit(self, job: ChunkJob, mel: torch.Tensor, speech: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        """The chunk's audio (float32, on the device): cross-faded with the last chunk's tail, its own tail held back for
-        the next (all of it at the end of the turn); moves the utterance past the chunk."""
+        """The chunk's audio (float32, on the device): cross-faded with the last chunk's tail, its
+        own tail held back for the next (all of it at the end of the turn); moves the utterance
+        past the chunk."""
         state = job.request.stream
         cache_samples = self.schedule.cache_samples
         if state.hift_speech is not None:
+            _read_on_this_stream(state.hift_speech)
             speech = self._cross_fade(speech, state.hift_speech)
         if job.finalize:
             state.hift_mel = state.hift_source = state.hift_speech = None

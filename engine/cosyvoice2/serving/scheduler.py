@@ -48,6 +48,9 @@ FIRST_LANE_MAX_BATCH = 8
 LOAD_RISE_FACTOR = 1.5
 LOAD_RISE_SLACK = 2
 END = object()  # the last item of a request's output
+# How often the engine thread looks whether the call in flight is done, while it waits to
+# launch the next (launch_ahead).
+LAUNCH_POLL_S = 0.002
 # How long stop() waits for each worker thread: a thread stuck in a call (the watchdog's
 # case) is left behind, a daemon, rather than holding the process up.
 STOP_JOIN_S = 5.0
@@ -56,7 +59,8 @@ STOP_JOIN_S = 5.0
 @dataclass
 class InFlight:
     """A call a worker thread has launched (``launched``, or the ``error`` it raised) and not yet
-    delivered: its (request, job) pairs, its kind (``call_kind``), its thread, when it began."""
+    delivered: its (request, job) pairs, its kind (``call_kind``), whether it ran on the first-chunk
+    lane, when it was launched."""
 
     batch: list[tuple[Request, ChunkJob]]
     kind: str
@@ -64,6 +68,12 @@ class InFlight:
     launched_at: float
     launched: LaunchedCall | None = None
     error: EngineError | None = None
+
+
+def _call_failed(exc: Exception) -> EngineError:
+    """A token2wav call's error, as each of its requests is failed with it (logged once)."""
+    log.exception("token2wav failed")
+    return EngineError(f"audio generation failed: {exc}")
 
 
 def short_first_chunk_fits(playable_s: float, next_tokens: int, token_s: float, call_s: float, busy: bool) -> bool:
@@ -79,7 +89,8 @@ def short_first_chunk_fits(playable_s: float, next_tokens: int, token_s: float, 
 class Scheduler:
     """Runs token2wav for every open request, most urgent first, in batches.
 
-    ``runner``: what runs chunks (runner.Token2WavRunner: ``schedule``, ``plan``, ``launch``, ``finish``,
+    ``runner``: what runs chunks (runner.Token2WavRunner: ``schedule``, ``plan``, ``launch`` (a call
+    whose ``gpu_seconds`` its ``finish`` sets), ``finish``, ``done``,
     ``call_frames``, ``release``, ``lane_serves``, ``work_totals``, ``hift``); ``loop``: the event loop the requests'
     outputs belong to.
     """
@@ -98,9 +109,11 @@ class Scheduler:
         self.launch_ahead = launch_ahead
         self._lane_busy = False
         self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
-        self._recent_call_s = 0.0  # moving average of one flow call of the main thread, launch to delivery
-        self._recent_period_s = 0.0  # ... of its share of the main thread (calls in flight overlap)
-        self._recent_launch_s = 0.0  # ... of the main thread's time to launch one
+        # Moving average of one flow call of the main thread: its share of the thread (from its
+        # launch, or the last delivery if later: calls in flight overlap, see _deliver).
+        self._recent_call_s = 0.0
+        self._recent_gpu_s = 0.0  # ... of its GPU time (the stream's, from when it got to the call)
+        self._recent_launch_s = 0.0  # ... of the time to launch one
         self._delivered_at: dict[int, float] = {}  # worker thread ident -> when it last delivered a call
         self._recent_lane_call_s = 0.0  # ... and of the first-chunk lane
         self._recent_call_requests = 0.0  # moving average of the open requests as batches (either thread's) start
@@ -175,7 +188,7 @@ class Scheduler:
             self.wake.notify_all()
 
     def cancel(self, request: Request) -> None:
-        """Forget a request at once; its state is freed now, or when the batch holding it ends."""
+        """Forget a request at once; its state is freed now, or when its call is delivered."""
         with self.lock:
             if not request.status.ended:
                 request.advance(RequestStatus.CANCELLED)
@@ -197,7 +210,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Free an ended request's token2wav state (pages of the turn-state pool) unless a
-        worker is running its chunk; ``_run_call`` frees it then."""
+        worker is running its chunk; ``_deliver`` frees it then."""
         if not request.running:
             self.runner.release(request.stream)
 
@@ -414,13 +427,16 @@ class Scheduler:
 
     def _next_launch(self, in_flight: InFlight | None) -> list[tuple[Request, ChunkJob]]:
         """The engine thread's next batch (under the lock). With a call in flight, picked once
-        that call has run its recent period less a recent launch's time (at once when nothing
-        is in flight and work is ready, else when work comes); empty if there is nothing to
-        launch then, or the scheduler is stopping."""
+        that call has run a recent call's GPU time less a recent launch's time, or is done
+        (looked at every LAUNCH_POLL_S); with none, at once when work is ready, else when work
+        comes. Empty if there is nothing to launch then, or the scheduler is stopping."""
         if in_flight is not None:
-            launch_at = in_flight.launched_at + self._recent_period_s - self._recent_launch_s
-            while not self._stopping and (delay := launch_at - time.monotonic()) > 0:
-                self.wake.wait(delay)
+            launch_at = in_flight.launched_at + self._recent_gpu_s - self._recent_launch_s
+            while not self._stopping and not self.runner.done(in_flight.launched):
+                delay = launch_at - time.monotonic()
+                if delay <= 0:
+                    break
+                self.wake.wait(min(delay, LAUNCH_POLL_S))
             return [] if self._stopping else self._next_batch()
         batch = self._next_batch()
         while not batch and not self._stopping:
@@ -458,21 +474,24 @@ class Scheduler:
         first-chunk lane, first chunks that became ready meanwhile go next, so that a new turn
         waits for one call, not for the whole round.
         """
-        calls = [[batch[i] for i in group] for group in self.runner.plan([job for _, job in batch], lane)]
-        while calls:
-            launched = self._launch(calls.pop(0), lane)
+        try:
+            calls = [[batch[i] for i in group] for group in self.runner.plan([job for _, job in batch], lane)]
+            while calls:
+                previous, in_flight = in_flight, self._launch(calls.pop(0), lane)
+                self._deliver(previous)
+                if not self.launch_ahead or lane is not None:  # delivered as soon as it is done
+                    done, in_flight = in_flight, None
+                    self._deliver(done)
+                if self.first_chunk_lane is not None:
+                    continue
+                with self.lock:
+                    arrived = self._take(self._ready_first_chunks(self.max_batch))
+                if arrived:
+                    plan = self.runner.plan([job for _, job in arrived])
+                    calls[:0] = [[arrived[i] for i in group] for group in plan]
+        except BaseException:  # the worker is lost (see _guarded): the call in flight still ends
             self._deliver(in_flight)
-            in_flight = launched
-            if not self.launch_ahead or lane is not None:  # delivered as soon as it is done
-                self._deliver(in_flight)
-                in_flight = None
-            if self.first_chunk_lane is not None:
-                continue
-            with self.lock:
-                arrived = self._take(self._ready_first_chunks(self.max_batch))
-            if arrived:
-                plan = self.runner.plan([job for _, job in arrived])
-                calls[:0] = [[arrived[i] for i in group] for group in plan]
+            raise
         return in_flight
 
     def _launch(self, batch: list[tuple[Request, ChunkJob]], lane: Lane | None) -> InFlight:
@@ -484,8 +503,7 @@ class Scheduler:
         try:
             call.launched = self.runner.launch(jobs, lane)
         except Exception as exc:
-            log.exception("token2wav failed")
-            call.error = EngineError(f"audio generation failed: {exc}")
+            call.error = _call_failed(exc)
         if not call.on_lane:
             self._recent_launch_s += 0.2 * (time.monotonic() - call.launched_at - self._recent_launch_s)
         return call
@@ -500,8 +518,7 @@ class Scheduler:
             try:
                 audio = self.runner.finish(call.launched)
             except Exception as exc:
-                log.exception("token2wav failed")
-                call.error = EngineError(f"audio generation failed: {exc}")
+                call.error = _call_failed(exc)
         now = time.monotonic()
         # The call's share of the thread: from its launch, or from the last delivery if that was
         # later (calls in flight overlap); its chunks' latency runs from the launch.
@@ -515,8 +532,9 @@ class Scheduler:
             if call.on_lane:
                 self._recent_lane_call_s += 0.2 * (now - call.launched_at - self._recent_lane_call_s)
             else:
-                self._recent_call_s += 0.2 * (now - call.launched_at - self._recent_call_s)
-                self._recent_period_s += 0.2 * (now - busy_from - self._recent_period_s)
+                self._recent_call_s += 0.2 * (now - busy_from - self._recent_call_s)
+                if call.launched is not None and call.launched.gpu_seconds is not None:
+                    self._recent_gpu_s += 0.2 * (call.launched.gpu_seconds - self._recent_gpu_s)
             self.running -= len(batch)
             for i, (request, job) in enumerate(batch):
                 request.running = False

@@ -21,12 +21,10 @@ from torch import Tensor
 def to_device(values: Sequence | np.ndarray | Tensor, dtype: torch.dtype | None, device: torch.device) -> Tensor:
     """``values`` (a list, an array or a CPU tensor) as a tensor on ``device``, in ``dtype``
     (None: as given), copied without waiting for the device."""
-    if isinstance(values, Tensor):
-        host = values if dtype is None else values.to(dtype)
-    elif isinstance(values, np.ndarray):
-        host = torch.from_numpy(values) if dtype is None else torch.from_numpy(values).to(dtype)
+    pinned = torch.device(device).type == "cuda"
+    if isinstance(values, (Tensor, np.ndarray)):
+        host = torch.as_tensor(values, dtype=dtype)
+        host = host.pin_memory() if pinned else host
     else:
-        host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        host = torch.tensor(values, dtype=dtype, pin_memory=pinned)
+    return host.to(device, non_blocking=pinned)

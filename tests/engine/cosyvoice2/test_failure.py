@@ -57,7 +57,12 @@ async def engine(model_dir) -> AsyncIterator[CosyVoice2Engine]:
 def hung_call(engine, monkeypatch):
     """token2wav's next call never finishes (until the test ends): its wait for the GPU hangs."""
     release = threading.Event()
-    monkeypatch.setattr(engine.runner, "finish", lambda launched: release.wait())
+
+    def hang(launched):
+        release.wait()
+        raise RuntimeError("the test ended")
+
+    monkeypatch.setattr(engine.runner, "finish", hang)
     yield
     release.set()
 

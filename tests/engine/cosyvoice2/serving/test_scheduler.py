@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -94,10 +95,13 @@ class FakeToken2Wav:
 
     def launch(self, jobs, lane=None):
         # Runs the call at once (its "GPU work" included); finish hands its audio over.
-        return self.run(jobs, lane)
+        return SimpleNamespace(audio=self.run(jobs, lane), gpu_seconds=None)
 
-    def finish(self, audio):
-        return audio
+    def finish(self, launched):
+        return launched.audio
+
+    def done(self, launched) -> bool:
+        return True
 
     def run(self, jobs, lane=None):
         self.batches.append([job.state.name for job in jobs])
@@ -142,12 +146,11 @@ class LaunchingToken2Wav(FakeToken2Wav):
     def launch(self, jobs, lane=None):
         names = [job.state.name for job in jobs]
         self.events.append(("launch", names))
-        return names, self.run(jobs, lane)
+        return SimpleNamespace(names=names, audio=self.run(jobs, lane), gpu_seconds=None)
 
     def finish(self, launched):
-        names, audio = launched
-        self.events.append(("finish", names))
-        return audio
+        self.events.append(("finish", launched.names))
+        return launched.audio
 
 
 @pytest.mark.parametrize("launch_ahead", [False, True])
