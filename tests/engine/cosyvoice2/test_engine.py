@@ -257,19 +257,23 @@ async def test_stage_counters_are_exported(cv2_gateway, cv2_engine):
     assert 'tts_llm_streams{engine="cosyvoice2"}' in text
 
 
-async def test_paged_flow_mode_serves_overlapping_turns_and_gives_their_state_back(cv2_engine):
+@pytest.mark.parametrize("launch_ahead", [False, True])
+async def test_paged_flow_mode_serves_overlapping_turns_and_gives_their_state_back(cv2_engine, launch_ahead):
     """flow_mode = "paged" (the GPU default) runs on CPU too: two turns spoken at once and one
     cancelled midway store their decoder state in the pool while they are generated, and every
     page is back once they end. With flow_steps other than 10, the pool and the voice prefixes
-    are kept for that many Euler steps."""
+    are kept for that many Euler steps. The same with launch_ahead: each call launched before
+    the last one is delivered."""
     import dataclasses
 
-    settings = dataclasses.replace(cv2_engine.settings, flow_mode="paged", token2wav_cache_gb=0.25, flow_steps=4)
+    settings = dataclasses.replace(
+        cv2_engine.settings, flow_mode="paged", token2wav_cache_gb=0.25, flow_steps=4, launch_ahead=launch_ahead
+    )
     engine = CosyVoice2Engine(settings)
     await engine.start()
     try:
         pool = engine.runner.turn_pool
-        assert pool is not None and pool.pages_in_use == 0
+        assert pool is not None and pool.pages_in_use == 0 and engine.scheduler.launch_ahead == launch_ahead
         assert engine.runner.flow_steps == pool.steps == engine.runner.prefixes.bank.steps == 4
         heard: dict[str, int] = {"a": 0, "b": 0}
 
