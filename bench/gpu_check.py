@@ -161,6 +161,7 @@ second_chunk_on_lane = {str(args.second_chunk_on_lane).lower()}
 flow_cudnn_attention = {str(not args.no_flow_cudnn_attention).lower()}
 flow_fused_norms = {str(args.flow_fused_norms).lower()}
 launch_ahead = {str(args.launch_ahead).lower()}
+min_call_rows = {args.min_call_rows}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
@@ -644,6 +645,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-flow-cudnn-attention", action="store_true",
                         help="the flow's attention left on the kernel vLLM's import leaves it (the memory-efficient "
                         "one; flow_cudnn_attention = false)")
+    parser.add_argument("--min-call-rows", type=int, default=1,
+                        help="min_call_rows of the gateway: calls wait for this many chunks while listeners have audio")
     parser.add_argument("--launch-ahead", action="store_true",
                         help="the token2wav thread launches its next call before it waits for the last (launch_ahead)")
     parser.add_argument("--flow-fused-norms", action="store_true",

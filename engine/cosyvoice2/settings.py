@@ -117,6 +117,12 @@ class CosyVoice2Settings:
     # Off until a GPU run has measured it on the paged path that waits for the GPU nowhere
     # (H100: before that it lost; docs/benchmarks.md).
     launch_ahead: bool = False
+    # The token2wav engine thread's calls wait until this many chunks are ready, while every
+    # listener of those chunks has audio to spare (1: every call runs as soon as one chunk is
+    # ready). A call costs much the same for a few rows as for several (its kernels are
+    # latency-bound at small sizes), so fewer, larger calls serve more sessions. Not yet
+    # measured on a GPU.
+    min_call_rows: int = 1
     stream_scale_factor: int = 1
     # A reply that reaches this many speech tokens per text token without eos is ended
     # there (the official maximum ratio, 20). Benchmarks on random weights, which never
@@ -228,6 +234,8 @@ class CosyVoice2Settings:
             raise ValueError("stall_timeout_s must be > 0")
         if not 1 <= self.max_batch <= 1024:
             raise ValueError("max_batch must be between 1 and 1024")
+        if not 1 <= self.min_call_rows <= self.max_batch:
+            raise ValueError("need 1 <= min_call_rows <= max_batch")
 
     @property
     def voices_path(self) -> Path:

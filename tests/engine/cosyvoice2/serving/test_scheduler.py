@@ -136,6 +136,38 @@ async def test_the_listener_closest_to_running_dry_goes_first():
         await asyncio.to_thread(scheduler.stop)
 
 
+async def test_calls_wait_for_min_call_rows_while_listeners_have_audio_to_spare():
+    """min_call_rows: chunks whose listeners have audio to spare wait until that many are ready
+    (then run in one call); a listener without audio never waits, and one whose audio runs low
+    gets its chunk without company (the scheduler wakes by itself for it)."""
+    fake = FakeToken2Wav()
+    scheduler = Scheduler(fake, max_batch=4, loop=asyncio.get_running_loop(), min_call_rows=3)
+    try:
+        queues = {name: asyncio.Queue() for name in "abcd"}
+        # add() does not wake the scheduler: each is in place before it looks.
+        playing = [add(scheduler, FakeState(name, 1), queues[name]) for name in "ab"]
+        with scheduler.lock:
+            for request in playing:  # 30 s of audio buffered each
+                request.clock.produced(30.0, time.monotonic())
+            scheduler.wake.notify_all()
+        await asyncio.sleep(0.3)
+        assert fake.batches == []  # two ready, both listeners far from running dry: held
+        add(scheduler, FakeState("c", 1), queues["c"])  # no audio yet: due at once
+        with scheduler.lock:
+            scheduler.wake.notify_all()
+        for name in "abc":
+            await until(queues[name].get())
+        assert sorted(fake.batches[0]) == ["a", "b", "c"]  # one call of the three
+        low = add(scheduler, FakeState("d", 1), queues["d"])
+        with scheduler.lock:
+            low.clock.produced(0.6, time.monotonic())  # runs dry in 0.6 s: waits at most ~0.3 s
+            scheduler.wake.notify_all()
+        await until(queues["d"].get(), 2)
+        assert fake.batches[1] == ["d"]
+    finally:
+        await asyncio.to_thread(scheduler.stop)
+
+
 class LaunchingToken2Wav(FakeToken2Wav):
     """Records when each call is launched and when its audio is taken (finish)."""
 
