@@ -377,8 +377,8 @@ class Scheduler:
         deadline; a listener with no audio yet is due at once). A call's decoder costs much
         the same for a few rows as for several (its kernels are latency-bound at small sizes:
         on an H100 ~70 ms a call plus ~65 us a row-frame at 10 Euler steps, from calls at one
-        and at 64 sessions), so calls of more rows serve more audio per second of GPU. Sets ``_wake_at`` to when the most urgent of them
-        stops having audio to spare."""
+        and at 64 sessions), so calls of more rows serve more audio per second of GPU. Sets
+        ``_wake_at`` to when the most urgent of them stops having audio to spare."""
         if len(ready) >= self.min_call_rows or not ready:
             return False
         urgent_at = ready[0][0] - HOLD_CALLS * self._recent_call_s - HOLD_MARGIN_S
