@@ -121,12 +121,16 @@ class HiftGraphs:
 
     @torch.inference_mode()
     def capture_allowed(self) -> None:
-        """Graphs of every allowed shape at every batch bucket (ahead of serving)."""
-        for frames, cached in sorted(self.shapes):
-            for batch in self.batches[: self.batches.index(rows_per_replay(self.batches, frames)) + 1]:
-                key = HiftKey(batch, frames, cached)
-                if key not in self.graphs:
-                    self._capture(key)
+        """Graphs of every allowed shape at every batch bucket up to its ``rows_per_replay``
+        (ahead of serving). Largest first, as the flow's: a smaller graph then fits in the pool
+        blocks a larger one's capture freed, instead of growing the pool by its own."""
+        keys = [
+            HiftKey(batch, frames, cached) for frames, cached in self.shapes
+            for batch in self.batches[: self.batches.index(rows_per_replay(self.batches, frames)) + 1]
+        ]
+        for key in sorted(keys, key=lambda k: (k.batch * k.frames, k.batch, k.frames, k.cached), reverse=True):
+            if key not in self.graphs:
+                self._capture(key)
 
     @holding_capture_lock
     def _capture(self, key: HiftKey) -> _CapturedVocoder:
