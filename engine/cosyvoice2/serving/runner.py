@@ -554,19 +554,8 @@ class Token2WavRunner:
     @torch.inference_mode()
     @timed_as("unpaged")
     def _flow(self, job: ChunkJob, lane: Lane | None = None) -> torch.Tensor:
-        request, prompt = job.request, job.request.prompt
-        state = request.stream
-        device = prompt.speech_feat.device
-        token = to_device([request.tokens[: job.end]], torch.int32, device)
-        args = (
-            token,
-            to_device([token.shape[1]], torch.int32, device),
-            prompt.speech_tokens,
-            to_device([prompt.tokens], torch.int32, device),
-            prompt.speech_feat,
-            to_device([prompt.speech_feat.shape[1]], torch.int32, device),
-            prompt.embedding,
-        )
+        state = job.request.stream
+        args = self._batch_args([job])
         graphs = self._flow_graphs(lane)
         streaming = self._streaming(job.finalize)
         if state.flow_cache is None or not streaming:
