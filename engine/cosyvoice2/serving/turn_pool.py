@@ -54,6 +54,7 @@ from torch import Tensor
 
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
 from tts_gateway.engine.cosyvoice2.model.flow import DecoderInputs, Flow, gather_frames
+from tts_gateway.engine.cosyvoice2.serving.fused_context import ContextRows, conv_input
 from tts_gateway.engine.cosyvoice2.serving.paged_varlen import ChunkSequences, attend_reference, chunk_sequences
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView
 from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
@@ -326,11 +327,12 @@ class PagedView(PrefixView):
             raise ValueError(f"a bank of {bank.steps} Euler steps with a pool of {pool.steps}")
         super().__init__(bank, rows.slots)
         self.pool = pool
-        self.stored = rows.stored.repeat(2)
-        self.commit = rows.commit.repeat(2)
-        self.read_slot = rows.turn_slot.repeat(2)
-        self.write_slot = torch.where(self.commit > 0, self.read_slot, pool.slot_scratch)
-        self.start = self.start + self.stored
+        stored = rows.stored.repeat(2)
+        commit = rows.commit.repeat(2)
+        read_slot = rows.turn_slot.repeat(2)
+        write_slot = torch.where(commit > 0, read_slot, pool.slot_scratch)
+        self.context_rows = ContextRows(stored, commit, read_slot, write_slot, self.slot_of_row, self.branch)
+        self.start = self.start + stored
         device = mask.device
         frames = mask.shape[2]
         new_frames = mask[:, 0].sum(dim=1, dtype=torch.long).repeat(2)
@@ -365,21 +367,9 @@ class PagedView(PrefixView):
         out = self.pool.attend(query.reshape(-1, heads, dim), pages, pages, self._plan, scale)
         return out.view(rows, frames, heads, dim)
 
-    def _at(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(step, turn slot, CFG row) into a conv-context tensor for rows ``index`` ``[2B]``."""
-        step = self.step if isinstance(self.step, Tensor) else torch.full((1,), self.step, device=index.device)
-        return step.expand(len(index)), index, self.branch
-
     def conv_input(self, slot: int, x: Tensor) -> Tensor:
-        stored = self.pool.conv_context[slot]
-        from_turn = stored[self._at(self.read_slot)]
-        context = torch.where((self.stored > 0)[:, None, None], from_turn, self._rows(self.bank.conv_context[slot]))
-        extended = torch.cat([context, x], dim=2)
-        # extended[:, :, e] is frame start - context + e: the context after the committed
-        # frames is extended[:, :, commit : commit + context].
-        take = self.commit[:, None] + torch.arange(context.shape[2], device=x.device)
-        stored.index_put_(self._at(self.write_slot), extended.gather(2, take[:, None].expand(-1, x.shape[1], -1)))
-        return extended
+        # One Triton kernel on the GPU with the flow's fused kernels on (fused_context.py).
+        return conv_input(x, self.pool.conv_context[slot], self.bank.conv_context[slot], self.step, self.context_rows)
 
 
 def pad_turn_rows(rows: TurnRows, pool: TurnStatePool, batch: int) -> TurnRows:
