@@ -87,7 +87,10 @@ class CosyVoice2Engine(Engine):
             if settings.flow_fused_norms and not fused_norms.available():
                 log.warning("flow_fused_norms: Triton does not import here; the flow's norms run as torch ops")
             else:
-                log.info("flow norms: %s", "fused Triton kernels" if settings.flow_fused_norms else "torch ops")
+                log.info(
+                    "flow norms and paged conv context: %s",
+                    "fused Triton kernels" if settings.flow_fused_norms else "torch ops",
+                )
         try:
             self.models = await asyncio.to_thread(
                 load_models,

@@ -191,8 +191,10 @@ class CosyVoice2Settings:
     # GPU: the flow decoder's layer norms as fused Triton kernels (model/fused_norms.py): each
     # causal block's norm, Mish, mask and following add in one kernel, and each transformer
     # block's residual add with the norm after it in another, instead of 4-6 small kernels and
-    # copies each. Off until a GPU run has measured it (exact on CPU through Triton's
-    # interpreter); false runs the plain torch ops (CPUs always do).
+    # copies each. In a paged call each causal convolution's input too (its left context from
+    # the turn-state pool or the voice prefix, the new context back to the pool) in one kernel
+    # instead of 9 (serving/fused_context.py). Off until a GPU run has measured it (exact on
+    # CPU through Triton's interpreter); false runs the plain torch ops (CPUs always do).
     flow_fused_norms: bool = False
     # The watchdog: a token2wav call running this long, or an utterance whose text has all
     # been sent waiting this long for its next speech token, means a stage has hung; the engine

@@ -35,7 +35,8 @@ except ImportError:  # a CPU build of torch comes without Triton: the references
     triton = None
 
 # The switch the engine sets from its flow_fused_norms setting (off until a GPU run has
-# measured the kernels); off, the GPU runs the plain torch ops too.
+# measured the kernels); off, the GPU runs the plain torch ops too. The paged decoder's
+# conv-input kernel (serving/fused_context.py) follows it as well.
 enabled = False
 
 # Set before Triton is imported, this makes its kernels Python functions over CPU tensors.
