@@ -6,7 +6,7 @@ a CUDA graph, in these variants:
 
 - ``bool``: the boolean mask handed to SDPA, which turns it into a bias in each of its 56
   attention calls (the decoder before ``flow.attention_bias``);
-- ``bias``: the decoder as it is, with its fused norm kernels off (``flow_fused_norms = false``):
+- ``bias``: the decoder as it is, with its fused norm kernels off (``flow_fused_kernels = false``):
   the mask turned into an additive bias once per estimator call, every norm plain torch ops;
 - ``fused``: the decoder as it ships: ``bias`` with the fused Triton norm kernels on
   (``model/fused_norms.py``);

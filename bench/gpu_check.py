@@ -159,7 +159,7 @@ first_chunk_lane = {str(not args.no_first_chunk_lane).lower()}
 first_chunk_by_load = {str(args.first_chunk_by_load).lower()}
 second_chunk_on_lane = {str(args.second_chunk_on_lane).lower()}
 flow_cudnn_attention = {str(not args.no_flow_cudnn_attention).lower()}
-flow_fused_norms = {str(args.flow_fused_norms).lower()}
+flow_fused_kernels = {str(args.flow_fused_kernels).lower()}
 launch_ahead = {str(args.launch_ahead).lower()}
 min_call_rows = {args.min_call_rows}
 
@@ -649,8 +649,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="min_call_rows of the gateway: calls wait for this many chunks while listeners have audio")
     parser.add_argument("--launch-ahead", action="store_true",
                         help="the token2wav thread launches its next call before it waits for the last (launch_ahead)")
-    parser.add_argument("--flow-fused-norms", action="store_true",
-                        help="the flow's layer norms as fused Triton kernels (flow_fused_norms = true)")
+    parser.add_argument("--flow-fused-kernels", action="store_true",
+                        help="the flow decoder's fused Triton kernels: norms, paged conv context (flow_fused_kernels = true)")
     parser.add_argument("--first-audio-without-word-timings", action="store_true",
                         help="each first-audio level again with sessions that ask for no word timings (their cost)")
     parser.add_argument("--kernel-profile-s", type=float, default=0.0,

@@ -81,15 +81,15 @@ class CosyVoice2Engine(Engine):
         if settings.flow_cudnn_attention:  # after the vLLM stage, whose import turned it off
             torch.backends.cuda.enable_cudnn_sdp(True)
         # Before any flow call: the CUDA graphs capture whichever norms are on.
-        fused_norms.enabled = settings.flow_fused_norms
+        fused_norms.enabled = settings.flow_fused_kernels
         if device.type == "cuda":
             log.info("flow attention: cuDNN SDPA %s", "on" if torch.backends.cuda.cudnn_sdp_enabled() else "off")
-            if settings.flow_fused_norms and not fused_norms.available():
-                log.warning("flow_fused_norms: Triton does not import here; the flow's norms run as torch ops")
+            if settings.flow_fused_kernels and not fused_norms.available():
+                log.warning("flow_fused_kernels: Triton does not import here; the flow runs torch ops")
             else:
                 log.info(
                     "flow norms and paged conv context: %s",
-                    "fused Triton kernels" if settings.flow_fused_norms else "torch ops",
+                    "fused Triton kernels" if settings.flow_fused_kernels else "torch ops",
                 )
         try:
             self.models = await asyncio.to_thread(

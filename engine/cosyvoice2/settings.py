@@ -195,7 +195,7 @@ class CosyVoice2Settings:
     # the turn-state pool or the voice prefix, the new context back to the pool) in one kernel
     # instead of 9 (serving/fused_context.py). Off until a GPU run has measured it (exact on
     # CPU through Triton's interpreter); false runs the plain torch ops (CPUs always do).
-    flow_fused_norms: bool = False
+    flow_fused_kernels: bool = False
     # The watchdog: a token2wav call running this long, or an utterance whose text has all
     # been sent waiting this long for its next speech token, means a stage has hung; the engine
     # then fails every utterance and reports itself failed (the gateway ends its sessions and

@@ -13,7 +13,7 @@ norm. Two Triton kernels do that work in one pass each:
 
 Each op computes its statistics in float32 and reads and writes the tensors' dtype. Which path
 runs is decided per call: the Triton kernel for CUDA tensors while :data:`enabled` is true
-(the engine's ``flow_fused_norms`` setting) and Triton imports, the torch reference
+(the engine's ``flow_fused_kernels`` setting) and Triton imports, the torch reference
 otherwise, so a CPU runs exactly the plain torch ops. Under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before Triton is imported) the kernels run on CPU tensors too,
 which is how the tests check them. The kernels launch on grids computed from tensor shapes
@@ -34,7 +34,7 @@ try:
 except ImportError:  # a CPU build of torch comes without Triton: the references serve
     triton = None
 
-# The switch the engine sets from its flow_fused_norms setting (off until a GPU run has
+# The switch the engine sets from its flow_fused_kernels setting (off until a GPU run has
 # measured the kernels); off, the GPU runs the plain torch ops too. The paged decoder's
 # conv-input kernel (serving/fused_context.py) follows it as well.
 enabled = False

@@ -12,7 +12,7 @@ copies a tile of the new frames into place, and the programs of a row's first fr
 write its context in front and its new context to the pool.
 
 Which path runs is decided per call, by the switch of the flow's other fused kernels
-(``fused_norms.enabled``, the engine's ``flow_fused_norms`` setting): the Triton kernel for
+(``fused_norms.enabled``, the engine's ``flow_fused_kernels`` setting): the Triton kernel for
 CUDA tensors while it is on and Triton imports, the torch reference otherwise, so a CPU runs
 exactly the plain torch ops. Under Triton's interpreter (``TRITON_INTERPRET=1``) the kernel
 runs on CPU tensors too, which is how the tests check it. The Euler step may be a device

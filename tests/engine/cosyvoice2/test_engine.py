@@ -69,16 +69,16 @@ async def test_flow_cudnn_attention_is_turned_back_on(cv2_engine):
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
-async def test_flow_fused_norms_switches_the_decoders_fused_kernels(cv2_engine, monkeypatch):
-    """flow_fused_norms (off by default) is the flow decoder's switch between the fused Triton
+async def test_flow_fused_kernels_switches_the_decoders_fused_kernels(cv2_engine, monkeypatch):
+    """flow_fused_kernels (off by default) is the flow decoder's switch between the fused Triton
     norm kernels and the plain torch ops (which a CPU runs either way); true turns it on."""
     import dataclasses
 
     from tts_gateway.engine.cosyvoice2.model import fused_norms
 
-    assert not cv2_engine.settings.flow_fused_norms and not fused_norms.enabled
+    assert not cv2_engine.settings.flow_fused_kernels and not fused_norms.enabled
     monkeypatch.setattr(fused_norms, "enabled", False)  # put back for the other tests
-    engine = CosyVoice2Engine(dataclasses.replace(cv2_engine.settings, flow_fused_norms=True))
+    engine = CosyVoice2Engine(dataclasses.replace(cv2_engine.settings, flow_fused_kernels=True))
     await engine.start()
     try:
         assert fused_norms.enabled

@@ -134,7 +134,7 @@ def test_cpu_tensors_take_the_plain_torch_ops(monkeypatch) -> None:
 
 
 def test_the_switch_turns_the_fused_path_off(monkeypatch) -> None:
-    """The flow's fused-kernel switch (flow_fused_norms) decides: off, no tensor takes the kernel."""
+    """The flow's fused-kernel switch (flow_fused_kernels) decides: off, no tensor takes the kernel."""
     monkeypatch.setattr(fused_norms, "enabled", False)
     monkeypatch.setattr(fused_norms, "INTERPRETED", True)  # as if CPU tensors could run kernels
     monkeypatch.setattr(fused_context, "_conv_input_triton", lambda *args: pytest.fail("the kernel ran"))
