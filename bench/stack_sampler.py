@@ -7,6 +7,11 @@ innermost Python function (its *self* time) and every function on its stack (*in
 time). ``kill -USR1`` writes the counts gathered since the last signal to OUT.json and
 starts afresh, so a load test can take one profile per concurrency level.
 
+With the summary come the token2wav calls and chunk deliveries of that span, in order
+(``CallTrace``): which thread ran each call, when, of how many chunks, and each chunk's wait
+and whether its listener had run out of audio by then. A level's aggregate totals cannot
+say why a burst of new turns stalls; its timeline can.
+
 ``kill -USR2`` starts torch's profiler on the GPU's kernels, and the next ``kill -USR2``
 stops it and writes the kernels by GPU time to OUT.kernels.json (``KernelProfiler``): what
 the token2wav stage's GPU time goes to, in a window of a level.
@@ -32,6 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 INTERVAL_S = 0.01
 TOP = 30
+# Calls and chunks a trace keeps between two dumps (the most recent): a level of 256
+# sessions delivers a few thousand chunks.
+TRACE_LIMIT = 20000
 
 
 @functools.lru_cache(maxsize=65536)
@@ -45,9 +53,69 @@ def _where(code) -> str:
     return f"{code.co_name} ({path}:{code.co_firstlineno})"
 
 
+class CallTrace:
+    """The token2wav scheduler's calls and chunk deliveries, as its latency book sees them.
+
+    It wraps the book's ``call`` and ``delivered`` (the scheduler calls both under its lock)
+    and records, in seconds from the trace's start: per call its thread (``lane``), start,
+    duration, kind and the requests of its chunks; per chunk its request, whether it was the
+    turn's first, when it was ready, when its call started and ended, and when its listener
+    runs out of audio (None for a first chunk: its listener has none yet).
+    """
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.lock = threading.Lock()  # records come from the token2wav threads, takes from a signal
+        self.calls: collections.deque = collections.deque(maxlen=TRACE_LIMIT)
+        self.chunks: collections.deque = collections.deque(maxlen=TRACE_LIMIT)
+
+    def install(self) -> None:
+        from tts_gateway.engine.cosyvoice2.serving.latency import LatencyBook
+
+        book_call, book_delivered = LatencyBook.call, LatencyBook.delivered
+        trace = self
+
+        def call(book, kind, jobs, started, now, on_lane):
+            trace.record(trace.calls, {
+                "lane": on_lane, "at": trace.since(started), "s": round(now - started, 4), "kind": kind,
+                "requests": [job.request.request_id for job in jobs],
+            })
+            return book_call(book, kind, jobs, started, now, on_lane)
+
+        def delivered(book, request, started, now):
+            clock = request.clock
+            first = clock.first_audio_at is None
+            trace.record(trace.chunks, {
+                "request": request.request_id, "first": first,
+                "ready": trace.since(request.ready_at if request.ready_at is not None else started),
+                "started": trace.since(started), "done": trace.since(now),
+                "runs_out": None if first else trace.since(clock.deadline(now)),
+            })
+            return book_delivered(book, request, started, now)
+
+        LatencyBook.call, LatencyBook.delivered = call, delivered
+
+    def since(self, moment: float) -> float:
+        return round(moment - self.started, 4)
+
+    def record(self, records: collections.deque, entry: dict) -> None:
+        with self.lock:
+            records.append(entry)
+
+    def take(self) -> dict:
+        """The calls and chunks since the last take, and a fresh start."""
+        with self.lock:
+            report = {"calls": list(self.calls), "chunks": list(self.chunks)}
+            self.started = time.monotonic()
+            self.calls.clear()
+            self.chunks.clear()
+        return report
+
+
 class Sampler:
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, trace: CallTrace | None = None) -> None:
         self.out = out
+        self.trace = trace
         self.lock = threading.Lock()
         self._reset()
 
@@ -89,6 +157,8 @@ class Sampler:
                     for name, count in self.samples.most_common(8)
                 },
             }
+            if self.trace is not None:
+                report["token2wav_trace"] = self.trace.take()
             self._reset()
         tmp = self.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(report, indent=1))
@@ -144,13 +214,15 @@ class KernelProfiler:
 
 def main() -> int:
     out = Path(sys.argv[1])
-    sampler = Sampler(out)
+    sys.path.insert(0, str(ROOT))
+    trace = CallTrace()
+    trace.install()
+    sampler = Sampler(out, trace)
     signal.signal(signal.SIGUSR1, sampler.dump)
     threading.Thread(target=sampler.run, name="stack-sampler", daemon=True).start()
     kernels = KernelProfiler(out.with_suffix(".kernels.json"))
     signal.signal(signal.SIGUSR2, kernels.toggle)
     threading.Thread(target=kernels.run, name="kernel-profiler", daemon=True).start()
-    sys.path.insert(0, str(ROOT))
     from tts_gateway.gateway.cli import main as gateway_main
 
     return gateway_main(sys.argv[2:])

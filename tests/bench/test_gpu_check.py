@@ -147,6 +147,45 @@ def test_stack_sampler_reports_where_each_thread_is(tmp_path):
     assert "busy-worker" not in json.loads(out.read_text())["threads"]
 
 
+def test_the_sampler_dumps_the_token2wav_calls_and_chunks_of_its_span(tmp_path, monkeypatch):
+    """bench/stack_sampler.py's CallTrace: each call and chunk the scheduler books, in its span."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    import stack_sampler
+    from tts_gateway.engine.cosyvoice2.serving.latency import LatencyBook
+    from tts_gateway.engine.cosyvoice2.serving.request import Request
+
+    monkeypatch.setattr(LatencyBook, "call", LatencyBook.call)  # restored after the test
+    monkeypatch.setattr(LatencyBook, "delivered", LatencyBook.delivered)
+    trace = stack_sampler.CallTrace()
+    trace.install()
+    out = tmp_path / "profile.json"
+    sampler = stack_sampler.Sampler(out, trace)
+    book = LatencyBook()
+    opening, playing = Request(prompt=None, stream=None, output=None), Request(prompt=None, stream=None, output=None)
+    start = time.monotonic()
+    playing.clock.produced(2.0, start - 1.0)  # its listener has heard a second of two
+    playing.ready_at = start - 0.05
+    jobs = [SimpleNamespace(request=opening, early=False), SimpleNamespace(request=playing, early=False)]
+    book.delivered(opening, start, start + 0.1)
+    book.delivered(playing, start, start + 0.1)
+    book.call("later", jobs, start, start + 0.1, False)
+    assert book.totals()["token2wav_batches"] == 1  # the book still counts
+    sampler.dump()
+    report = json.loads(out.read_text())["token2wav_trace"]
+    [call] = report["calls"]
+    assert call["kind"] == "later" and not call["lane"] and call["s"] == 0.1
+    assert call["requests"] == [opening.request_id, playing.request_id]
+    first, later = report["chunks"]
+    assert first["first"] and first["runs_out"] is None and first["done"] - first["started"] == pytest.approx(0.1)
+    assert not later["first"] and later["runs_out"] - later["started"] == pytest.approx(1.0, abs=1e-3)
+    assert later["started"] - later["ready"] == pytest.approx(0.05, abs=1e-3)
+    sampler.dump()  # a trace starts afresh after each dump
+    assert json.loads(out.read_text())["token2wav_trace"] == {"calls": [], "chunks": []}
+
+
 def test_a_level_starts_once_the_gateway_is_idle(monkeypatch):
     busy = [{"tts_engine_running": 1.0}, {"tts_engine_utterances": 3.0}, {"tts_engine_queue_depth": 0.0}]
     scrapes = []
