@@ -15,6 +15,12 @@ as the engine's start-up does; a second is checked. With a pool too small for ev
 (``--pool-gb 0.5``), turns fall back to recompute after their voice prefix, whose calls read
 the device by design: the report then names those lines. On a CPU (``--device cpu --size
 tiny``) there is nothing to wait for: a smoke test of the script.
+
+Each checked call is also timed, phase by phase on the GPU's timeline (phase_clock.py):
+alone on the GPU, with the engine's graphs, a paged call's cost by its rows and new frames,
+without a gateway's run-to-run spread. ``--fused-kernels`` turns the decoder's fused Triton
+kernels on (``flow_fused_kernels``); ``--rows 1,8,32`` streams each count in turn on one
+runner, so one run gives the decoder's cost a call and a row-frame.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.token2wav_chunk_cost import voiced_prompt  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model import fused_norms  # noqa: E402
 from tts_gateway.engine.cosyvoice2.model.loading import DTYPES, load_models  # noqa: E402
 from tts_gateway.engine.cosyvoice2.modeldir.layout import missing_files  # noqa: E402
 from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets  # noqa: E402
@@ -66,9 +73,18 @@ def where(error: BaseException) -> list[str]:
     return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames if f.filename.startswith(str(ROOT))]
 
 
+def gpu_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per phase on the GPU's timeline between two of the runner's work totals."""
+    prefix = "flow_phase_gpu_seconds_"
+    return {
+        name[len(prefix):]: round(1000 * (value - before.get(name, 0.0)), 2)
+        for name, value in after.items() if name.startswith(prefix)
+    }
+
+
 def stream(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: bool) -> list[dict]:
     """Turns of ``rows`` streams run to their ends, one call per chunk; each call's launch
-    checked for waits when ``checked``."""
+    checked for waits when ``checked``, and its phases timed (``gpu_ms``, on a GPU)."""
     device = prompt.speech_feat.device
     generator = torch.Generator().manual_seed(rows)
     streams = [
@@ -78,7 +94,11 @@ def stream(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: boo
     ]
     calls = []
     while jobs := [job for job in map(runner.schedule.next_job, streams) if job is not None]:
-        call = {"rows": len(jobs), "frames": max(runner.call_frames(job) for job in jobs), "waits": None}
+        call = {
+            "rows": len(jobs), "frames": max(runner.call_frames(job) for job in jobs),
+            "new_frames": runner.schedule.mel_ratio * max(job.advance for job in jobs), "waits": None,
+        }
+        before = runner.work_totals()
         try:
             with waits_raise(device) if checked else contextlib.nullcontext():
                 launched = runner.launch(jobs)
@@ -87,7 +107,10 @@ def stream(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: boo
             calls.append(call)
             break
         runner.finish(launched)
+        call["gpu_ms"] = gpu_ms(before, runner.work_totals())
         calls.append(call)
+    for request in streams:  # their pages back to the pool, as the engine does when a turn ends
+        runner.release(request.stream)
     return calls
 
 
@@ -97,10 +120,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on cuda")
-    parser.add_argument("--rows", type=int, default=4, help="turns streamed together")
+    parser.add_argument("--rows", default="4", help="turns streamed together; a list (1,8,32) streams each in turn")
+    parser.add_argument("--fused-kernels", action="store_true", help="the decoder's fused Triton kernels on")
     parser.add_argument("--pool-gb", type=float, default=4.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    counts = [int(n) for n in args.rows.split(",")]
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     model_dir = args.model_dir
@@ -118,19 +143,26 @@ def main(argv: list[str] | None = None) -> dict:
     )
     runner.prepare_voices([prompt], prompt.tokens)
     if device.type == "cuda":  # the paged calls' graphs and the vocoder's, as the engine captures them
-        buckets = FlowBuckets.up_to(args.rows, 2 * 200 + 100, 50)
+        buckets = FlowBuckets.up_to(max(counts), 2 * 200 + 100, 50)
         graphs = FlowGraphs(models.flow.decoder, buckets, bank=runner.prefixes.bank, pool=runner.turn_pool)
         graphs.capture(buckets.batches, buckets.frame_buckets(), [True], max_row_frames=MAX_CALL_ROW_FRAMES,
                        paged=True)
         runner.flow_graphs = graphs
-        capture_hift_graphs(runner, args.rows, [prompt.tokens])
-    with torch.inference_mode():
-        stream(runner, prompt, args.rows, checked=False)
-        calls = stream(runner, prompt, args.rows, checked=True)
+        capture_hift_graphs(runner, max(counts), [prompt.tokens])
+    shipped, fused_norms.enabled = fused_norms.enabled, args.fused_kernels
+    try:
+        with torch.inference_mode():
+            calls = []
+            for rows in counts:
+                stream(runner, prompt, rows, checked=False)
+                calls += stream(runner, prompt, rows, checked=True)
+    finally:
+        fused_norms.enabled = shipped
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "size": args.size,
-        "rows": args.rows,
+        "rows": counts,
+        "fused_kernels": args.fused_kernels,
         "calls": calls,
         "launches_that_waited": sum(call["waits"] is not None for call in calls),
     }

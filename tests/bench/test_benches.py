@@ -37,12 +37,14 @@ def test_bench_flow_graphs_smoke_cpu(tmp_path, capsys) -> None:
 
 
 def test_bench_launch_waits_smoke_cpu(tmp_path) -> None:
-    """Two turns streamed through a paged runner to their ends, a launch per chunk (a CPU has
-    no waits to find: a smoke test of the script)."""
+    """One turn, then two, streamed through a paged runner to their ends, a launch per chunk (a
+    CPU has no waits to find nor a GPU clock to read: a smoke test of the script)."""
     out = tmp_path / "waits.json"
-    report = bench_launch_waits.main(["--size", "tiny", "--device", "cpu", "--rows", "2", "--json", str(out)])
+    report = bench_launch_waits.main(["--size", "tiny", "--device", "cpu", "--rows", "1,2", "--json", str(out)])
     assert json.loads(out.read_text()) == report
-    assert len(report["calls"]) >= 4 and all(call["rows"] == 2 for call in report["calls"])
+    assert [call["rows"] for call in report["calls"]] == sorted(call["rows"] for call in report["calls"])
+    assert {call["rows"] for call in report["calls"]} == {1, 2} and len(report["calls"]) >= 8
+    assert all(call["new_frames"] > 0 and call["gpu_ms"] == {} for call in report["calls"])  # no GPU clock here
     assert report["launches_that_waited"] == 0
 
 
