@@ -19,7 +19,8 @@ tiny``) there is nothing to wait for: a smoke test of the script.
 Each checked call is also timed, phase by phase on the GPU's timeline (phase_clock.py):
 alone on the GPU, with the engine's graphs, a paged call's cost by its rows and new frames,
 without a gateway's run-to-run spread. ``--fused-kernels`` turns the decoder's fused Triton
-kernels on (``flow_fused_kernels``); ``--rows 1,8,32`` streams each count in turn on one
+kernels on (``flow_fused_kernels``), ``--attention-splits 1`` holds FlashAttention to one
+part of each piece's keys (no combining kernel); ``--rows 1,8,32`` streams each count in turn on one
 runner, so one run gives the decoder's cost a call and a row-frame.
 """
 
@@ -46,6 +47,7 @@ from tts_gateway.engine.cosyvoice2.modeldir.layout import missing_files  # noqa:
 from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets  # noqa: E402
 from tts_gateway.engine.cosyvoice2.serving.call_plan import MAX_CALL_ROW_FRAMES  # noqa: E402
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.paged_varlen import flash_attend  # noqa: E402
 from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus, VoicePrompt  # noqa: E402
 from tts_gateway.engine.cosyvoice2.serving.runner import Token2WavRunner  # noqa: E402
 from tts_gateway.engine.cosyvoice2.serving.startup import capture_hift_graphs  # noqa: E402
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on cuda")
     parser.add_argument("--rows", default="4", help="turns streamed together; a list (1,8,32) streams each in turn")
     parser.add_argument("--fused-kernels", action="store_true", help="the decoder's fused Triton kernels on")
+    parser.add_argument("--attention-splits", type=int, default=0,
+                        help="FlashAttention's key splits in the paged attention (0: the kernel's choice)")
     parser.add_argument("--pool-gb", type=float, default=4.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -143,6 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     runner.prepare_voices([prompt], prompt.tokens)
     if device.type == "cuda":  # the paged calls' graphs and the vocoder's, as the engine captures them
+        runner.turn_pool.attend = flash_attend(models.flow.decoder.estimator.attention_layers[0].dim,
+                                               args.attention_splits)
         buckets = FlowBuckets.up_to(max(counts), 2 * 200 + 100, 50)
         graphs = FlowGraphs(models.flow.decoder, buckets, bank=runner.prefixes.bank, pool=runner.turn_pool)
         graphs.capture(buckets.batches, buckets.frame_buckets(), [True], max_row_frames=MAX_CALL_ROW_FRAMES,
@@ -163,6 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         "size": args.size,
         "rows": counts,
         "fused_kernels": args.fused_kernels,
+        "attention_splits": args.attention_splits,
         "calls": calls,
         "launches_that_waited": sum(call["waits"] is not None for call in calls),
     }

@@ -99,12 +99,17 @@ def attend_reference(query: Tensor, key_pages: Tensor, value_pages: Tensor, plan
     return out
 
 
-def flash_attend(head_dim: int) -> Callable[[Tensor, Tensor, Tensor, ChunkSequences, float | None], Tensor]:
+def flash_attend(
+    head_dim: int, num_splits: int = 0,
+) -> Callable[[Tensor, Tensor, Tensor, ChunkSequences, float | None], Tensor]:
     """The paged varlen FlashAttention kernel of the vLLM the GPU engine runs on (fewer key
-    heads than query heads are shared, as in grouped-query attention)."""
+    heads than query heads are shared, as in grouped-query attention). ``num_splits``: how
+    many parts each piece's keys are split into, run in parallel and combined by a kernel of
+    their own (0: the kernel's choice by shape; 1: no split, no combining kernel)."""
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
+    splits = {"num_splits": num_splits} if num_splits else {}  # the kernel's own choice unless asked
     version = get_flash_attn_version(head_size=head_dim)  # FA3 on Hopper (vLLM 0.26's wheel has no FA2 kernel)
 
     def attend(query: Tensor, key_pages: Tensor, value_pages: Tensor, plan: ChunkSequences,
@@ -112,7 +117,7 @@ def flash_attend(head_dim: int) -> Callable[[Tensor, Tensor, Tensor, ChunkSequen
         return flash_attn_varlen_func(
             q=query, k=key_pages, v=value_pages, cu_seqlens_q=plan.cu_seqlens_q, max_seqlen_q=plan.max_seqlen_q,
             seqused_k=plan.seqused_k, max_seqlen_k=plan.max_seqlen_k, block_table=plan.block_table, causal=False,
-            softmax_scale=scale, fa_version=version,
+            softmax_scale=scale, fa_version=version, **splits,
         )
 
     return attend
