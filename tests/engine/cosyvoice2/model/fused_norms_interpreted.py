@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -24,17 +23,7 @@ from tts_gateway.engine.cosyvoice2.model.estimator import CausalBlock, Estimator
 from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, solve_after_prefix
 from tests.reference import randomize
-
-launches: Counter[str] = Counter()
-
-
-def counted(name: str, launch: Callable) -> Callable:
-    def run(*args, **kwargs):
-        launches[name] += 1
-        return launch(*args, **kwargs)
-
-    return run
-
+from tests.triton_interpreter import counted, launches
 
 fused_norms._norm_mish_mask_triton = counted("norm_mish_mask", fused_norms._norm_mish_mask_triton)
 fused_norms._add_norm_triton = counted("add_norm", fused_norms._add_norm_triton)

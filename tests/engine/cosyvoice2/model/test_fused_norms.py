@@ -11,17 +11,12 @@ the textbook formulas, and the dispatch: CPU tensors take the plain torch ops.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch import nn
 
 from tts_gateway.engine.cosyvoice2.model import fused_norms
-from tests.paths import ROOT
+from tests.triton_interpreter import run_cases
 
 # float32: each output is computed once either way, from the same inputs; only the order of
 # float32 operations differs.
@@ -30,14 +25,7 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.engine.cosyvoice2.model.fused_norms_interpreted"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout)
+    return run_cases("tests.engine.cosyvoice2.model.fused_norms_interpreted")
 
 
 def test_the_interpreter_ran_every_case(interpreted) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from collections import Counter
 from collections.abc import Callable, Iterator
 
 import torch
@@ -32,17 +31,7 @@ from tts_gateway.engine.cosyvoice2.serving.fused_context import ContextRows
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnStatePool, pad_turn_rows, solve_paged, turn_rows
 from tests.reference import randomize
-
-launches: Counter[str] = Counter()
-
-
-def counted(name: str, launch: Callable) -> Callable:
-    def run(*args, **kwargs):
-        launches[name] += 1
-        return launch(*args, **kwargs)
-
-    return run
-
+from tests.triton_interpreter import counted, launches
 
 fused_context._conv_input_triton = counted("conv_input", fused_context._conv_input_triton)
 fused_norms._norm_mish_mask_triton = counted("norm_mish_mask", fused_norms._norm_mish_mask_triton)

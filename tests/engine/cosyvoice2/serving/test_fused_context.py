@@ -12,11 +12,6 @@ definition, and the dispatch: CPU tensors take the plain torch ops.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -25,7 +20,7 @@ from tts_gateway.engine.cosyvoice2.model.cfm import CFM
 from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig
 from tts_gateway.engine.cosyvoice2.serving import fused_context
 from tts_gateway.engine.cosyvoice2.serving.fused_context import ContextRows
-from tests.paths import ROOT
+from tests.triton_interpreter import run_cases
 
 OP_CASES = {
     "conv_input/rows/int step", "conv_input/rows/tensor step", "conv_input/padding/row 0 stored=50",
@@ -37,14 +32,7 @@ SOLVE_CASES = {"solve_paged/conv_input fused", "graph step program/conv_input fu
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.engine.cosyvoice2.serving.fused_context_interpreted"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout)
+    return run_cases("tests.engine.cosyvoice2.serving.fused_context_interpreted")
 
 
 def test_the_interpreter_ran_every_case(interpreted) -> None:
