@@ -21,7 +21,7 @@ alone on the GPU, with the engine's graphs, a paged call's cost by its rows and 
 without a gateway's run-to-run spread. ``--fused-kernels`` turns the decoder's fused Triton
 kernels on (``flow_fused_kernels``), ``--attention-splits 1`` holds FlashAttention to one
 part of each piece's keys (no combining kernel); ``--rows 1,8,32`` streams each count in turn on one
-runner, so one run gives the decoder's cost a call and a row-frame.
+runner, so one run gives the decoder's cost a call and a row-frame (``decoder_cost``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +117,30 @@ def stream(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: boo
     return calls
 
 
+def decoder_cost(calls: list[dict]) -> dict | None:
+    """The decoder's GPU time of these calls as a line in their row-frames (rows x new frames):
+    milliseconds a call, microseconds a row-frame (least squares; None without two sizes)."""
+    timed = [(call["rows"] * call["new_frames"], call["gpu_ms"]["decoder"]) for call in calls
+             if "decoder" in call.get("gpu_ms", {})]
+    if len({size for size, _ in timed}) < 2:
+        return None
+    slope, intercept = np.polyfit([size for size, _ in timed], [ms for _, ms in timed], 1)
+    return {
+        "calls": len(timed), "ms_per_call": round(float(intercept), 2), "us_per_row_frame": round(float(1000 * slope), 2),
+    }
+
+
+def capture_graphs(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, attention_splits: int) -> None:
+    """The paged calls' graphs up to ``rows`` and the vocoder's, as the engine captures them."""
+    decoder = runner.flow.decoder
+    runner.turn_pool.attend = flash_attend(decoder.estimator.attention_layers[0].dim, attention_splits)
+    buckets = FlowBuckets.up_to(rows, 2 * 200 + 100, 50)
+    graphs = FlowGraphs(decoder, buckets, bank=runner.prefixes.bank, pool=runner.turn_pool)
+    graphs.capture(buckets.batches, buckets.frame_buckets(), [True], max_row_frames=MAX_CALL_ROW_FRAMES, paged=True)
+    runner.flow_graphs = graphs
+    capture_hift_graphs(runner, rows, [prompt.tokens])
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
@@ -145,18 +170,13 @@ def main(argv: list[str] | None = None) -> dict:
         models.flow, models.hift, scale=2, max_hop_len=200, incremental=False, prefix_voices=1,
         turn_state_bytes=int(args.pool_gb * 2**30), final_attention="chunk",
     )
-    runner.prepare_voices([prompt], prompt.tokens)
-    if device.type == "cuda":  # the paged calls' graphs and the vocoder's, as the engine captures them
-        runner.turn_pool.attend = flash_attend(models.flow.decoder.estimator.attention_layers[0].dim,
-                                               args.attention_splits)
-        buckets = FlowBuckets.up_to(max(counts), 2 * 200 + 100, 50)
-        graphs = FlowGraphs(models.flow.decoder, buckets, bank=runner.prefixes.bank, pool=runner.turn_pool)
-        graphs.capture(buckets.batches, buckets.frame_buckets(), [True], max_row_frames=MAX_CALL_ROW_FRAMES,
-                       paged=True)
-        runner.flow_graphs = graphs
-        capture_hift_graphs(runner, max(counts), [prompt.tokens])
+    # As the engine sets it, before the voice's prefix and the graphs (a graph replays the
+    # kernels that ran at its capture).
     shipped, fused_norms.enabled = fused_norms.enabled, args.fused_kernels
     try:
+        runner.prepare_voices([prompt], prompt.tokens)
+        if device.type == "cuda":
+            capture_graphs(runner, prompt, max(counts), args.attention_splits)
         with torch.inference_mode():
             calls = []
             for rows in counts:
@@ -170,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": counts,
         "fused_kernels": args.fused_kernels,
         "attention_splits": args.attention_splits,
+        "decoder_cost": decoder_cost(calls),
         "calls": calls,
         "launches_that_waited": sum(call["waits"] is not None for call in calls),
     }

@@ -46,6 +46,10 @@ def test_bench_launch_waits_smoke_cpu(tmp_path) -> None:
     assert {call["rows"] for call in report["calls"]} == {1, 2} and len(report["calls"]) >= 8
     assert all(call["new_frames"] > 0 and call["gpu_ms"] == {} for call in report["calls"])  # no GPU clock here
     assert report["launches_that_waited"] == 0
+    assert report["decoder_cost"] is None  # nothing timed on a CPU to fit
+    sizes = [(1, 50), (8, 100), (32, 60)]
+    calls = [{"rows": r, "new_frames": f, "gpu_ms": {"decoder": 70 + 0.065 * r * f}} for r, f in sizes]
+    assert bench_launch_waits.decoder_cost(calls) == {"calls": 3, "ms_per_call": 70.0, "us_per_row_frame": 65.0}
 
 
 def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
