@@ -13,12 +13,8 @@
 #   . /root/vllm-env.sh && bash bench/with_mps.sh bash bench/gpu_check.sh [options]
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
-export PYTHONUNBUFFERED=1
-# Packages the GPU image lacks (websockets, orjson, soxr), then this repo itself, so that
-# vLLM's processes find the cosyvoice2 plugin entry point.
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+# shellcheck source=bench/gpu_install.sh
+. bench/gpu_install.sh || exit 1
 if [ -d .gpu/balancer ]; then
     # HAProxy for --through-balancer, unpacked beside the system (not over it); a wrapper on
     # PATH points it at the libraries it brought.

@@ -22,10 +22,8 @@ set -euo pipefail
 : "${OUT:?set OUT to the output folder}"
 MODEL_DIR=/tmp/cv2-full
 
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-# This checkout, importable as tts_gateway (pyproject.toml maps its folders there).
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-export PYTHONUNBUFFERED=1
+# shellcheck source=bench/gpu_install.sh
+. bench/gpu_install.sh
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv > "$OUT/gpu.txt"
 nvidia-smi >> "$OUT/gpu.txt"

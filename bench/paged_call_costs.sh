@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# A paged token2wav call's cost on the GPU, alone, by rows and new frames (bench/launch_waits.py):
+# the decoder as plain torch ops, with its fused Triton kernels (flow_fused_kernels), and with
+# those and FlashAttention's keys unsplit (no combining kernel). Each variant reports every
+# call's phases, any launch that waited, and the decoder's cost fitted as ms a call plus us a
+# row-frame. One device call after the vLLM bundle's staging calls (~5 minutes):
+#   carry [".whl", ".gpu"], command: . /root/vllm-env.sh && bash bench/paged_call_costs.sh
+# Writes $OUT/paged_call_costs_<variant>.json and .log; the checkpoint goes to /tmp/cv2-full
+# (the one bench/gpu_check.sh serves, made here if missing).
+set -uo pipefail
+: "${OUT:?set OUT to the output folder}"
+# shellcheck source=bench/gpu_install.sh
+. bench/gpu_install.sh || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv > "$OUT/gpu.txt"
+status=0
+for variant in "plain:" "fused:--fused-kernels" "fused_unsplit:--fused-kernels --attention-splits 1"; do
+    name=${variant%%:*}
+    # shellcheck disable=SC2086  # the variant's options split into words
+    timeout 170 python3 bench/launch_waits.py --device cuda --size full --model-dir /tmp/cv2-full --rows 1,8,32 \
+        --pool-gb 24 ${variant#*:} --json "$OUT/paged_call_costs_$name.json" > "$OUT/paged_call_costs_$name.log" 2>&1
+    code=$?
+    echo "$name: exit $code"
+    [ "$code" = 0 ] || { status=1; tail -5 "$OUT/paged_call_costs_$name.log"; }
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(r['decoder_cost'], r['launches_that_waited'])" \
+        "$OUT/paged_call_costs_$name.json" 2>/dev/null
+done
+exit "$status"
