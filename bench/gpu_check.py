@@ -650,7 +650,7 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--launch-ahead", action="store_true",
                         help="the token2wav thread launches its next call before it waits for the last (launch_ahead)")
     parser.add_argument("--flow-fused-kernels", action="store_true",
-                        help="the flow decoder's fused Triton kernels: norms, paged conv context (flow_fused_kernels = true)")
+                        help="the flow decoder's fused Triton kernels (flow_fused_kernels = true)")
     parser.add_argument("--first-audio-without-word-timings", action="store_true",
                         help="each first-audio level again with sessions that ask for no word timings (their cost)")
     parser.add_argument("--kernel-profile-s", type=float, default=0.0,

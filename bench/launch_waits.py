@@ -125,9 +125,8 @@ def decoder_cost(calls: list[dict]) -> dict | None:
     if len({size for size, _ in timed}) < 2:
         return None
     slope, intercept = np.polyfit([size for size, _ in timed], [ms for _, ms in timed], 1)
-    return {
-        "calls": len(timed), "ms_per_call": round(float(intercept), 2), "us_per_row_frame": round(float(1000 * slope), 2),
-    }
+    ms, us = round(float(intercept), 2), round(float(1000 * slope), 2)
+    return {"calls": len(timed), "ms_per_call": ms, "us_per_row_frame": us}
 
 
 def capture_graphs(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, attention_splits: int) -> None:

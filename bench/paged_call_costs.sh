@@ -21,7 +21,7 @@ for variant in "plain:" "fused:--fused-kernels" "fused_unsplit:--fused-kernels -
     code=$?
     echo "$name: exit $code"
     [ "$code" = 0 ] || { status=1; tail -5 "$OUT/paged_call_costs_$name.log"; }
-    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(r['decoder_cost'], r['launches_that_waited'])" \
-        "$OUT/paged_call_costs_$name.json" 2>/dev/null
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
+print('decoder', r['decoder_cost'], 'launches that waited', r['launches_that_waited'])" "$OUT/paged_call_costs_$name.json"
 done
 exit "$status"
