@@ -189,7 +189,10 @@ class SelfAttention(nn.Module):
     x_j = W_v sum_j p_j x_j``. A view that keeps the inputs (``CachedFrames.keeps_inputs``) is
     given the query so carried over, ``dim`` wide per head, and its result is carried back
     per head: the same attention, from a quarter of the state (``dim`` values per frame
-    instead of keys and values of ``heads x head_dim`` each)."""
+    instead of keys and values of ``heads x head_dim`` each).
+
+    :meth:`fold_input_attention` multiplies those carries into the projections once, so that
+    attention through such a view is one matrix product in front and one behind (see there)."""
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -202,17 +205,23 @@ class SelfAttention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
         self.cache_slot = -1  # set by Estimator
+        # The folded products (fold_input_attention), None until folded. Buffers, so that they
+        # move and convert with the module; not persistent, so the state dict stays the official one.
+        self.qk_weight: Tensor | None
+        self.vo_weight: Tensor | None
+        self.register_buffer("qk_weight", None, persistent=False)
+        self.register_buffer("vo_weight", None, persistent=False)
 
     def forward(self, x: Tensor, mask: Tensor | None, view: CachedFrames | None) -> Tensor:
+        if view is not None and view.keeps_inputs:
+            return self._attend_inputs(x, view)
         batch, frames, _ = x.shape
 
         def heads(h: Tensor) -> Tensor:
             return h.view(batch, frames, self.heads, self.head_dim)
 
         query = heads(self.to_q(x))
-        if view is not None and view.keeps_inputs:
-            out = self._attend_inputs(query, x, view)
-        elif view is not None:
+        if view is not None:
             out = view.attend(self.cache_slot, query, heads(self.to_k(x)), heads(self.to_v(x)), mask)
         else:
             key, value = heads(self.to_k(x)), heads(self.to_v(x))
@@ -221,12 +230,51 @@ class SelfAttention(nn.Module):
             ).transpose(1, 2)
         return self.to_out[0](out.reshape(batch, frames, self.heads * self.head_dim))
 
-    def _attend_inputs(self, query: Tensor, x: Tensor, view: CachedFrames) -> Tensor:
+    @torch.no_grad()
+    def fold_input_attention(self) -> None:
+        """Fold the projections for attention over the layer's inputs (a view that ``keeps_inputs``).
+
+        ``qk_weight`` ``[heads * dim, dim]``: head h's rows are ``W_k,h^T W_q,h``, so ``x
+        qk_weight^T`` is every head's query carried to input space. ``vo_weight`` ``[dim, heads *
+        dim]``: head h's columns are ``W_o,h W_v,h`` (``W_o,h``: to_out's columns of head h), so
+        the heads' results times ``vo_weight^T`` plus to_out's bias is the layer's output. Each
+        head's query and value projections then run inside those two products instead of as
+        separate per-head products with their layout copies. The products are taken in float32,
+        then stored in the weights' dtype and device. Fold after the weights are loaded and
+        converted, and again after they change, not while a CUDA graph captures; folding again
+        writes into the buffers already held (CUDA graphs keep their addresses)."""
+        dtype, device = self.to_q.weight.dtype, self.to_q.weight.device
+        w_q, w_k, w_v = (
+            linear.weight.float().view(self.heads, self.head_dim, self.dim)
+            for linear in (self.to_q, self.to_k, self.to_v)
+        )
+        w_o = self.to_out[0].weight.float().view(self.dim, self.heads, self.head_dim)
+        qk = torch.einsum("hdc,hde->hce", w_k, w_q).reshape(self.heads * self.dim, self.dim)
+        vo = torch.einsum("ohd,hdc->ohc", w_o, w_v).reshape(self.dim, self.heads * self.dim)
+        for name, product in (("qk_weight", qk), ("vo_weight", vo)):
+            folded = product.to(dtype=dtype, device=device).contiguous()
+            held = getattr(self, name)
+            if held is not None and (held.shape, held.dtype, held.device) == (folded.shape, dtype, device):
+                with torch.inference_mode():  # held may have been made in inference mode
+                    held.copy_(folded)  # in place: graphs captured over the held buffers stay valid
+            else:
+                setattr(self, name, folded)
+
+    def _attend_inputs(self, x: Tensor, view: CachedFrames) -> Tensor:
         """Attention through a view that keeps this layer's inputs (see the class)."""
+        batch, frames, _ = x.shape
+        scale = self.head_dim**-0.5
+        if self.qk_weight is not None and self.vo_weight is not None:
+            query = F.linear(x, self.qk_weight).view(batch, frames, self.heads, self.dim)
+            out = view.attend_inputs(self.cache_slot, query, x, scale)
+            return F.linear(out.reshape(batch, frames, self.heads * self.dim), self.vo_weight, self.to_out[0].bias)
+        # Not folded (a view used without fold_input_attention): carry per head, the same attention.
+        query = self.to_q(x).view(batch, frames, self.heads, self.head_dim)
         w_k = self.to_k.weight.view(self.heads, self.head_dim, self.dim)
         w_v = self.to_v.weight.view(self.heads, self.head_dim, self.dim)
-        out = view.attend_inputs(self.cache_slot, torch.einsum("bthd,hdc->bthc", query, w_k), x, self.head_dim**-0.5)
-        return torch.einsum("bthc,hdc->bthd", out, w_v)
+        out = view.attend_inputs(self.cache_slot, torch.einsum("bthd,hdc->bthc", query, w_k), x, scale)
+        out = torch.einsum("bthc,hdc->bthd", out, w_v)
+        return self.to_out[0](out.reshape(batch, frames, self.heads * self.head_dim))
 
 
 class GeluProjection(nn.Module):
@@ -347,6 +395,12 @@ class Estimator(nn.Module):
             layer.cache_slot = slot
         for slot, conv in enumerate(self.causal_convs):
             conv.cache_slot = slot
+
+    def fold_input_attention(self) -> None:
+        """Fold every attention layer's projections for views that keep layer inputs
+        (``SelfAttention.fold_input_attention``)."""
+        for layer in self.attention_layers:
+            layer.fold_input_attention()
 
     def forward(
         self,

@@ -154,6 +154,34 @@ def test_attention_over_a_layers_inputs_is_attention_over_its_keys_and_values() 
     assert max_err(got, expected) <= 1e-5
 
 
+def test_folded_attention_over_inputs_is_the_per_head_carry_in_two_products(monkeypatch) -> None:
+    """``fold_input_attention``: the same attention through a view that keeps inputs, with the
+    folded products in place of the query projection, the per-head carries and to_out."""
+    layer = randomize_(SelfAttention(dim=32, heads=4, head_dim=16), seed=7)
+    x = torch.randn(2, 120, 32, generator=torch.Generator().manual_seed(8))
+    allowed = chunk_attention_mask(torch.ones(2, 120, dtype=torch.bool), torch.arange(120)[None], 50)
+    view = InputsOnly(attention_bias(allowed, x.dtype))
+    carried = layer(x, None, view)
+    layer.fold_input_attention()
+    assert layer.qk_weight.shape == (4 * 32, 32) and layer.vo_weight.shape == (32, 4 * 32)
+    assert layer.qk_weight.dtype == torch.float32 and "qk_weight" not in layer.state_dict()
+    calls = []
+    for linear in (layer.to_q, layer.to_k, layer.to_v, layer.to_out[0]):
+        linear.register_forward_hook(lambda *_: calls.append(1))
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "einsum", lambda *_: pytest.fail("the per-head carry ran"))
+        folded = layer(x, None, view)
+    assert not calls
+    assert carried.abs().max() > 0.1
+    assert max_err(folded, carried) <= 1e-5
+    held = layer.qk_weight
+    with torch.inference_mode():
+        layer.to_q.weight.mul_(2)
+    layer.fold_input_attention()  # again after the weights changed: into the same buffers
+    assert layer.qk_weight is held
+    assert max_err(layer(x, None, view), layer(x, attention_bias(allowed, x.dtype), None)) <= 1e-5
+
+
 def test_flow_chunk_mask_equals_official_without_host_sync() -> None:
     mask_utils = official("cosyvoice.utils.mask")
     lengths = torch.tensor([7, 0, 3, 5])  # an empty row exercises the "no visible key" rule
