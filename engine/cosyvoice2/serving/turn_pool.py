@@ -12,7 +12,9 @@ Why inputs, not keys and values: a layer's input is ``dim`` (256) values per fra
 and values 2 x 512. The estimator's attention layers attend over inputs directly (query and
 output carried through the key and value weights, ``SelfAttention``): the same attention,
 from a quarter of the memory, for four times the attention arithmetic (the paged attention
-was ~22% of the decoder's kernel time at 64 sessions on an H100: docs/benchmarks.md).
+was ~22% of the decoder's kernel time at 64 sessions on an H100: docs/benchmarks.md). The
+pool folds those carries into the projections when it is built: two matrix products per
+layer around the attention, fewer kernels for twice the projection arithmetic.
 
 Layout. Inputs live in pages of 16 frames, ``[pages, 16, 1, dim]`` per layer, the layout of
 vLLM's paged FlashAttention kernel, which reads them where they lie as the keys and the
@@ -140,6 +142,12 @@ class TurnStatePool:
         self.turn_slots = max(1, pages // PAGES_PER_TURN_SLOT)
         self.slot_scratch = self.turn_slots
         self.attend = attend
+        # Paged calls attend over layer inputs: fold each attention layer's carries into its
+        # projections (SelfAttention.fold_input_attention). Here, because every paged call
+        # (eager, or a flow graph captured over this pool) needs a pool, which is built once
+        # the weights are loaded and in their dtype, and before any graph is captured. Folding
+        # is explicit rather than on first use: a first use may be inside a graph capture.
+        cfm.estimator.fold_input_attention()
         physical = steps * 2 * (pages + 1)
         self.inputs = [like.new_zeros(physical, PAGE_FRAMES, 1, layer.dim) for layer in cfm.estimator.attention_layers]
         self.conv_context = [

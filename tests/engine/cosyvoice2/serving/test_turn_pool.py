@@ -197,6 +197,16 @@ def test_voice_prefix_pages_follow_the_bank(flow_pair) -> None:
     assert again is not pages and len(again) == 7 and pool.pages_in_use == 0
 
 
+def test_a_pool_folds_the_attention_layers_for_paged_calls(flow_pair) -> None:
+    """Paged calls attend over layer inputs through the folded projections: the pool folds them."""
+    _, ours = flow_pair
+    layers = ours.decoder.estimator.attention_layers
+    for layer in layers:
+        layer.qk_weight = layer.vo_weight = None  # as built, whatever pools earlier tests made
+    TurnStatePool(ours.decoder, 1, next(ours.parameters()), steps=1)
+    assert all(layer.qk_weight is not None and layer.vo_weight is not None for layer in layers)
+
+
 def test_a_pool_and_a_bank_of_other_step_counts_are_refused(flow_pair) -> None:
     """A paged call reads the bank's and the pool's state at the same Euler step: both must be
     laid out for as many steps."""
