@@ -17,8 +17,8 @@ the device by design: the report then names those lines. On a CPU (``--device cp
 tiny``) there is nothing to wait for: a smoke test of the script.
 
 Each checked call is also timed, phase by phase on the GPU's timeline (phase_clock.py):
-alone on the GPU, with the engine's graphs, a paged call's cost by its rows and new frames,
-without a gateway's run-to-run spread. ``--fused-kernels`` turns the decoder's fused Triton
+alone on the GPU, with the engine's graphs, a paged call's cost by the row-frames its decoder
+computes, without a gateway's run-to-run spread. ``--fused-kernels`` turns the decoder's fused Triton
 kernels on (``flow_fused_kernels``), ``--attention-splits 1`` holds FlashAttention to one
 part of each piece's keys (no combining kernel); ``--rows 1,8,32`` streams each count in turn on one
 runner, so one run gives the decoder's cost a call and a row-frame (``decoder_cost``).
@@ -76,18 +76,27 @@ def where(error: BaseException) -> list[str]:
     return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames if f.filename.startswith(str(ROOT))]
 
 
-def gpu_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Milliseconds per phase on the GPU's timeline between two of the runner's work totals."""
+def work_done(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the runner did between two of its work totals: milliseconds per phase on the GPU's
+    timeline (the phases that ran), and the decoder's row-frames, as computed (``row_frames``:
+    each row's own frames, from its last stored chunk on) and with its graph's padding."""
+    def change(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
     prefix = "flow_phase_gpu_seconds_"
     return {
-        name[len(prefix):]: round(1000 * (value - before.get(name, 0.0)), 2)
-        for name, value in after.items() if name.startswith(prefix)
+        "gpu_ms": {
+            name[len(prefix):]: round(1000 * change(name), 2)
+            for name in after if name.startswith(prefix) and change(name) > 0
+        },
+        "row_frames": int(sum(change(f"flow_row_frames_{kind}") for kind in ("first", "later", "final"))),
+        "padded_row_frames": int(change("flow_padded_row_frames")),
     }
 
 
 def stream(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: bool) -> list[dict]:
     """Turns of ``rows`` streams run to their ends, one call per chunk; each call's launch
-    checked for waits when ``checked``, and its phases timed (``gpu_ms``, on a GPU)."""
+    checked for waits when ``checked``, and its work measured (``work_done``)."""
     device = prompt.speech_feat.device
     generator = torch.Generator().manual_seed(rows)
     streams = [
@@ -97,10 +106,7 @@ def stream(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: boo
     ]
     calls = []
     while jobs := [job for job in map(runner.schedule.next_job, streams) if job is not None]:
-        call = {
-            "rows": len(jobs), "frames": max(runner.call_frames(job) for job in jobs),
-            "new_frames": runner.schedule.mel_ratio * max(job.advance for job in jobs), "waits": None,
-        }
+        call = {"rows": len(jobs), "frames": max(runner.call_frames(job) for job in jobs), "waits": None}
         before = runner.work_totals()
         try:
             with waits_raise(device) if checked else contextlib.nullcontext():
@@ -110,7 +116,7 @@ def stream(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: boo
             calls.append(call)
             break
         runner.finish(launched)
-        call["gpu_ms"] = gpu_ms(before, runner.work_totals())
+        call.update(work_done(before, runner.work_totals()))
         calls.append(call)
     for request in streams:  # their pages back to the pool, as the engine does when a turn ends
         runner.release(request.stream)
@@ -118,9 +124,10 @@ def stream(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: boo
 
 
 def decoder_cost(calls: list[dict]) -> dict | None:
-    """The decoder's GPU time of these calls as a line in their row-frames (rows x new frames):
-    milliseconds a call, microseconds a row-frame (least squares; None without two sizes)."""
-    timed = [(call["rows"] * call["new_frames"], call["gpu_ms"]["decoder"]) for call in calls
+    """The decoder's GPU time of the calls that ran it as a line in the row-frames it computed
+    (its graph's padding included: what a replay costs): milliseconds a call, microseconds a
+    row-frame (least squares; None without two sizes)."""
+    timed = [(call["padded_row_frames"], call["gpu_ms"]["decoder"]) for call in calls
              if "decoder" in call.get("gpu_ms", {})]
     if len({size for size, _ in timed}) < 2:
         return None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A paged token2wav call's cost on the GPU, alone, by rows and new frames (bench/launch_waits.py):
+# A paged token2wav call's cost on the GPU, alone, by its decoder's row-frames (bench/launch_waits.py):
 # the decoder as plain torch ops, with its fused Triton kernels (flow_fused_kernels), and with
 # those and FlashAttention's keys unsplit (no combining kernel). Each variant reports every
 # call's phases, any launch that waited, and the decoder's cost fitted as ms a call plus us a
@@ -21,7 +21,8 @@ for variant in "plain:" "fused:--fused-kernels" "fused_unsplit:--fused-kernels -
     code=$?
     echo "$name: exit $code"
     [ "$code" = 0 ] || { status=1; tail -5 "$OUT/paged_call_costs_$name.log"; }
-    python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
-print('decoder', r['decoder_cost'], 'launches that waited', r['launches_that_waited'])" "$OUT/paged_call_costs_$name.json"
+    report="$OUT/paged_call_costs_$name.json"
+    [ -f "$report" ] && python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
+print('decoder', r['decoder_cost'], 'launches that waited', r['launches_that_waited'])" "$report"
 done
 exit "$status"

@@ -32,6 +32,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,27 +58,35 @@ class CallTrace:
     """The token2wav scheduler's calls and chunk deliveries, as its latency book sees them.
 
     It wraps the book's ``call`` and ``delivered`` (the scheduler calls both under its lock)
-    and records, in seconds from the trace's start: per call its thread (``lane``), start,
-    duration, kind and the requests of its chunks; per chunk its request, whether it was the
-    turn's first, when it was ready, when its call started and ended, and when its listener
-    runs out of audio (None for a first chunk: its listener has none yet).
+    and records, in seconds from the span's start: per call its thread (``lane``), when its
+    share of the thread began (``busy_from``: its launch, or the last delivery if later) and
+    how long it took, its kind and the requests of its chunks; per chunk its request, whether
+    it was the turn's first, when it was ready, when its call was launched and done, and when
+    its listener runs out of audio (None for a first chunk: its listener has none yet). A span
+    keeps its last TRACE_LIMIT entries of each; ``dropped`` counts the rest.
     """
 
     def __init__(self) -> None:
-        self.started = time.monotonic()
         self.lock = threading.Lock()  # records come from the token2wav threads, takes from a signal
+        self._start()
+
+    def _start(self) -> None:
+        self.started = time.monotonic()
         self.calls: collections.deque = collections.deque(maxlen=TRACE_LIMIT)
         self.chunks: collections.deque = collections.deque(maxlen=TRACE_LIMIT)
+        self.dropped = 0
 
     def install(self) -> None:
         from tts_gateway.engine.cosyvoice2.serving.latency import LatencyBook
 
+        if getattr(LatencyBook, "traced", False):
+            raise RuntimeError("the latency book is traced already")
         book_call, book_delivered = LatencyBook.call, LatencyBook.delivered
         trace = self
 
         def call(book, kind, jobs, started, now, on_lane):
-            trace.record(trace.calls, {
-                "lane": on_lane, "at": trace.since(started), "s": round(now - started, 4), "kind": kind,
+            trace.record(trace.calls, lambda since: {
+                "lane": on_lane, "busy_from": since(started), "s": round(now - started, 4), "kind": kind,
                 "requests": [job.request.request_id for job in jobs],
             })
             return book_call(book, kind, jobs, started, now, on_lane)
@@ -85,30 +94,27 @@ class CallTrace:
         def delivered(book, request, started, now):
             clock = request.clock
             first = clock.first_audio_at is None
-            trace.record(trace.chunks, {
-                "request": request.request_id, "first": first,
-                "ready": trace.since(request.ready_at if request.ready_at is not None else started),
-                "started": trace.since(started), "done": trace.since(now),
-                "runs_out": None if first else trace.since(clock.deadline(now)),
+            ready = request.ready_at if request.ready_at is not None else started
+            trace.record(trace.chunks, lambda since: {
+                "request": request.request_id, "first": first, "ready": since(ready),
+                "launched": since(started), "done": since(now),
+                "runs_out": None if first else since(clock.deadline(now)),
             })
             return book_delivered(book, request, started, now)
 
-        LatencyBook.call, LatencyBook.delivered = call, delivered
+        LatencyBook.call, LatencyBook.delivered, LatencyBook.traced = call, delivered, True
 
-    def since(self, moment: float) -> float:
-        return round(moment - self.started, 4)
-
-    def record(self, records: collections.deque, entry: dict) -> None:
+    def record(self, records: collections.deque, entry: Callable[[Callable[[float], float]], dict]) -> None:
+        """Appends ``entry(since)``, ``since`` turning a moment into seconds from this span's start."""
         with self.lock:
-            records.append(entry)
+            self.dropped += len(records) == records.maxlen
+            records.append(entry(lambda moment: round(moment - self.started, 4)))
 
     def take(self) -> dict:
         """The calls and chunks since the last take, and a fresh start."""
         with self.lock:
-            report = {"calls": list(self.calls), "chunks": list(self.chunks)}
-            self.started = time.monotonic()
-            self.calls.clear()
-            self.chunks.clear()
+            report = {"calls": list(self.calls), "chunks": list(self.chunks), "dropped": self.dropped}
+            self._start()
         return report
 
 

@@ -44,11 +44,13 @@ def test_bench_launch_waits_smoke_cpu(tmp_path) -> None:
     assert json.loads(out.read_text()) == report
     assert [call["rows"] for call in report["calls"]] == sorted(call["rows"] for call in report["calls"])
     assert {call["rows"] for call in report["calls"]} == {1, 2} and len(report["calls"]) >= 8
-    assert all(call["new_frames"] > 0 and call["gpu_ms"] == {} for call in report["calls"])  # no GPU clock here
+    assert all(call["gpu_ms"] == {} for call in report["calls"])  # no GPU clock here
+    assert all(call["padded_row_frames"] >= call["row_frames"] > 0 for call in report["calls"])
     assert report["launches_that_waited"] == 0
     assert report["decoder_cost"] is None  # nothing timed on a CPU to fit
-    sizes = [(1, 50), (8, 100), (32, 60)]
-    calls = [{"rows": r, "new_frames": f, "gpu_ms": {"decoder": 70 + 0.065 * r * f}} for r, f in sizes]
+    sizes = [50, 800, 1920]
+    calls = [{"padded_row_frames": n, "gpu_ms": {"decoder": 70 + 0.065 * n}} for n in sizes]
+    calls.append({"padded_row_frames": 0, "gpu_ms": {"vocoder": 9.0}})  # no decoder: not fitted
     assert bench_launch_waits.decoder_cost(calls) == {"calls": 3, "ms_per_call": 70.0, "us_per_row_frame": 65.0}
 
 

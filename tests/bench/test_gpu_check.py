@@ -159,8 +159,11 @@ def test_the_sampler_dumps_the_token2wav_calls_and_chunks_of_its_span(tmp_path, 
 
     monkeypatch.setattr(LatencyBook, "call", LatencyBook.call)  # restored after the test
     monkeypatch.setattr(LatencyBook, "delivered", LatencyBook.delivered)
+    monkeypatch.setattr(LatencyBook, "traced", False, raising=False)
     trace = stack_sampler.CallTrace()
     trace.install()
+    with pytest.raises(RuntimeError, match="traced already"):
+        stack_sampler.CallTrace().install()  # a second trace would record every entry twice
     out = tmp_path / "profile.json"
     sampler = stack_sampler.Sampler(out, trace)
     book = LatencyBook()
@@ -179,11 +182,17 @@ def test_the_sampler_dumps_the_token2wav_calls_and_chunks_of_its_span(tmp_path, 
     assert call["kind"] == "later" and not call["lane"] and call["s"] == 0.1
     assert call["requests"] == [opening.request_id, playing.request_id]
     first, later = report["chunks"]
-    assert first["first"] and first["runs_out"] is None and first["done"] - first["started"] == pytest.approx(0.1)
-    assert not later["first"] and later["runs_out"] - later["started"] == pytest.approx(1.0, abs=1e-3)
-    assert later["started"] - later["ready"] == pytest.approx(0.05, abs=1e-3)
+    assert first["first"] and first["runs_out"] is None and first["done"] - first["launched"] == pytest.approx(0.1)
+    assert not later["first"] and later["runs_out"] - later["launched"] == pytest.approx(1.0, abs=1e-3)
+    assert later["launched"] - later["ready"] == pytest.approx(0.05, abs=1e-3)
+    assert report["dropped"] == 0
     sampler.dump()  # a trace starts afresh after each dump
-    assert json.loads(out.read_text())["token2wav_trace"] == {"calls": [], "chunks": []}
+    assert json.loads(out.read_text())["token2wav_trace"] == {"calls": [], "chunks": [], "dropped": 0}
+    monkeypatch.setattr(stack_sampler, "TRACE_LIMIT", 1)
+    small = stack_sampler.CallTrace()
+    for n in range(3):
+        small.record(small.calls, lambda since, n=n: {"n": n})
+    assert small.take() == {"calls": [{"n": 2}], "chunks": [], "dropped": 2}  # the last kept, the rest counted
 
 
 def test_a_level_starts_once_the_gateway_is_idle(monkeypatch):

@@ -151,7 +151,9 @@ if triton is not None:
             later = tl.load(x_at + (e - CONTEXT)[None, :] * x_stride_t, mask=later_in, other=0.0)
             earlier = tl.load(old_at + e[None, :] * old_stride_k, mask=k_in & (e < CONTEXT)[None, :], other=0.0)
             context = tl.where(from_x, later.to(out_ptr.dtype.element_ty), earlier.to(out_ptr.dtype.element_ty))
-            # Every thread's read of the old context before any thread overwrites it.
+            # Every thread's read of the old context before any thread overwrites it (a committing
+            # row writes the slot it read): the tile is spread over more threads than it has
+            # values, so two threads load each value and only one of them stores it.
             tl.debug_barrier()
             tl.store(write_at + k[None, :] * turns_stride_k, context.to(turns_ptr.dtype.element_ty), mask=k_in)
 
@@ -164,6 +166,7 @@ def _conv_input_triton(x: Tensor, turns: Tensor, bank: Tensor, step: int | Tenso
     # At least one program of frames: the context is written even for a row of no new frames.
     grid = (max(1, triton.cdiv(frames, FRAMES_PER_PROGRAM)), triton.cdiv(channels, CHANNELS_PER_PROGRAM), batch)
     fused_conv_input_kernel[grid](
+        # step_ptr must be a tensor even when the step is an int (then never read): any will do.
         x, turns, bank, out, step if in_memory else rows.stored, 0 if in_memory else step,
         rows.stored, rows.commit, rows.read_slot, rows.write_slot, rows.bank_slot, rows.branch,
         channels, frames,
