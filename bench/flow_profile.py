@@ -44,7 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tts_gateway.engine.cosyvoice2.model import estimator as estimator_module  # noqa: E402
-from tts_gateway.engine.cosyvoice2.model import fused_norms  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model import fused_kernels  # noqa: E402
 from tts_gateway.testkit.checkpoint import checkpoint_configs  # noqa: E402
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM  # noqa: E402
 
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    shipped_fused_norms = fused_norms.enabled
+    shipped_fused = fused_kernels.enabled
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         reference = baseline = None
         for variant in args.variants.split(","):
             use_bool_mask(variant == "bool")
-            fused_norms.enabled = variant == "fused"
+            fused_kernels.enabled = variant == "fused"
             use_flex(flex_block_mask(mask, 50) if variant.startswith("flex") else None)
             cfm.estimator = plain_estimator
             started = time.perf_counter()
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
                 args.json.write_text(json.dumps(report, indent=2))
     use_bool_mask(False)
     use_flex(None)
-    fused_norms.enabled = shipped_fused_norms
+    fused_kernels.enabled = shipped_fused
     return report
 
 

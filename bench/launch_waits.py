@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.token2wav_chunk_cost import voiced_prompt  # noqa: E402
-from tts_gateway.engine.cosyvoice2.model import fused_norms  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model import fused_kernels  # noqa: E402
 from tts_gateway.engine.cosyvoice2.model.loading import DTYPES, load_models  # noqa: E402
 from tts_gateway.engine.cosyvoice2.modeldir.layout import missing_files  # noqa: E402
 from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets  # noqa: E402
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     # As the engine sets it, before the voice's prefix and the graphs (a graph replays the
     # kernels that ran at its capture).
-    shipped, fused_norms.enabled = fused_norms.enabled, args.fused_kernels
+    shipped, fused_kernels.enabled = fused_kernels.enabled, args.fused_kernels
     try:
         runner.prepare_voices([prompt], prompt.tokens)
         if device.type == "cuda":
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
                 stream(runner, prompt, rows, checked=False)
                 calls += stream(runner, prompt, rows, checked=True)
     finally:
-        fused_norms.enabled = shipped
+        fused_kernels.enabled = shipped
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "size": args.size,

@@ -34,7 +34,7 @@ from tts_gateway.engine.base import (
 )
 from tts_gateway.engine.cosyvoice2.alignment import WordClock
 from tts_gateway.engine.cosyvoice2.frontend.voices import UnknownVoiceError, VoiceStore
-from tts_gateway.engine.cosyvoice2.model import fused_norms
+from tts_gateway.engine.cosyvoice2.model import fused_kernels
 from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
 from tts_gateway.engine.cosyvoice2.model.loading import DTYPES, CosyVoice2Models, load_models
 from tts_gateway.engine.cosyvoice2.serving import startup
@@ -80,11 +80,11 @@ class CosyVoice2Engine(Engine):
             self.lm = await startup.start_vllm_stage(settings)
         if settings.flow_cudnn_attention:  # after the vLLM stage, whose import turned it off
             torch.backends.cuda.enable_cudnn_sdp(True)
-        # Before any flow call: the CUDA graphs capture whichever norms are on.
-        fused_norms.enabled = settings.flow_fused_kernels
+        # Before any flow call: the CUDA graphs capture whichever kernels are on.
+        fused_kernels.enabled = settings.flow_fused_kernels
         if device.type == "cuda":
             log.info("flow attention: cuDNN SDPA %s", "on" if torch.backends.cuda.cudnn_sdp_enabled() else "off")
-            if settings.flow_fused_kernels and not fused_norms.available():
+            if settings.flow_fused_kernels and not fused_kernels.available():
                 log.warning("flow_fused_kernels: Triton does not import here; the flow runs torch ops")
             else:
                 log.info(

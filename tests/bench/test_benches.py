@@ -58,7 +58,7 @@ def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
     """bench/flow_profile.py runs on CPU; the decoder's bias gives the boolean mask's mel exactly,
     the fused norms run the plain torch ops on a CPU (the same mel again), and the script puts the
     decoder back as it was."""
-    from tts_gateway.engine.cosyvoice2.model import estimator, fused_norms
+    from tts_gateway.engine.cosyvoice2.model import estimator, fused_kernels
 
     shipped = estimator.attention_bias
     out = tmp_path / "profile.json"
@@ -73,7 +73,7 @@ def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
     assert shape["variants"]["bias"]["max_abs_vs_bool"] == 0.0
     assert shape["variants"]["fused"]["max_abs_vs_bias"] == 0.0 < shape["variants"]["fused"]["mel_abs_max"]
     assert estimator.attention_bias is shipped
-    assert not fused_norms.enabled  # as the engine ships it, restored after the fused variant
+    assert not fused_kernels.enabled  # as the engine ships it, restored after the fused variant
 
 
 def test_bench_gpu_sharing_smoke_cpu(tmp_path) -> None:

@@ -22,7 +22,7 @@ Where that state is kept, and for how long, is the serving layer's business
 
 Layer norms: on CUDA tensors each causal block's norm, Mish and mask (and the add after the
 block), and each transformer block's residual add with the norm after it, run as one fused
-Triton kernel each (model/fused_norms.py, switched by its ``enabled``); elsewhere as the
+Triton kernel each (model/fused_norms.py, switched by model/fused_kernels.py); elsewhere as the
 plain torch ops. Views see the same convolution and attention inputs either way.
 """
 

@@ -12,21 +12,18 @@ norm. Two Triton kernels do that work in one pass each:
   rows: a transformer block's residual add and the layer norm after it.
 
 Each op computes its statistics in float32 and reads and writes the tensors' dtype. Which path
-runs is decided per call: the Triton kernel for CUDA tensors while :data:`enabled` is true
-(the engine's ``flow_fused_kernels`` setting) and Triton imports, the torch reference
-otherwise, so a CPU runs exactly the plain torch ops. Under Triton's interpreter
-(``TRITON_INTERPRET=1`` set before Triton is imported) the kernels run on CPU tensors too,
-which is how the tests check them. The kernels launch on grids computed from tensor shapes
-only and never read device data on the host, so CUDA graphs capture them.
+runs is decided per call by the fused kernels' switch (fused_kernels.py). The kernels launch on
+grids computed from tensor shapes only and never read device data on the host, so CUDA graphs
+capture them.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from tts_gateway.engine.cosyvoice2.model import fused_kernels
 
 try:
     import triton
@@ -34,34 +31,11 @@ try:
 except ImportError:  # a CPU build of torch comes without Triton: the references serve
     triton = None
 
-# The switch the engine sets from its flow_fused_kernels setting (off until a GPU run has
-# measured the kernels); off, the GPU runs the plain torch ops too. The paged decoder's
-# conv-input kernel (serving/fused_context.py) follows it as well.
-enabled = False
-
-# Set before Triton is imported, this makes its kernels Python functions over CPU tensors.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
 # Frames per program of norm_mish_mask: 32 bf16 frames are a 64-byte run of each channel, and a
 # program's [C=256, 32] tile stays in registers; smaller batches still fill the GPU's SMs.
 FRAMES_PER_PROGRAM = 32
 # Rows per program of add_norm (4096 values at C=256).
 ROWS_PER_PROGRAM = 16
-
-
-def available() -> bool:
-    """Whether the fused kernels can run in this process (Triton imported)."""
-    return triton is not None
-
-
-def applies(t: Tensor) -> bool:
-    """Whether the op on ``t`` runs as a Triton kernel."""
-    return (
-        enabled
-        and triton is not None
-        and (t.is_cuda or INTERPRETED)
-        and not torch.compiler.is_compiling()  # inductor fuses the torch ops itself
-    )
 
 
 # ----------------------------------------------------------------------------- references
@@ -91,14 +65,14 @@ def norm_mish_mask(
     ``frames_major``: the fused kernel writes its ``[B, C, T]`` result into ``[B, T, C]``
     memory (a transposed view), for a consumer that works on frames as rows; values are the
     same either way."""
-    if applies(h):
+    if fused_kernels.applies(h):
         return _norm_mish_mask_triton(h, norm.weight, norm.bias, norm.eps, mask, addend, frames_major)
     return norm_mish_mask_reference(h, norm, mask, addend)
 
 
 def add_norm(x: Tensor, delta: Tensor, norm: nn.LayerNorm) -> tuple[Tensor, Tensor]:
     """``(x + delta, norm(x + delta))`` (:func:`add_norm_reference`), the sum contiguous."""
-    if applies(x):
+    if fused_kernels.applies(x):
         return _add_norm_triton(x, delta, norm.weight, norm.bias, norm.eps)
     return add_norm_reference(x, delta, norm)
 

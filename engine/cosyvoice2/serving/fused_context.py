@@ -11,11 +11,8 @@ on a GPU, CUDA graphs or not. :func:`conv_input` does it all in one kernel: each
 copies a tile of the new frames into place, and the programs of a row's first frames also
 write its context in front and its new context to the pool.
 
-Which path runs is decided per call, by the switch of the flow's other fused kernels
-(``fused_norms.enabled``, the engine's ``flow_fused_kernels`` setting): the Triton kernel for
-CUDA tensors while it is on and Triton imports, the torch reference otherwise, so a CPU runs
-exactly the plain torch ops. Under Triton's interpreter (``TRITON_INTERPRET=1``) the kernel
-runs on CPU tensors too, which is how the tests check it. The Euler step may be a device
+Which path runs is decided per call by the fused kernels' switch (model/fused_kernels.py). The
+Euler step may be a device
 tensor (a CUDA graph's step counter): the kernel reads it on the device; its grid comes from
 tensor shapes only, and it never reads device data on the host, so CUDA graphs capture it.
 
@@ -37,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tts_gateway.engine.cosyvoice2.model import fused_norms
+from tts_gateway.engine.cosyvoice2.model import fused_kernels
 
 try:
     import triton
@@ -73,7 +70,7 @@ def conv_input(x: Tensor, turns: Tensor, bank: Tensor, step: int | Tensor, rows:
     """``x`` ``[2B, C, T]`` (the new frames) with its left context in front, ``[2B, C, context +
     T]``, writing the context after the committed frames to ``turns``
     (:func:`conv_input_reference`)."""
-    if fused_norms.applies(x):
+    if fused_kernels.applies(x):
         return _conv_input_triton(x, turns, bank, step, rows)
     return conv_input_reference(x, turns, bank, step, rows)
 

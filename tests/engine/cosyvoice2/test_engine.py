@@ -74,14 +74,14 @@ async def test_flow_fused_kernels_switches_the_decoders_fused_kernels(cv2_engine
     norm kernels and the plain torch ops (which a CPU runs either way); true turns it on."""
     import dataclasses
 
-    from tts_gateway.engine.cosyvoice2.model import fused_norms
+    from tts_gateway.engine.cosyvoice2.model import fused_kernels
 
-    assert not cv2_engine.settings.flow_fused_kernels and not fused_norms.enabled
-    monkeypatch.setattr(fused_norms, "enabled", False)  # put back for the other tests
+    assert not cv2_engine.settings.flow_fused_kernels and not fused_kernels.enabled
+    monkeypatch.setattr(fused_kernels, "enabled", False)  # put back for the other tests
     engine = CosyVoice2Engine(dataclasses.replace(cv2_engine.settings, flow_fused_kernels=True))
     await engine.start()
     try:
-        assert fused_norms.enabled
+        assert fused_kernels.enabled
     finally:
         await engine.close()
 

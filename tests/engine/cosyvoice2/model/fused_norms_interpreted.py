@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from tts_gateway.engine.cosyvoice2.model import fused_norms
+from tts_gateway.engine.cosyvoice2.model import fused_kernels, fused_norms
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM
 from tts_gateway.engine.cosyvoice2.model.estimator import CausalBlock, Estimator, ResnetBlock, TransformerBlock
 from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig
@@ -33,17 +33,17 @@ def compare(fused: Callable[[], object], plain: Callable[[], object]) -> dict:
     """Runs ``fused`` with the kernels on and ``plain`` with them off; outputs are tensors or
     tuples of tensors."""
     launches.clear()
-    fused_norms.enabled = True
+    fused_kernels.enabled = True
     with torch.inference_mode():
         got = fused()
     ran = dict(launches)
     launches.clear()
-    fused_norms.enabled = False
+    fused_kernels.enabled = False
     try:
         with torch.inference_mode():
             expected = plain()
     finally:
-        fused_norms.enabled = True
+        fused_kernels.enabled = True
     if launches:
         raise AssertionError(f"the plain path launched kernels: {dict(launches)}")
     got = got if isinstance(got, tuple) else (got,)
@@ -167,7 +167,7 @@ def module_cases(cases: dict) -> None:
 
 
 def main() -> None:
-    if not (fused_norms.INTERPRETED and fused_norms.available()):
+    if not (fused_kernels.INTERPRETED and fused_kernels.available()):
         sys.exit("needs Triton, with TRITON_INTERPRET=1 set before it is imported")
     cases: dict = {}
     op_cases(cases)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tts_gateway.engine.cosyvoice2.model import fused_norms
+from tts_gateway.engine.cosyvoice2.model import fused_kernels, fused_norms
 from tests.triton_interpreter import run_cases
 
 # float32: each output is computed once either way, from the same inputs; only the order of
@@ -98,7 +98,7 @@ def test_add_norm_reference_is_the_residual_and_its_norm() -> None:
     assert torch.equal(normed, norm(x + delta))
 
 
-@pytest.mark.skipif(fused_norms.INTERPRETED, reason="Triton's interpreter takes CPU tensors")
+@pytest.mark.skipif(fused_kernels.INTERPRETED, reason="Triton's interpreter takes CPU tensors")
 def test_cpu_tensors_take_the_plain_torch_ops(monkeypatch) -> None:
     """On a CPU the fused kernels never run, switch on or off."""
 
@@ -107,18 +107,18 @@ def test_cpu_tensors_take_the_plain_torch_ops(monkeypatch) -> None:
 
     monkeypatch.setattr(fused_norms, "_norm_mish_mask_triton", refuse)
     monkeypatch.setattr(fused_norms, "_add_norm_triton", refuse)
-    monkeypatch.setattr(fused_norms, "enabled", True)
+    monkeypatch.setattr(fused_kernels, "enabled", True)
     norm = layer_norm(8)
     with torch.no_grad():
         fused_norms.norm_mish_mask(torch.randn(1, 8, 4), norm, torch.ones(1, 1, 4))
         fused_norms.add_norm(torch.randn(1, 4, 8), torch.randn(1, 4, 8), norm)
-    assert not fused_norms.applies(torch.zeros(1))
+    assert not fused_kernels.applies(torch.zeros(1))
 
 
 def test_the_switch_turns_the_fused_path_off(monkeypatch) -> None:
     """With the switch off no tensor takes the fused path, whatever its device."""
-    monkeypatch.setattr(fused_norms, "enabled", False)
-    monkeypatch.setattr(fused_norms, "INTERPRETED", True)  # as if CPU tensors could run kernels
-    assert not fused_norms.applies(torch.zeros(1))
-    monkeypatch.setattr(fused_norms, "enabled", True)
-    assert fused_norms.applies(torch.zeros(1)) == fused_norms.available()
+    monkeypatch.setattr(fused_kernels, "enabled", False)
+    monkeypatch.setattr(fused_kernels, "INTERPRETED", True)  # as if CPU tensors could run kernels
+    assert not fused_kernels.applies(torch.zeros(1))
+    monkeypatch.setattr(fused_kernels, "enabled", True)
+    assert fused_kernels.applies(torch.zeros(1)) == fused_kernels.available()

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from tts_gateway.engine.cosyvoice2.model import estimator as estimator_module
-from tts_gateway.engine.cosyvoice2.model import fused_norms
+from tts_gateway.engine.cosyvoice2.model import fused_kernels, fused_norms
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM
 from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig
 from tts_gateway.engine.cosyvoice2.serving import fused_context
@@ -41,17 +41,17 @@ fused_norms._add_norm_triton = counted("add_norm", fused_norms._add_norm_triton)
 def run_both(fused: Callable[[], list[Tensor]], plain: Callable[[], list[Tensor]]) -> tuple[list, list, dict]:
     """``fused`` with the kernels on, ``plain`` with them off (no kernel may run then)."""
     launches.clear()
-    fused_norms.enabled = True
+    fused_kernels.enabled = True
     try:
         with torch.inference_mode():
             got = fused()
         ran = dict(launches)
         launches.clear()
-        fused_norms.enabled = False
+        fused_kernels.enabled = False
         with torch.inference_mode():
             expected = plain()
     finally:
-        fused_norms.enabled = False
+        fused_kernels.enabled = False
     if launches:
         raise AssertionError(f"the plain path launched kernels: {dict(launches)}")
     return got, expected, ran
@@ -242,7 +242,7 @@ def solve_cases(cases: dict) -> None:
 
 
 def main() -> None:
-    if not (fused_norms.INTERPRETED and fused_norms.available()):
+    if not (fused_kernels.INTERPRETED and fused_kernels.available()):
         sys.exit("needs Triton, with TRITON_INTERPRET=1 set before it is imported")
     cases: dict = {}
     op_cases(cases)

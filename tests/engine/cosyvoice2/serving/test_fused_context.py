@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tts_gateway.engine.cosyvoice2.model import fused_norms
+from tts_gateway.engine.cosyvoice2.model import fused_kernels
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM
 from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig
 from tts_gateway.engine.cosyvoice2.serving import fused_context
@@ -104,7 +104,7 @@ def test_the_reference_puts_the_context_in_front_and_keeps_the_one_after_the_com
     assert torch.equal(turns[unwritten], before[unwritten])
 
 
-@pytest.mark.skipif(fused_norms.INTERPRETED, reason="Triton's interpreter takes CPU tensors")
+@pytest.mark.skipif(fused_kernels.INTERPRETED, reason="Triton's interpreter takes CPU tensors")
 def test_cpu_tensors_take_the_plain_torch_ops(monkeypatch) -> None:
     """On a CPU the fused kernel never runs, switch on or off."""
 
@@ -112,7 +112,7 @@ def test_cpu_tensors_take_the_plain_torch_ops(monkeypatch) -> None:
         raise AssertionError("a Triton kernel was launched for CPU tensors")
 
     monkeypatch.setattr(fused_context, "_conv_input_triton", refuse)
-    monkeypatch.setattr(fused_norms, "enabled", True)
+    monkeypatch.setattr(fused_kernels, "enabled", True)
     turns, bank, x = random_state()
     expected_turns = turns.clone()
     with torch.inference_mode():
@@ -123,8 +123,8 @@ def test_cpu_tensors_take_the_plain_torch_ops(monkeypatch) -> None:
 
 def test_the_switch_turns_the_fused_path_off(monkeypatch) -> None:
     """The flow's fused-kernel switch (flow_fused_kernels) decides: off, no tensor takes the kernel."""
-    monkeypatch.setattr(fused_norms, "enabled", False)
-    monkeypatch.setattr(fused_norms, "INTERPRETED", True)  # as if CPU tensors could run kernels
+    monkeypatch.setattr(fused_kernels, "enabled", False)
+    monkeypatch.setattr(fused_kernels, "INTERPRETED", True)  # as if CPU tensors could run kernels
     monkeypatch.setattr(fused_context, "_conv_input_triton", lambda *args: pytest.fail("the kernel ran"))
     turns, bank, x = random_state()
     with torch.inference_mode():
