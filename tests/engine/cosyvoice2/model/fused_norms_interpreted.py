@@ -10,20 +10,18 @@ that the case is not trivially zero) and how many times each kernel ran.
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-from tts_gateway.engine.cosyvoice2.model import fused_kernels, fused_norms
+from tts_gateway.engine.cosyvoice2.model import fused_norms
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM
 from tts_gateway.engine.cosyvoice2.model.estimator import CausalBlock, Estimator, ResnetBlock, TransformerBlock
 from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix, solve_after_prefix
 from tests.reference import randomize
-from tests.triton_interpreter import counted, launches
+from tests.triton_interpreter import counted, fused_and_plain, print_cases
 
 fused_norms._norm_mish_mask_triton = counted("norm_mish_mask", fused_norms._norm_mish_mask_triton)
 fused_norms._add_norm_triton = counted("add_norm", fused_norms._add_norm_triton)
@@ -32,20 +30,7 @@ fused_norms._add_norm_triton = counted("add_norm", fused_norms._add_norm_triton)
 def compare(fused: Callable[[], object], plain: Callable[[], object]) -> dict:
     """Runs ``fused`` with the kernels on and ``plain`` with them off; outputs are tensors or
     tuples of tensors."""
-    launches.clear()
-    fused_kernels.enabled = True
-    with torch.inference_mode():
-        got = fused()
-    ran = dict(launches)
-    launches.clear()
-    fused_kernels.enabled = False
-    try:
-        with torch.inference_mode():
-            expected = plain()
-    finally:
-        fused_kernels.enabled = True
-    if launches:
-        raise AssertionError(f"the plain path launched kernels: {dict(launches)}")
+    got, expected, ran = fused_and_plain(fused, plain)
     got = got if isinstance(got, tuple) else (got,)
     expected = expected if isinstance(expected, tuple) else (expected,)
     return {
@@ -166,14 +151,5 @@ def module_cases(cases: dict) -> None:
     cases["voice prefix and solve after it"] = compare(solve_after_voice, solve_after_voice)
 
 
-def main() -> None:
-    if not (fused_kernels.INTERPRETED and fused_kernels.available()):
-        sys.exit("needs Triton, with TRITON_INTERPRET=1 set before it is imported")
-    cases: dict = {}
-    op_cases(cases)
-    module_cases(cases)
-    print(json.dumps(cases))
-
-
 if __name__ == "__main__":
-    main()
+    print_cases(op_cases, module_cases)

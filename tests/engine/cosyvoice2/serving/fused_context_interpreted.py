@@ -13,15 +13,13 @@ the call changed, and how many times each kernel ran.
 from __future__ import annotations
 
 import contextlib
-import json
-import sys
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from tts_gateway.engine.cosyvoice2.model import estimator as estimator_module
-from tts_gateway.engine.cosyvoice2.model import fused_kernels, fused_norms
+from tts_gateway.engine.cosyvoice2.model import fused_norms
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM
 from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig
 from tts_gateway.engine.cosyvoice2.serving import fused_context
@@ -31,30 +29,11 @@ from tts_gateway.engine.cosyvoice2.serving.fused_context import ContextRows
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnStatePool, pad_turn_rows, solve_paged, turn_rows
 from tests.reference import randomize
-from tests.triton_interpreter import counted, launches
+from tests.triton_interpreter import counted, fused_and_plain, print_cases
 
 fused_context._conv_input_triton = counted("conv_input", fused_context._conv_input_triton)
 fused_norms._norm_mish_mask_triton = counted("norm_mish_mask", fused_norms._norm_mish_mask_triton)
 fused_norms._add_norm_triton = counted("add_norm", fused_norms._add_norm_triton)
-
-
-def run_both(fused: Callable[[], list[Tensor]], plain: Callable[[], list[Tensor]]) -> tuple[list, list, dict]:
-    """``fused`` with the kernels on, ``plain`` with them off (no kernel may run then)."""
-    launches.clear()
-    fused_kernels.enabled = True
-    try:
-        with torch.inference_mode():
-            got = fused()
-        ran = dict(launches)
-        launches.clear()
-        fused_kernels.enabled = False
-        with torch.inference_mode():
-            expected = plain()
-    finally:
-        fused_kernels.enabled = False
-    if launches:
-        raise AssertionError(f"the plain path launched kernels: {dict(launches)}")
-    return got, expected, ran
 
 
 def max_abs(got: list[Tensor], expected: list[Tensor]) -> float:
@@ -93,7 +72,7 @@ def op_case(
     def call(pool: Tensor) -> Callable[[], list[Tensor]]:
         return lambda: [fused_context.conv_input(x, pool, bank, step, rows)]
 
-    got, expected, ran = run_both(call(pools[0]), call(pools[1]))
+    got, expected, ran = fused_and_plain(call(pools[0]), call(pools[1]))
     kept = slice(0, SCRATCH) if scratch_shared else slice(None)
     got.append(pools[0][:, kept])
     expected.append(pools[1][:, kept])
@@ -220,7 +199,7 @@ def solve_case(cfm: CFM, bank: PrefixBank, inputs: tuple[Tensor, ...], graph_pro
             mel = x[: len(LENGTHS), :, : mu.shape[2]]
         return [mel, *pool_state(pool)]
 
-    got, expected, ran = run_both(call, call)
+    got, expected, ran = fused_and_plain(call, call)
     return {
         "max_abs": max_abs(got, expected),
         "scale": float(expected[0].abs().max()),
@@ -241,14 +220,5 @@ def solve_cases(cases: dict) -> None:
     cases["solve_paged/all fused"] = solve_case(cfm, bank, inputs, graph_program=False)
 
 
-def main() -> None:
-    if not (fused_kernels.INTERPRETED and fused_kernels.available()):
-        sys.exit("needs Triton, with TRITON_INTERPRET=1 set before it is imported")
-    cases: dict = {}
-    op_cases(cases)
-    solve_cases(cases)
-    print(json.dumps(cases))
-
-
 if __name__ == "__main__":
-    main()
+    print_cases(op_cases, solve_cases)
