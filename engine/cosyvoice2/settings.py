@@ -123,6 +123,11 @@ class CosyVoice2Settings:
     # latency-bound at small sizes), so fewer, larger calls serve more sessions. Not yet
     # measured on a GPU.
     min_call_rows: int = 1
+    # A token2wav call of new turns' first chunks also takes later chunks no wider than they
+    # are (more rows, no more padding): in a burst of new turns, the second chunks of the turns
+    # served first then need not wait behind the rest of the burst's first-chunk calls. Off
+    # (first and later chunks in calls apart) until a GPU run has measured it.
+    later_chunks_with_first: bool = False
     stream_scale_factor: int = 1
     # A reply that reaches this many speech tokens per text token without eos is ended
     # there (the official maximum ratio, 20). Benchmarks on random weights, which never

@@ -59,11 +59,14 @@ def cheapest_groups(widths: list[int], cost: Callable[[int, int], float]) -> lis
 @dataclass(frozen=True)
 class CallPlanner:
     """Plans a batch's flow calls. ``on_gpu``: calls have a launch floor and may replay CUDA
-    graphs (on a CPU neither); ``final_streaming``: last chunks are chunk-causal too."""
+    graphs (on a CPU neither); ``final_streaming``: last chunks are chunk-causal too;
+    ``later_with_first``: later chunks no wider than the batch's first chunks may share their
+    calls (see ``plan``)."""
 
     schedule: ChunkSchedule
     on_gpu: bool
     final_streaming: bool = False
+    later_with_first: bool = False
 
     def plan(
         self, jobs: list[ChunkJob], graphs: FlowGraphs | None, prefix: int | None,
@@ -78,25 +81,33 @@ class CallPlanner:
         (``stored``) with chunk-causal last chunks, a last chunk is one more row of the later
         chunks' call: a paged call takes ``finalize`` per row, and one call costs less than two.
         Each such kind is split into the calls that cost least in all (see ``cheapest_groups``),
-        none of several rows above ``MAX_CALL_ROW_FRAMES``.
+        none of several rows above ``MAX_CALL_ROW_FRAMES``. With ``later_with_first``, a later
+        chunk no wider than the batch's widest first chunk is of the first chunks' kind: it
+        raises no first chunk's padding, and in a burst of new turns the second chunks of the
+        turns served first need not wait behind the rest of the burst's first-chunk calls.
         Calls of first chunks run first, then the rest, narrowest first; incremental chunks,
         which run one by one, go together. ``graphs``: the flow graphs the calls would replay;
         ``prefix``: the frames a call after the voice prefixes starts at least (None: none);
         ``stored``: a job's decoder frames stored beyond its voice prefix (turn_pool.py), which
         its call does not compute either.
         """
+        def job_frames(job: ChunkJob) -> int:
+            return self.schedule.job_frames(job) - (stored(job) if stored is not None else 0)
+
         kinds: dict[tuple[bool, bool], list[int]] = {}
         incremental = []
         last_with_later = stored is not None and self.final_streaming
+        first_frames = max((job_frames(job) for job in jobs if job.first and not job.finalize), default=-1)
         for i, job in enumerate(jobs):
             if self.streaming(job.finalize) and job.request.stream.flow_cache is not None:
                 incremental.append(i)
-            else:
-                kinds.setdefault((job.finalize and not last_with_later, job.first), []).append(i)
+                continue
+            finalize = job.finalize and not last_with_later
+            # A later chunk no wider than the first chunks adds rows to their call, not width:
+            # it costs that call a little and saves a call of its own (later_with_first).
+            with_first = job.first or (self.later_with_first and not finalize and job_frames(job) <= first_frames)
+            kinds.setdefault((finalize, with_first), []).append(i)
         groups = [incremental] if incremental else []
-
-        def job_frames(job: ChunkJob) -> int:
-            return self.schedule.job_frames(job) - (stored(job) if stored is not None else 0)
 
         def cost_frames(job: ChunkJob, finalize: bool) -> int:
             """``job_frames`` as the cost of a call of that ``finalize`` counts them (``call_cost``

@@ -140,13 +140,15 @@ class Token2WavRunner:
     keep their decoder state (turn_pool.py; 0: none); ``final_attention``: ``"chunk"`` (the
     official flow's streaming mode for the last chunk too) or ``"full"`` (the official
     ``tts()`` loop's full-attention last pass); ``flow_steps``: the Euler steps of every flow
-    solve (10 is the official count). ``flow_graphs`` and ``hift_graphs`` (the engine thread's
+    solve (10 is the official count); ``later_with_first``: later chunks may share first chunks'
+    calls (``CallPlanner``). ``flow_graphs`` and ``hift_graphs`` (the engine thread's
     CUDA graphs, captured for ``flow_steps``) are set at start-up.
     """
 
     def __init__(
         self, flow: Flow, hift: HiFT, schedule: ChunkSchedule, *, incremental: bool = True, prefix_voices: int = 0,
         turn_state_bytes: int = 0, final_attention: str = "full", flow_steps: int = N_TIMESTEPS,
+        later_with_first: bool = False,
     ) -> None:
         if final_attention not in ("chunk", "full"):
             raise ValueError(f"final_attention must be 'chunk' or 'full', got {final_attention!r}")
@@ -158,7 +160,10 @@ class Token2WavRunner:
         self.schedule = schedule
         self.incremental = incremental
         self.final_streaming = final_attention == "chunk"
-        self.planner = CallPlanner(schedule, on_gpu=flow.decoder.noise.is_cuda, final_streaming=self.final_streaming)
+        self.planner = CallPlanner(
+            schedule, on_gpu=flow.decoder.noise.is_cuda, final_streaming=self.final_streaming,
+            later_with_first=later_with_first,
+        )
         self.flow_graphs: FlowGraphs | None = None
         self.hift_graphs: HiftGraphs | None = None
         # Incremental streams keep their own flow state: the prefix cache serves recompute only.
@@ -182,7 +187,7 @@ class Token2WavRunner:
         cls, flow: Flow, hift: HiFT, *, hop_len: int = 25, max_hop_len: int = 100, scale: int = 1,
         first_hop_len: int | None = None, first_by_load: bool = False, second_on_lane: bool = False,
         incremental: bool = True, prefix_voices: int = 0, turn_state_bytes: int = 0, final_attention: str = "full",
-        flow_steps: int = N_TIMESTEPS,
+        flow_steps: int = N_TIMESTEPS, later_with_first: bool = False,
     ) -> Token2WavRunner:
         """A runner with the chunk schedule these settings and the model's chunk sizes give
         (``first_hop_len`` None: the official first chunk, ``hop_len``)."""
@@ -202,6 +207,7 @@ class Token2WavRunner:
         return cls(
             flow, hift, schedule, incremental=incremental, prefix_voices=prefix_voices,
             turn_state_bytes=turn_state_bytes, final_attention=final_attention, flow_steps=flow_steps,
+            later_with_first=later_with_first,
         )
 
     def new_stream(self) -> StreamState:

@@ -546,6 +546,34 @@ def test_a_last_chunk_shares_the_later_chunks_call_after_stored_frames(models, v
     assert sorted(len(group) for group in recompute.plan(jobs_of(recompute))) == [1, 1]
 
 
+@pytest.mark.parametrize("later_with_first, calls", [(False, [1, 1]), (True, [2])])
+def test_a_later_chunk_no_wider_than_the_first_chunks_may_share_their_call(models, voice, tokens, later_with_first,
+                                                                          calls):
+    """After stored frames a later chunk computes only its own frames: no wider than a new
+    turn's first chunk. With ``later_with_first`` it is one more row of the first chunks' call
+    (which runs first); without, the two kinds run apart. Each chunk gets the mel it gets alone."""
+
+    def jobs_of(token2wav):
+        prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+        new, going = stream(token2wav, prompt, tokens), stream(token2wav, prompt, tokens)
+        token2wav.run([token2wav.schedule.next_job(going)])  # its first chunk, into the pool
+        return [token2wav.schedule.next_job(new), token2wav.schedule.next_job(going)]
+
+    page = TurnStatePool.page_bytes(models.flow.decoder, torch.float32)
+    paged = dict(incremental=False, prefix_voices=2, final_attention="chunk", turn_state_bytes=65 * page)
+    token2wav = make_runner(models, later_with_first=later_with_first, **paged)
+    jobs = jobs_of(token2wav)
+    assert [job.first for job in jobs] == [True, False]
+    planned = token2wav.plan(jobs)
+    assert [len(group) for group in planned] == calls and 0 in planned[0]
+    together = token2wav._flows(jobs)
+    apart = make_runner(models, **paged)
+    alone = [apart._flows([job])[0] for job in jobs_of(apart)]
+    for a, b in zip(alone, together):
+        assert a.shape == b.shape
+        assert float((a - b).abs().max()) <= 1e-4
+
+
 def test_a_call_that_mixes_last_chunks_is_booked_by_its_other_chunks():
     """Calls of one kind of chunk are booked as that kind; a paged call that carries last chunks
     beside others is a call of first chunks when all its chunks are first (one-chunk turns
