@@ -513,6 +513,15 @@ def test_final_chunks_of_several_utterances_batch_exactly(models, voice, tokens)
         assert float((a - b).abs().max()) <= 1e-4
 
 
+def assert_mels_as_alone(together, apart: Token2WavRunner, jobs_of) -> None:
+    """Each chunk's mel from a shared call (``together``) is the one it gets in a call of its
+    own: the same chunks (``jobs_of``) made and run one by one on a fresh runner (``apart``)."""
+    alone = [apart._flows([job])[0] for job in jobs_of(apart)]
+    for a, b in zip(alone, together, strict=True):
+        assert a.shape == b.shape
+        assert float((a - b).abs().max()) <= 1e-4
+
+
 def test_a_last_chunk_shares_the_later_chunks_call_after_stored_frames(models, voice, tokens):
     """With a turn-state pool and chunk-causal last chunks, one turn's last chunk and another
     turn's later chunk are planned into one flow call (the recompute path keeps them apart), and
@@ -536,12 +545,7 @@ def test_a_last_chunk_shares_the_later_chunks_call_after_stored_frames(models, v
     token2wav = make_runner(models, **paged)
     jobs = jobs_of(token2wav)
     assert [len(group) for group in token2wav.plan(jobs)] == [2]
-    together = token2wav._flows(jobs)
-    apart = make_runner(models, **paged)
-    alone = [apart._flows([job])[0] for job in jobs_of(apart)]
-    for a, b in zip(alone, together):
-        assert a.shape == b.shape
-        assert float((a - b).abs().max()) <= 1e-4
+    assert_mels_as_alone(token2wav._flows(jobs), make_runner(models, **paged), jobs_of)
     recompute = make_runner(models, incremental=False, prefix_voices=2, final_attention="chunk")
     assert sorted(len(group) for group in recompute.plan(jobs_of(recompute))) == [1, 1]
 
@@ -566,12 +570,7 @@ def test_a_later_chunk_no_wider_than_the_first_chunks_may_share_their_call(model
     assert [job.first for job in jobs] == [True, False]
     planned = token2wav.plan(jobs)
     assert [len(group) for group in planned] == calls and 0 in planned[0]
-    together = token2wav._flows(jobs)
-    apart = make_runner(models, **paged)
-    alone = [apart._flows([job])[0] for job in jobs_of(apart)]
-    for a, b in zip(alone, together):
-        assert a.shape == b.shape
-        assert float((a - b).abs().max()) <= 1e-4
+    assert_mels_as_alone(token2wav._flows(jobs), make_runner(models, **paged), jobs_of)
 
 
 def test_a_call_that_mixes_last_chunks_is_booked_by_its_other_chunks():
