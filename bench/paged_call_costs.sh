@@ -4,7 +4,8 @@
 # those and FlashAttention's keys unsplit (no combining kernel). Each variant reports every
 # call's phases, any launch that waited, and the decoder's cost fitted as ms a call plus us a
 # row-frame. One device call after the vLLM bundle's staging calls (~5 minutes):
-#   carry [".whl", ".gpu"], command: . /root/vllm-env.sh && bash bench/paged_call_costs.sh
+#   carry [".whl", ".gpu"], command: . /root/vllm-env.sh && bash bench/paged_call_costs.sh [VARIANT...]
+# VARIANT: plain, fused, fused_unsplit (default: all three).
 # Writes $OUT/paged_call_costs_<variant>.json and .log; the checkpoint goes to /tmp/cv2-full
 # (the one bench/gpu_check.sh serves, made here if missing).
 set -uo pipefail
@@ -12,9 +13,13 @@ set -uo pipefail
 # shellcheck source=bench/gpu_install.sh
 . bench/gpu_install.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv > "$OUT/gpu.txt"
+for name in "$@"; do
+    case $name in plain | fused | fused_unsplit) ;; *) echo "unknown variant: $name (plain, fused, fused_unsplit)" >&2; exit 2 ;; esac
+done
 status=0
 for variant in "plain:" "fused:--fused-kernels" "fused_unsplit:--fused-kernels --attention-splits 1"; do
     name=${variant%%:*}
+    if [ $# -gt 0 ] && [[ " $* " != *" $name "* ]]; then continue; fi
     # shellcheck disable=SC2086  # the variant's options split into words
     timeout 170 python3 bench/launch_waits.py --device cuda --size full --model-dir /tmp/cv2-full --rows 1,8,32 \
         --pool-gb 24 ${variant#*:} --json "$OUT/paged_call_costs_$name.json" > "$OUT/paged_call_costs_$name.log" 2>&1
