@@ -10,12 +10,12 @@
 # (the one bench/gpu_check.sh serves, made here if missing).
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
-# shellcheck source=bench/gpu_install.sh
-. bench/gpu_install.sh || exit 1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv > "$OUT/gpu.txt"
 for name in "$@"; do
     case $name in plain | fused | fused_unsplit) ;; *) echo "unknown variant: $name (plain, fused, fused_unsplit)" >&2; exit 2 ;; esac
 done
+# shellcheck source=bench/gpu_install.sh
+. bench/gpu_install.sh || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv > "$OUT/gpu.txt"
 status=0
 for variant in "plain:" "fused:--fused-kernels" "fused_unsplit:--fused-kernels --attention-splits 1"; do
     name=${variant%%:*}
