@@ -182,6 +182,24 @@ def test_folded_attention_over_inputs_is_the_per_head_carry_in_two_products(monk
     assert max_err(layer(x, None, view), layer(x, attention_bias(allowed, x.dtype), None)) <= 1e-5
 
 
+def test_folded_attention_in_bf16_errs_no_more_than_the_plain_attention() -> None:
+    """The GPU serves bf16: the folded products, taken in float32 and stored in bf16, leave the
+    layer's output as close to the float32 one as bf16's plain attention is (rounding of the
+    same order, not an error of the folding)."""
+    layer = randomize_(SelfAttention(dim=256, heads=8, head_dim=64), seed=7)
+    x = torch.randn(2, 120, 256, generator=torch.Generator().manual_seed(8))
+    allowed = chunk_attention_mask(torch.ones(2, 120, dtype=torch.bool), torch.arange(120)[None], 50)
+    expected = layer(x, attention_bias(allowed, x.dtype), None)
+    layer.to(torch.bfloat16)
+    x, bias = x.bfloat16(), attention_bias(allowed, torch.bfloat16)
+    plain_err = max_err(layer(x, bias, None).float(), expected)
+    layer.fold_input_attention()
+    assert layer.qk_weight.dtype == torch.bfloat16
+    folded_err = max_err(layer(x, None, InputsOnly(bias)).float(), expected)
+    assert 0 < plain_err < 0.05 * float(expected.abs().max())
+    assert folded_err <= 2 * plain_err
+
+
 def test_flow_chunk_mask_equals_official_without_host_sync() -> None:
     mask_utils = official("cosyvoice.utils.mask")
     lengths = torch.tensor([7, 0, 3, 5])  # an empty row exercises the "no visible key" rule
