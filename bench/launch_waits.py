@@ -94,9 +94,12 @@ def work_done(before: dict[str, float], after: dict[str, float]) -> dict:
     }
 
 
-def stream(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: bool) -> list[dict]:
+def stream(
+    runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: bool, audio: list[np.ndarray] | None = None
+) -> list[dict]:
     """Turns of ``rows`` streams run to their ends, one call per chunk; each call's launch
-    checked for waits when ``checked``, and its work measured (``work_done``)."""
+    checked for waits when ``checked``, and its work measured (``work_done``). ``audio``: each
+    turn's audio is appended to it."""
     device = prompt.speech_feat.device
     generator = torch.Generator().manual_seed(rows)
     streams = [
@@ -105,6 +108,7 @@ def stream(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: boo
         for row in range(rows)
     ]
     calls = []
+    spoken: dict[int, list[np.ndarray]] = {id(request): [] for request in streams}
     while jobs := [job for job in map(runner.schedule.next_job, streams) if job is not None]:
         call = {"rows": len(jobs), "frames": max(runner.call_frames(job) for job in jobs), "waits": None}
         before = runner.work_totals()
@@ -115,11 +119,14 @@ def stream(runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: boo
             call["waits"] = {"error": str(error).splitlines()[0], "at": where(error)}
             calls.append(call)
             break
-        runner.finish(launched)
+        for job, chunk in zip(jobs, runner.finish(launched), strict=True):
+            spoken[id(job.request)].append(chunk)
         call.update(work_done(before, runner.work_totals()))
         calls.append(call)
     for request in streams:  # their pages back to the pool, as the engine does when a turn ends
         runner.release(request.stream)
+    if audio is not None:
+        audio += [np.concatenate(spoken[id(request)]) for request in streams]
     return calls
 
 
@@ -159,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="FlashAttention's key splits in the paged attention (0: the kernel's choice)")
     parser.add_argument("--pool-gb", type=float, default=4.0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--audio", type=Path,
+                        help="the checked turns' audio to this .npz (compare kernel options with compare_audio)")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.rows.split(",")]
     device = torch.device(args.device)
@@ -184,10 +193,10 @@ def main(argv: list[str] | None = None) -> dict:
         if device.type == "cuda":
             capture_graphs(runner, prompt, max(counts), args.attention_splits)
         with torch.inference_mode():
-            calls = []
+            calls, audio = [], []
             for rows in counts:
                 stream(runner, prompt, rows, checked=False)
-                calls += stream(runner, prompt, rows, checked=True)
+                calls += stream(runner, prompt, rows, checked=True, audio=audio)
     finally:
         fused_kernels.enabled = shipped
     report = {
@@ -201,9 +210,29 @@ def main(argv: list[str] | None = None) -> dict:
         "launches_that_waited": sum(call["waits"] is not None for call in calls),
     }
     print(json.dumps(report), flush=True)
+    if args.audio:
+        np.savez(args.audio, *audio)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report
+
+
+def compare_audio(reference: Path, other: Path) -> dict:
+    """How far the turns' audio of two runs (``--audio``) lie apart: the largest of the turns'
+    relative errors (the difference's RMS over the reference's) and of their largest sample
+    differences. Runs of the same dtype and options give the same audio (the flow's noise is
+    fixed), so this is what a kernel option changes."""
+    with np.load(reference) as a, np.load(other) as b:
+        if sorted(a.files) != sorted(b.files):
+            raise ValueError(f"{reference} and {other} hold different turns")
+        pairs = [(a[name].astype(np.float64), b[name].astype(np.float64)) for name in a.files]
+    if any(x.shape != y.shape for x, y in pairs):
+        raise ValueError(f"{reference} and {other} hold turns of different lengths")
+    return {
+        "turns": len(pairs),
+        "relative_rms": max(float(np.sqrt(np.mean((x - y) ** 2) / np.mean(x**2))) for x, y in pairs),
+        "max_abs": max(float(np.abs(x - y).max()) for x, y in pairs),
+    }
 
 
 if __name__ == "__main__":
