@@ -163,6 +163,7 @@ flow_fused_kernels = {str(args.flow_fused_kernels).lower()}
 launch_ahead = {str(args.launch_ahead).lower()}
 min_call_rows = {args.min_call_rows}
 later_chunks_with_first = {str(args.later_chunks_with_first).lower()}
+playing_listeners_first = {str(args.playing_listeners_first).lower()}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
@@ -650,6 +651,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="min_call_rows of the gateway: calls wait for this many chunks while listeners have audio")
     parser.add_argument("--later-chunks-with-first", action="store_true",
                         help="first chunks' calls also take later chunks no wider (later_chunks_with_first = true)")
+    parser.add_argument("--playing-listeners-first", action="store_true",
+                        help="a reply about to run out of audio goes before first chunks (playing_listeners_first = true)")
     parser.add_argument("--launch-ahead", action="store_true",
                         help="the token2wav thread launches its next call before it waits for the last (launch_ahead)")
     parser.add_argument("--flow-fused-kernels", action="store_true",

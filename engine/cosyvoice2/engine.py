@@ -147,6 +147,7 @@ class CosyVoice2Engine(Engine):
             runner, settings.max_batch, asyncio.get_running_loop(), early_chunks=settings.early_chunks,
             first_chunk_lane=lane, first_chunk_by_load=settings.first_chunk_by_load,
             launch_ahead=settings.launch_ahead, min_call_rows=settings.min_call_rows,
+            playing_first=settings.playing_listeners_first,
         )
         await self._warm_up()
         self._watchdog = asyncio.create_task(self._watch())

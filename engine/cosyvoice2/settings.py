@@ -128,6 +128,11 @@ class CosyVoice2Settings:
     # served first then need not wait behind the rest of the burst's first-chunk calls. Off
     # (first and later chunks in calls apart) until a GPU run has measured it.
     later_chunks_with_first: bool = False
+    # The token2wav engine thread serves a playing listener whose audio would run out within
+    # about two recent calls before new turns' first chunks (the first-chunk lane still takes
+    # those): a reply that has begun does not stall for another's first audio. Off (a listener
+    # with no audio always goes first) until a GPU run has measured it.
+    playing_listeners_first: bool = False
     stream_scale_factor: int = 1
     # A reply that reaches this many speech tokens per text token without eos is ended
     # there (the official maximum ratio, 20). Benchmarks on random weights, which never

@@ -3,7 +3,8 @@
 One worker thread serves every utterance: whenever chunks are ready it takes up to
 ``max_batch`` of them, most urgent listener first (earliest playback deadline: an
 utterance with no audio yet is due at once, one that is playing is due when its audio runs
-out), leaving out chunks whose context is so much longer than the rest that padding would
+out; with ``playing_first``, a playing one about to run out goes before those with none),
+leaving out chunks whose context is so much longer than the rest that padding would
 waste the batch (they go with a batch of their size), and runs them together. A playing
 utterance about to run out of audio, with too few tokens for a whole hop, gets the tokens
 there are as an early chunk while batches are short. An utterance whose consumer has not
@@ -52,6 +53,11 @@ END = object()  # the last item of a request's output
 # recent calls, plus a margin, take.
 HOLD_CALLS = 3
 HOLD_MARGIN_S = 0.3
+# playing_first: a playing listener is urgent while its audio would run out within this many
+# recent calls of the engine thread, plus PLAYING_MARGIN_S: its chunk waits for at most the
+# call in flight, then runs in the next.
+PLAYING_GUARD_CALLS = 2
+PLAYING_MARGIN_S = 0.1
 # How often the engine thread looks whether the call in flight is done, while it waits to
 # launch the next (launch_ahead).
 LAUNCH_POLL_S = 0.002
@@ -102,7 +108,7 @@ class Scheduler:
     def __init__(
         self, runner, max_batch: int, loop: asyncio.AbstractEventLoop, *, early_chunks: bool = True,
         first_chunk_lane: Lane | None = None, first_chunk_by_load: bool = False, launch_ahead: bool = False,
-        min_call_rows: int = 1,
+        min_call_rows: int = 1, playing_first: bool = False,
     ) -> None:
         self.runner = runner
         self.schedule = runner.schedule
@@ -113,6 +119,7 @@ class Scheduler:
         self.first_chunk_by_load = first_chunk_by_load
         self.launch_ahead = launch_ahead
         self.min_call_rows = min_call_rows
+        self.playing_first = playing_first
         self._lane_busy = False
         self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
         # Moving average of one flow call of the main thread: its share of the thread (from its
@@ -351,7 +358,11 @@ class Scheduler:
                 ready.append((request.clock.deadline(now), request.request_id, request, job))
             elif request.status is RequestStatus.TOKENS_DONE and not request.tokens:
                 self._finish(request)  # nothing was generated: nothing to say
-        ready.sort(key=lambda item: item[:2])
+        if self.playing_first:
+            guard = PLAYING_GUARD_CALLS * self._recent_call_s + PLAYING_MARGIN_S
+            ready.sort(key=lambda item: (not self._playing_urgent(item[2], item[0], now, guard), *item[:2]))
+        else:
+            ready.sort(key=lambda item: item[:2])
         if self._holds(ready, now):
             return []
         batch: list[tuple[Request, ChunkJob]] = []
@@ -370,18 +381,23 @@ class Scheduler:
             useful, width = useful + frames, max(width, frames)
         return batch
 
+    @staticmethod
+    def _playing_urgent(request: Request, deadline: float, now: float, guard: float) -> bool:
+        """Whether a playing listener's audio runs out within ``guard`` (``playing_first``)."""
+        return request.clock.first_audio_at is not None and deadline - now < guard
+
     def _holds(self, ready: list[tuple], now: float) -> bool:
         """Whether the engine thread waits for more ready chunks before its next call
         (``min_call_rows``): while fewer are ready and every one of their listeners has audio
-        to spare beyond HOLD_CALLS recent calls and HOLD_MARGIN_S (``ready`` sorted by
-        deadline; a listener with no audio yet is due at once). A call's decoder costs much
+        to spare beyond HOLD_CALLS recent calls and HOLD_MARGIN_S (a listener with no audio yet
+        is due at once). A call's decoder costs much
         the same for a few rows as for several (its kernels are latency-bound at small sizes:
         on an H100 ~70 ms a call plus ~65 us a row-frame at 10 Euler steps, from calls at one
         and at 64 sessions), so calls of more rows serve more audio per second of GPU. Sets
         ``_wake_at`` to when the most urgent of them stops having audio to spare."""
         if len(ready) >= self.min_call_rows or not ready:
             return False
-        urgent_at = ready[0][0] - HOLD_CALLS * self._recent_call_s - HOLD_MARGIN_S
+        urgent_at = min(item[0] for item in ready) - HOLD_CALLS * self._recent_call_s - HOLD_MARGIN_S
         if urgent_at <= now:
             return False
         self._wake_at = urgent_at if self._wake_at is None else min(self._wake_at, urgent_at)
@@ -490,7 +506,8 @@ class Scheduler:
         self, batch: list[tuple[Request, ChunkJob]], lane: Lane | None = None, in_flight: InFlight | None = None
     ) -> InFlight | None:
         """Run a batch as the flow calls ``runner.plan`` splits it into, in its order (new
-        turns' first chunks, then narrowest first). With ``launch_ahead`` on the engine thread,
+        turns' first chunks, then narrowest first; with ``playing_first``, in the order of each
+        call's most urgent chunk). With ``launch_ahead`` on the engine thread,
         each is launched before the call in flight (``in_flight``, then each of these in turn)
         is delivered, and the last is returned still in flight; else each is delivered once
         done (None returned). ``lane``: on the first-chunk lane.
@@ -500,7 +517,10 @@ class Scheduler:
         waits for one call, not for the whole round.
         """
         try:
-            calls = [[batch[i] for i in group] for group in self.runner.plan([job for _, job in batch], lane)]
+            plan = self.runner.plan([job for _, job in batch], lane)
+            if self.playing_first:  # the batch is most urgent first (_next_batch): so are its calls
+                plan.sort(key=min)
+            calls = [[batch[i] for i in group] for group in plan]
             while calls:
                 previous, in_flight = in_flight, self._launch(calls.pop(0), lane)
                 self._deliver(previous)

@@ -136,6 +136,39 @@ async def test_the_listener_closest_to_running_dry_goes_first():
         await asyncio.to_thread(scheduler.stop)
 
 
+class FirstCallsFirstToken2Wav(FakeToken2Wav):
+    """Plans each chunk a call of its own, new turns' first chunks first (as the runner's planner
+    orders calls of first chunks before the rest)."""
+
+    def plan(self, jobs, lane=None):
+        return sorted(([i] for i in range(len(jobs))), key=lambda group: not jobs[group[0]].first)
+
+
+@pytest.mark.parametrize("playing_first, order", [(False, ["c", "b", "a"]), (True, ["b", "c", "a"])])
+async def test_with_playing_first_a_listener_about_to_run_dry_goes_before_a_new_turn(playing_first, order):
+    """playing_first: a playing listener whose audio runs out within the guard (two recent calls
+    and a margin) is served before a new turn's first chunk, in the batch and in the order of
+    its calls; one with audio to spare still waits for it. Without, a first chunk goes first."""
+    fake = FirstCallsFirstToken2Wav()
+    scheduler = Scheduler(fake, max_batch=3, loop=asyncio.get_running_loop(), playing_first=playing_first)
+    try:
+        queues = {name: asyncio.Queue() for name in "abc"}
+        # add() does not wake the scheduler, so all three are in place before it looks.
+        requests = {name: add(scheduler, FakeState(name, 1, first=name == "c"), queues[name]) for name in "abc"}
+        with scheduler.lock:
+            # a: 30 s of audio buffered; b: runs dry in 0.05 s (within the guard of an idle
+            # scheduler: 0.1 s); c: no audio yet.
+            now = time.monotonic()
+            requests["a"].clock.produced(31.0, now - 1)
+            requests["b"].clock.produced(1.05, now - 1)
+            scheduler.wake.notify_all()
+        for name in "abc":
+            await until(queues[name].get())
+        assert fake.batches == [[name] for name in order]
+    finally:
+        await asyncio.to_thread(scheduler.stop)
+
+
 async def test_calls_wait_for_min_call_rows_while_listeners_have_audio_to_spare():
     """min_call_rows: chunks whose listeners have audio to spare wait until that many are ready
     (then run in one call); a listener without audio never waits, and one whose audio runs low
