@@ -647,16 +647,16 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-flow-cudnn-attention", action="store_true",
                         help="the flow's attention left on the kernel vLLM's import leaves it (the memory-efficient "
                         "one; flow_cudnn_attention = false)")
-    parser.add_argument("--min-call-rows", type=int, default=1,
+    parser.add_argument("--min-call-rows", type=int, default=8,
                         help="min_call_rows of the gateway: calls wait for this many chunks while listeners have audio")
-    parser.add_argument("--later-chunks-with-first", action="store_true",
-                        help="first chunks' calls also take later chunks no wider (later_chunks_with_first = true)")
-    parser.add_argument("--playing-listeners-first", action="store_true",
-                        help="a reply about to run out of audio goes before first chunks (playing_listeners_first = true)")
+    parser.add_argument("--later-chunks-with-first", action=argparse.BooleanOptionalAction, default=True,
+                        help="first chunks' calls also take later chunks no wider (later_chunks_with_first)")
+    parser.add_argument("--playing-listeners-first", action=argparse.BooleanOptionalAction, default=True,
+                        help="a reply about to run out of audio goes before first chunks (playing_listeners_first)")
     parser.add_argument("--launch-ahead", action="store_true",
                         help="the token2wav thread launches its next call before it waits for the last (launch_ahead)")
-    parser.add_argument("--flow-fused-kernels", action="store_true",
-                        help="the flow decoder's fused Triton kernels (flow_fused_kernels = true)")
+    parser.add_argument("--flow-fused-kernels", action=argparse.BooleanOptionalAction, default=True,
+                        help="the flow decoder's fused Triton kernels (flow_fused_kernels)")
     parser.add_argument("--first-audio-without-word-timings", action="store_true",
                         help="each first-audio level again with sessions that ask for no word timings (their cost)")
     parser.add_argument("--kernel-profile-s", type=float, default=0.0,

@@ -146,7 +146,9 @@ class CosyVoice2Engine(Engine):
         self.scheduler = Scheduler(
             runner, settings.max_batch, asyncio.get_running_loop(), early_chunks=settings.early_chunks,
             first_chunk_lane=lane, first_chunk_by_load=settings.first_chunk_by_load,
-            launch_ahead=settings.launch_ahead, min_call_rows=settings.min_call_rows,
+            launch_ahead=settings.launch_ahead,
+            # A CPU's calls cost their rows: nothing to gain by waiting for more.
+            min_call_rows=min(settings.min_call_rows, settings.max_batch) if device.type == "cuda" else 1,
             playing_first=settings.playing_listeners_first,
         )
         await self._warm_up()

@@ -117,22 +117,23 @@ class CosyVoice2Settings:
     # Off until a GPU run has measured it on the paged path that waits for the GPU nowhere
     # (H100: before that it lost; docs/benchmarks.md).
     launch_ahead: bool = False
-    # The token2wav engine thread's calls wait until this many chunks are ready, while every
-    # listener of those chunks has audio to spare (1: every call runs as soon as one chunk is
-    # ready). A call costs much the same for a few rows as for several (its kernels are
-    # latency-bound at small sizes), so fewer, larger calls serve more sessions. Not yet
-    # measured on a GPU.
-    min_call_rows: int = 1
+    # GPU: the token2wav engine thread's calls wait until this many chunks are ready, while
+    # every listener of those chunks has audio to spare (1: every call runs as soon as one chunk
+    # is ready). A call costs much the same for a few rows as for several (its kernels are
+    # latency-bound at small sizes), so fewer, larger calls serve more sessions: on an H100 at
+    # 64 sessions 98% of replies were stall-free with 8, 89% with 1 (docs/benchmarks.md). A CPU,
+    # whose calls cost their rows, runs each call at once. Held to max_batch.
+    min_call_rows: int = 8
     # A token2wav call of new turns' first chunks also takes later chunks no wider than they
     # are (more rows, no more padding): in a burst of new turns, the second chunks of the turns
-    # served first then need not wait behind the rest of the burst's first-chunk calls. Off
-    # (first and later chunks in calls apart) until a GPU run has measured it.
-    later_chunks_with_first: bool = False
+    # served first then need not wait behind the rest of the burst's first-chunk calls. False
+    # keeps first and later chunks in calls apart.
+    later_chunks_with_first: bool = True
     # The token2wav engine thread serves a playing listener whose audio would run out within
     # about two recent calls before new turns' first chunks (the first-chunk lane still takes
-    # those): a reply that has begun does not stall for another's first audio. Off (a listener
-    # with no audio always goes first) until a GPU run has measured it.
-    playing_listeners_first: bool = False
+    # those): a reply that has begun does not stall for another's first audio. False: a
+    # listener with no audio always goes first.
+    playing_listeners_first: bool = True
     stream_scale_factor: int = 1
     # A reply that reaches this many speech tokens per text token without eos is ended
     # there (the official maximum ratio, 20). Benchmarks on random weights, which never
@@ -203,9 +204,10 @@ class CosyVoice2Settings:
     # block's residual add with the norm after it in another, instead of 4-6 small kernels and
     # copies each. In a paged call each causal convolution's input too (its left context from
     # the turn-state pool or the voice prefix, the new context back to the pool) in one kernel
-    # instead of 9 (serving/fused_context.py). Off until a GPU run has measured it (exact on
-    # CPU through Triton's interpreter); false runs the plain torch ops (CPUs always do).
-    flow_fused_kernels: bool = False
+    # instead of 9 (serving/fused_context.py). On an H100 a paged call's decoder took 31% less
+    # time a call and 13% less a row-frame, its audio as far from the plain ops' as a change of
+    # summation order moves it (docs/benchmarks.md); false runs the plain torch ops (CPUs always do).
+    flow_fused_kernels: bool = True
     # The watchdog: a token2wav call running this long, or an utterance whose text has all
     # been sent waiting this long for its next speech token, means a stage has hung; the engine
     # then fails every utterance and reports itself failed (the gateway ends its sessions and
@@ -246,8 +248,8 @@ class CosyVoice2Settings:
             raise ValueError("stall_timeout_s must be > 0")
         if not 1 <= self.max_batch <= 1024:
             raise ValueError("max_batch must be between 1 and 1024")
-        if not 1 <= self.min_call_rows <= self.max_batch:
-            raise ValueError("need 1 <= min_call_rows <= max_batch")
+        if self.min_call_rows < 1:
+            raise ValueError("min_call_rows must be >= 1")
 
     @property
     def voices_path(self) -> Path:

@@ -75,7 +75,7 @@ def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
     decoder back as it was."""
     from tts_gateway.engine.cosyvoice2.model import estimator, fused_kernels
 
-    shipped = estimator.attention_bias
+    shipped, switched = estimator.attention_bias, fused_kernels.enabled
     out = tmp_path / "profile.json"
     report = bench_flow_profile.main(
         ["--size", "tiny", "--device", "cpu", "--shapes", "2x60", "--variants", "bool,bias,fused", "--repeats", "1",
@@ -88,7 +88,7 @@ def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:
     assert shape["variants"]["bias"]["max_abs_vs_bool"] == 0.0
     assert shape["variants"]["fused"]["max_abs_vs_bias"] == 0.0 < shape["variants"]["fused"]["mel_abs_max"]
     assert estimator.attention_bias is shipped
-    assert not fused_kernels.enabled  # as the engine ships it, restored after the fused variant
+    assert fused_kernels.enabled is switched  # restored after the fused variant
 
 
 def test_bench_gpu_sharing_smoke_cpu(tmp_path) -> None:
