@@ -53,11 +53,12 @@ END = object()  # the last item of a request's output
 # recent calls, plus a margin, take.
 HOLD_CALLS = 3
 HOLD_MARGIN_S = 0.3
-# playing_first: a playing listener is urgent while its audio would run out within this many
-# recent calls of the engine thread, plus PLAYING_MARGIN_S: its chunk waits for at most the
-# call in flight, then runs in the next.
-PLAYING_GUARD_CALLS = 2
-PLAYING_MARGIN_S = 0.1
+# A playing listener is urgent while its audio would run out within this many recent calls of
+# the engine thread, plus URGENT_MARGIN_S: its chunk can wait for the call in flight, then must
+# run in the next. Such a chunk is not left out of a batch for its padding, and with
+# playing_first it goes before new turns' first chunks.
+URGENT_CALLS = 2
+URGENT_MARGIN_S = 0.1
 # How often the engine thread looks whether the call in flight is done, while it waits to
 # launch the next (launch_ahead).
 LAUNCH_POLL_S = 0.002
@@ -358,9 +359,9 @@ class Scheduler:
                 ready.append((request.clock.deadline(now), request.request_id, request, job))
             elif request.status is RequestStatus.TOKENS_DONE and not request.tokens:
                 self._finish(request)  # nothing was generated: nothing to say
+        urgent_s = URGENT_CALLS * self._recent_call_s + URGENT_MARGIN_S
         if self.playing_first:
-            guard = PLAYING_GUARD_CALLS * self._recent_call_s + PLAYING_MARGIN_S
-            ready.sort(key=lambda item: (not self._playing_urgent(item[2], item[0], now, guard), *item[:2]))
+            ready.sort(key=lambda item: (not self._playing_urgent(item[2], item[0], now, urgent_s), *item[:2]))
         else:
             ready.sort(key=lambda item: item[:2])
         if self._holds(ready, now):
@@ -372,19 +373,21 @@ class Scheduler:
                 break
             frames = self.runner.call_frames(job)
             padded = (len(batch) + 1) * max(width, frames)
-            # A much longer context than the batch's, not due yet, waits for a batch of its
-            # size: now it would run on its own after the others (see _run_calls), holding
-            # back whatever arrives meanwhile.
-            if batch and deadline > now and padded > PADDING_LIMIT * (useful + frames):
+            # A much longer context than the batch's that can wait for another call waits for a
+            # batch of its size: now it would run on its own after the others (see _run_calls),
+            # holding back whatever arrives meanwhile. (An urgent one must run now: on an H100 a
+            # turn's second chunk, wide after a first chunk on the lane, waited out two calls
+            # this way and its listener ran dry.)
+            if batch and deadline - now > urgent_s and padded > PADDING_LIMIT * (useful + frames):
                 continue
             batch.append((request, job))
             useful, width = useful + frames, max(width, frames)
         return batch
 
     @staticmethod
-    def _playing_urgent(request: Request, deadline: float, now: float, guard: float) -> bool:
-        """Whether a playing listener's audio runs out within ``guard`` (``playing_first``)."""
-        return request.clock.first_audio_at is not None and deadline - now < guard
+    def _playing_urgent(request: Request, deadline: float, now: float, urgent_s: float) -> bool:
+        """Whether a playing listener's audio runs out within ``urgent_s``."""
+        return request.clock.first_audio_at is not None and deadline - now < urgent_s
 
     def _holds(self, ready: list[tuple], now: float) -> bool:
         """Whether the engine thread waits for more ready chunks before its next call

@@ -146,8 +146,8 @@ class FirstCallsFirstToken2Wav(FakeToken2Wav):
 
 @pytest.mark.parametrize("playing_first, order", [(False, ["c", "b", "a"]), (True, ["b", "c", "a"])])
 async def test_with_playing_first_a_listener_about_to_run_dry_goes_before_a_new_turn(playing_first, order):
-    """playing_first: a playing listener whose audio runs out within the guard (two recent calls
-    and a margin) is served before a new turn's first chunk, in the batch and in the order of
+    """playing_first: a playing listener whose audio runs out within two recent calls and a
+    margin is served before a new turn's first chunk, in the batch and in the order of
     its calls; one with audio to spare still waits for it. Without, a first chunk goes first."""
     fake = FirstCallsFirstToken2Wav()
     scheduler = Scheduler(fake, max_batch=3, loop=asyncio.get_running_loop(), playing_first=playing_first)
@@ -156,7 +156,7 @@ async def test_with_playing_first_a_listener_about_to_run_dry_goes_before_a_new_
         # add() does not wake the scheduler, so all three are in place before it looks.
         requests = {name: add(scheduler, FakeState(name, 1, first=name == "c"), queues[name]) for name in "abc"}
         with scheduler.lock:
-            # a: 30 s of audio buffered; b: runs dry in 0.05 s (within the guard of an idle
+            # a: 30 s of audio buffered; b: runs dry in 0.05 s (urgent on an idle
             # scheduler: 0.1 s); c: no audio yet.
             now = time.monotonic()
             requests["a"].clock.produced(31.0, now - 1)
@@ -300,12 +300,20 @@ async def test_an_utterance_whose_consumer_lags_is_not_scheduled():
 
 
 async def test_a_much_longer_context_waits_for_a_batch_of_its_size():
-    """Rows are padded to the longest: a long context joins short ones only when it is due now,
-    and then runs as its own batch after theirs."""
+    """Rows are padded to the longest: a long context joins short ones only when it cannot wait
+    for another call (no audio yet, or its listener runs dry within two recent calls and a
+    margin), and then runs as its own call after theirs."""
+    taken: list[list[str]] = []  # the batches the scheduler took, before they are planned into calls
+
+    class TakenToken2Wav(FakeToken2Wav):
+        def plan(self, jobs, lane=None):
+            taken.append(sorted(job.state.name for job in jobs))
+            return super().plan(jobs, lane)
 
     async def batches_for(utterances: dict[str, tuple[int, float | None]]) -> list[list[str]]:
         """utterances: name -> (context frames, seconds of buffered audio left, or None for no audio yet)."""
-        fake = FakeToken2Wav()
+        taken.clear()
+        fake = TakenToken2Wav()
         scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop())
         try:
             queues = {name: asyncio.Queue() for name in utterances}
@@ -328,6 +336,15 @@ async def test_a_much_longer_context_waits_for_a_batch_of_its_size():
         ["short1", "short2"],
         ["long"],
     ]
+    assert taken == [["short1", "short2"], ["long"]]  # it waited for a batch of its own
+    # Its listener runs dry in 0.05 s (urgent on an idle scheduler: 0.1 s): taken at once, and
+    # short2, which can wait, waits for a batch of its size.
+    assert await batches_for({"short1": (300, None), "short2": (300, 0.5), "long": (1200, 0.05)}) == [
+        ["short1"],
+        ["long"],
+        ["short2"],
+    ]
+    assert taken == [["long", "short1"], ["short2"]]
     # Due now (no audio yet): it is taken at once, but runs after the narrower rows, so that
     # their audio does not wait for its context.
     assert await batches_for({"short": (300, None), "long": (1200, None)}) == [["short"], ["long"]]
