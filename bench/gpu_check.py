@@ -622,8 +622,8 @@ def argument_parser() -> argparse.ArgumentParser:
         "the official bound 20 makes replies ~2.7x too long",
     )
     parser.add_argument("--prefix-voices", type=int, default=4, help="prefix_voices of the gateway (0 = off)")
-    parser.add_argument("--flow-mode", default="recompute", choices=("paged", "recompute"),
-                        help="flow_mode of the gateway (recompute: the GPU default; paged: the turn-state pool)")
+    parser.add_argument("--flow-mode", default="paged", choices=("paged", "recompute"),
+                        help="flow_mode of the gateway (paged: the GPU default, the turn-state pool; recompute)")
     parser.add_argument("--token2wav-cache-gb", type=float, default=40.0,
                         help="token2wav_cache_gb of the gateway: the paged pool of turns' decoder state")
     parser.add_argument("--final-chunk-attention", default="chunk", choices=("chunk", "full"))

@@ -170,9 +170,11 @@ class CosyVoice2Engine(Engine):
     def _runner(self, device: torch.device) -> Token2WavRunner:
         settings = self.settings
         # auto: incremental on CPU, where the flow is compute-bound and runs one row at a time;
-        # recompute on GPU, where rows batch across sessions. Paged is opt-in (docs/benchmarks.md,
-        # "turn state in a paged pool").
-        mode = settings.flow_mode if settings.flow_mode != "auto" else "incremental" if device.type == "cpu" else "recompute"
+        # paged on GPU, where rows of any turns batch and each costs its own frames (recompute
+        # where there are no voice prefixes to continue from).
+        mode = settings.flow_mode
+        if mode == "auto":
+            mode = "incremental" if device.type == "cpu" else "paged" if settings.prefix_voices else "recompute"
         if mode == "paged" and not settings.prefix_voices:
             raise EngineError("flow_mode 'paged' needs prefix_voices >= 1 (turns continue from their voice's prefix)")
         return Token2WavRunner.build(

@@ -86,6 +86,23 @@ async def test_flow_fused_kernels_switches_the_decoders_fused_kernels(cv2_engine
         await engine.close()
 
 
+@pytest.mark.parametrize("device, prefix_voices, mode", [
+    ("cpu", 4, "incremental"), ("cuda", 4, "paged"), ("cuda", 0, "recompute"),
+])
+def test_flow_mode_auto_is_incremental_on_a_cpu_and_paged_on_a_gpu(cv2_engine, device, prefix_voices, mode):
+    """flow_mode "auto": incremental on a CPU; on a GPU the paged turn-state pool, or recompute
+    where there are no voice prefixes for turns to continue from. (Only the device's type is
+    asked: the runner is built on the test model as it is.)"""
+    import dataclasses
+
+    settings = dataclasses.replace(cv2_engine.settings, flow_mode="auto", prefix_voices=prefix_voices)
+    engine = CosyVoice2Engine(settings)
+    engine.models = cv2_engine.models
+    runner = engine._runner(torch.device(device))
+    built = "incremental" if runner.incremental else "paged" if runner.turn_pool is not None else "recompute"
+    assert built == mode
+
+
 async def test_text_deltas_in_pcm_out(cv2_gateway):
     async with TTSClient.connect(ws_url(cv2_gateway), sample_rate=24000, encoding="pcm_f32le") as tts:
         assert tts.ready["voices"][0]["name"] == "narrator"
