@@ -95,11 +95,12 @@ def work_done(before: dict[str, float], after: dict[str, float]) -> dict:
 
 
 def stream(
-    runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: bool, audio: list[np.ndarray] | None = None
+    runner: Token2WavRunner, prompt: VoicePrompt, rows: int, checked: bool, mels: list[np.ndarray] | None = None
 ) -> list[dict]:
     """Turns of ``rows`` streams run to their ends, one call per chunk; each call's launch
-    checked for waits when ``checked``, and its work measured (``work_done``). ``audio``: each
-    turn's audio is appended to it."""
+    checked for waits when ``checked``, and its work measured (``work_done``). ``mels``: each
+    turn's mel (the flow's output, all its chunks') is appended to it, unless a launch was
+    broken off."""
     device = prompt.speech_feat.device
     generator = torch.Generator().manual_seed(rows)
     streams = [
@@ -108,26 +109,44 @@ def stream(
         for row in range(rows)
     ]
     calls = []
-    spoken: dict[int, list[np.ndarray]] = {id(request): [] for request in streams}
+    made: dict[int, list[torch.Tensor]] = {id(request): [] for request in streams}
+    broken = False
     while jobs := [job for job in map(runner.schedule.next_job, streams) if job is not None]:
         call = {"rows": len(jobs), "frames": max(runner.call_frames(job) for job in jobs), "waits": None}
         before = runner.work_totals()
         try:
-            with waits_raise(device) if checked else contextlib.nullcontext():
+            with waits_raise(device) if checked else contextlib.nullcontext(), kept_mels(runner, made):
                 launched = runner.launch(jobs)
         except RuntimeError as error:  # the launch is broken off: report where, and stop
             call["waits"] = {"error": str(error).splitlines()[0], "at": where(error)}
             calls.append(call)
+            broken = True
             break
-        for job, chunk in zip(jobs, runner.finish(launched), strict=True):
-            spoken[id(job.request)].append(chunk)
+        runner.finish(launched)
         call.update(work_done(before, runner.work_totals()))
         calls.append(call)
     for request in streams:  # their pages back to the pool, as the engine does when a turn ends
         runner.release(request.stream)
-    if audio is not None:
-        audio += [np.concatenate(spoken[id(request)]) for request in streams]
+    if mels is not None and not broken:
+        mels += [torch.cat(made[id(request)], dim=2)[0].float().cpu().numpy() for request in streams]
     return calls
+
+
+@contextlib.contextmanager
+def kept_mels(runner: Token2WavRunner, made: dict[int, list[torch.Tensor]]) -> Iterator[None]:
+    """Each chunk's mel, as the flow hands it to the vocoder, appended to ``made[id(request)]``
+    (a copy on the device: taking it does not wait for the GPU)."""
+    hift_input = runner._hift_input
+
+    def keep(job, mel):
+        made[id(job.request)].append(mel.detach().clone())
+        return hift_input(job, mel)
+
+    runner._hift_input = keep
+    try:
+        yield
+    finally:
+        del runner._hift_input  # the class's method again
 
 
 def decoder_cost(calls: list[dict]) -> dict | None:
@@ -166,8 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="FlashAttention's key splits in the paged attention (0: the kernel's choice)")
     parser.add_argument("--pool-gb", type=float, default=4.0)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--audio", type=Path,
-                        help="the checked turns' audio to this .npz (compare kernel options with compare_audio)")
+    parser.add_argument("--mels", type=Path,
+                        help="the checked turns' mels to this .npz (compare kernel options with compare_mels)")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.rows.split(",")]
     device = torch.device(args.device)
@@ -193,10 +212,10 @@ def main(argv: list[str] | None = None) -> dict:
         if device.type == "cuda":
             capture_graphs(runner, prompt, max(counts), args.attention_splits)
         with torch.inference_mode():
-            calls, audio = [], []
+            calls, mels = [], []
             for rows in counts:
                 stream(runner, prompt, rows, checked=False)
-                calls += stream(runner, prompt, rows, checked=True, audio=audio)
+                calls += stream(runner, prompt, rows, checked=True, mels=mels)
     finally:
         fused_kernels.enabled = shipped
     report = {
@@ -210,18 +229,19 @@ def main(argv: list[str] | None = None) -> dict:
         "launches_that_waited": sum(call["waits"] is not None for call in calls),
     }
     print(json.dumps(report), flush=True)
-    if args.audio:
-        np.savez(args.audio, *audio)
+    if args.mels:
+        np.savez(args.mels, *mels)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report
 
 
-def compare_audio(reference: Path, other: Path) -> dict:
-    """How far the turns' audio of two runs (``--audio``) lie apart: the largest of the turns'
-    relative errors (the difference's RMS over the reference's) and of their largest sample
-    differences. Runs of the same dtype and options give the same audio (the flow's noise is
-    fixed), so this is what a kernel option changes."""
+def compare_mels(reference: Path, other: Path) -> dict:
+    """How far the turns' mels of two runs (``--mels``) lie apart: the largest of the turns'
+    relative errors (the difference's RMS over the reference's) and of their largest
+    differences. The flow's noise is fixed, so runs of the same dtype and options give the same
+    mels, and this is what a kernel option changes. (Not the audio: the vocoder draws its
+    source's noise anew each run.)"""
     with np.load(reference) as a, np.load(other) as b:
         if sorted(a.files) != sorted(b.files):
             raise ValueError(f"{reference} and {other} hold different turns")

@@ -206,9 +206,10 @@ class CosyVoice2Settings:
     # copies each. In a paged call each causal convolution's input too (its left context from
     # the turn-state pool or the voice prefix, the new context back to the pool) in one kernel
     # instead of 9 (serving/fused_context.py). On an H100 a paged call's decoder took 31% less
-    # time a call and 13% less a row-frame, its audio as far from the plain ops' as a change of
-    # summation order moves it (docs/benchmarks.md); false runs the plain torch ops (CPUs always do).
-    flow_fused_kernels: bool = True
+    # time a call and 13% less a row-frame (docs/benchmarks.md). Exact on CPU through Triton's
+    # interpreter; off until their mels have been compared with the plain ops' on a GPU (the
+    # interpreter runs a kernel's programs one by one). False runs the plain torch ops (CPUs always do).
+    flow_fused_kernels: bool = False
     # The watchdog: a token2wav call running this long, or an utterance whose text has all
     # been sent waiting this long for its next speech token, means a stage has hung; the engine
     # then fails every utterance and reports itself failed (the gateway ends its sessions and

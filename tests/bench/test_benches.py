@@ -41,9 +41,9 @@ def test_bench_launch_waits_smoke_cpu(tmp_path) -> None:
     """One turn, then two, streamed through a paged runner to their ends, a launch per chunk (a
     CPU has no waits to find nor a GPU clock to read: a smoke test of the script)."""
     out = tmp_path / "waits.json"
-    audio = tmp_path / "audio.npz"
+    mels = tmp_path / "mels.npz"
     report = bench_launch_waits.main(
-        ["--size", "tiny", "--device", "cpu", "--rows", "1,2", "--json", str(out), "--audio", str(audio)]
+        ["--size", "tiny", "--device", "cpu", "--rows", "1,2", "--json", str(out), "--mels", str(mels)]
     )
     assert json.loads(out.read_text()) == report
     assert [call["rows"] for call in report["calls"]] == sorted(call["rows"] for call in report["calls"])
@@ -56,17 +56,20 @@ def test_bench_launch_waits_smoke_cpu(tmp_path) -> None:
     calls = [{"padded_row_frames": n, "gpu_ms": {"decoder": 70 + 0.065 * n}} for n in sizes]
     calls.append({"padded_row_frames": 0, "gpu_ms": {"vocoder": 9.0}})  # no decoder: not fitted
     assert bench_launch_waits.decoder_cost(calls) == {"calls": 3, "ms_per_call": 70.0, "us_per_row_frame": 65.0}
-    with np.load(audio) as saved:
+    with np.load(mels) as saved:
         turns = [saved[name] for name in saved.files]
-    assert len(turns) == 3 and min(len(turn) for turn in turns) > 24000  # one turn, then two
-    assert bench_launch_waits.compare_audio(audio, audio) == {"turns": 3, "relative_rms": 0.0, "max_abs": 0.0}
+    # One turn, then two; each turn's mel is all its chunks' (400 tokens and more, 2 frames each).
+    assert len(turns) == 3 and all(turn.shape[0] == 80 and turn.shape[1] >= 800 for turn in turns)
+    again = tmp_path / "again.npz"  # the same options again: the same mels
+    bench_launch_waits.main(["--size", "tiny", "--device", "cpu", "--rows", "1,2", "--mels", str(again)])
+    assert bench_launch_waits.compare_mels(mels, again) == {"turns": 3, "relative_rms": 0.0, "max_abs": 0.0}
     louder = tmp_path / "louder.npz"
     np.savez(louder, *[turn * 1.01 for turn in turns])
-    apart = bench_launch_waits.compare_audio(audio, louder)
+    apart = bench_launch_waits.compare_mels(mels, louder)
     assert apart["relative_rms"] == pytest.approx(0.01, rel=1e-3) and apart["max_abs"] > 0
     np.savez(louder, *turns[:2])
     with pytest.raises(ValueError, match="different turns"):
-        bench_launch_waits.compare_audio(audio, louder)
+        bench_launch_waits.compare_mels(mels, louder)
 
 
 def test_bench_flow_profile_smoke_cpu(tmp_path) -> None:

@@ -20,8 +20,7 @@ try:
 except ImportError:  # a CPU build of torch comes without Triton: the references serve
     triton = None
 
-# Set by the engine from its flow_fused_kernels setting (on by default); off, the GPU runs the
-# plain torch ops too.
+# Set by the engine from its flow_fused_kernels setting; off, the GPU runs the plain torch ops too.
 enabled = False
 
 # Set before Triton is imported, this makes its kernels Python functions over CPU tensors.

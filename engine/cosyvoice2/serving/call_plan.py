@@ -94,25 +94,35 @@ class CallPlanner:
         def job_frames(job: ChunkJob) -> int:
             return self.schedule.job_frames(job) - (stored(job) if stored is not None else 0)
 
-        kinds: dict[tuple[bool, bool], list[int]] = {}
-        incremental = []
-        last_with_later = stored is not None and self.final_streaming
-        first_frames = max((job_frames(job) for job in jobs if job.first and not job.finalize), default=-1)
-        for i, job in enumerate(jobs):
-            if self.streaming(job.finalize) and job.request.stream.flow_cache is not None:
-                incremental.append(i)
-                continue
-            finalize = job.finalize and not last_with_later
-            # A later chunk no wider than the first chunks adds rows to their call, not width:
-            # it costs that call a little and saves a call of its own (later_with_first).
-            with_first = job.first or (self.later_with_first and not finalize and job_frames(job) <= first_frames)
-            kinds.setdefault((finalize, with_first), []).append(i)
-        groups = [incremental] if incremental else []
-
         def cost_frames(job: ChunkJob, finalize: bool) -> int:
             """``job_frames`` as the cost of a call of that ``finalize`` counts them (``call_cost``
             takes a later chunk's look-ahead frames off: a last chunk in such a call has none)."""
             return job_frames(job) + (self.lookahead_frames if job.finalize and not finalize else 0)
+
+        last_with_later = stored is not None and self.final_streaming
+        call_finalize = {i: job.finalize and not last_with_later for i, job in enumerate(jobs)}
+        incremental = [
+            i for i, job in enumerate(jobs)
+            if self.streaming(job.finalize) and job.request.stream.flow_cache is not None
+        ]
+        # A later chunk no wider than the first chunks of a call of its finalize adds rows to
+        # their call, not width: it costs that call a little and saves a call of its own.
+        first_width = {
+            finalize: max(
+                (cost_frames(job, finalize) for i, job in enumerate(jobs)
+                 if job.first and call_finalize[i] == finalize and i not in incremental),
+                default=-1,
+            )
+            for finalize in (False, True)
+        }
+        kinds: dict[tuple[bool, bool], list[int]] = {}
+        for i, job in enumerate(jobs):
+            if i in incremental:
+                continue
+            finalize = call_finalize[i]
+            with_first = job.first or (self.later_with_first and cost_frames(job, finalize) <= first_width[finalize])
+            kinds.setdefault((finalize, with_first), []).append(i)
+        groups = [incremental] if incremental else []
 
         for (finalize, _), rows in kinds.items():
             widths = [cost_frames(jobs[i], finalize) for i in rows]

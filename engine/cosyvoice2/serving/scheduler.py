@@ -377,8 +377,10 @@ class Scheduler:
             # batch of its size: now it would run on its own after the others (see _run_calls),
             # holding back whatever arrives meanwhile. (An urgent one must run now: on an H100 a
             # turn's second chunk, wide after a first chunk on the lane, waited out two calls
-            # this way and its listener ran dry.)
-            if batch and deadline - now > urgent_s and padded > PADDING_LIMIT * (useful + frames):
+            # this way and its listener ran dry.) A narrower one joins: the planner gives it
+            # a call with rows of its width.
+            waits = deadline - now > urgent_s
+            if batch and waits and frames > width and padded > PADDING_LIMIT * (useful + frames):
                 continue
             batch.append((request, job))
             useful, width = useful + frames, max(width, frames)
@@ -516,8 +518,9 @@ class Scheduler:
         done (None returned). ``lane``: on the first-chunk lane.
 
         A call runs to its end, and the rest of the batch may take many calls: without a
-        first-chunk lane, first chunks that became ready meanwhile go next, so that a new turn
-        waits for one call, not for the whole round.
+        first-chunk lane, first chunks that became ready meanwhile go next (with
+        ``playing_first`` too: the round's urgent chunks then wait for their call), so that a
+        new turn waits for one call, not for the whole round.
         """
         try:
             plan = self.runner.plan([job for _, job in batch], lane)

@@ -573,6 +573,17 @@ def test_a_later_chunk_no_wider_than_the_first_chunks_may_share_their_call(model
     assert_mels_as_alone(token2wav._flows(jobs), make_runner(models, **paged), jobs_of)
 
 
+def test_a_later_chunk_wider_than_the_first_chunks_keeps_a_call_of_its_own(models, voice, tokens):
+    """later_with_first takes only later chunks that add no width: without stored frames (the
+    recompute path) a turn's second chunk spans its first too, and is planned apart."""
+    token2wav = make_runner(models, incremental=False, later_with_first=True)
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    jobs = [chunk_after(token2wav, prompt, tokens, 0), chunk_after(token2wav, prompt, tokens, 1)]
+    assert [job.first for job in jobs] == [True, False]
+    assert token2wav.schedule.job_frames(jobs[1]) > token2wav.schedule.job_frames(jobs[0])
+    assert sorted(len(group) for group in token2wav.plan(jobs)) == [1, 1]
+
+
 def test_a_call_that_mixes_last_chunks_is_booked_by_its_other_chunks():
     """Calls of one kind of chunk are booked as that kind; a paged call that carries last chunks
     beside others is a call of first chunks when all its chunks are first (one-chunk turns

@@ -114,24 +114,31 @@ class FakeToken2Wav:
         return [np.zeros(100, np.float32) for _ in jobs]
 
 
+async def served_in_order(scheduler: Scheduler, fake: FakeToken2Wav, left: dict[str, float | None]) -> list:
+    """One single-chunk utterance per name, its listener playing for 1 s with ``left[name]``
+    seconds of audio still buffered (None: no audio yet, its chunk a first chunk), all in place
+    before the scheduler looks; the calls that served them, once each has ended."""
+    queues = {name: asyncio.Queue() for name in left}
+    # add() does not wake the scheduler.
+    requests = {name: add(scheduler, FakeState(name, 1, first=s is None), queues[name]) for name, s in left.items()}
+    with scheduler.lock:
+        now = time.monotonic()
+        for name, seconds in left.items():
+            if seconds is not None:
+                requests[name].clock.produced(1.0 + seconds, now - 1)
+        scheduler.wake.notify_all()
+    for queue in queues.values():
+        await until(queue.get())
+        assert await until(queue.get()) is END
+    return fake.batches
+
+
 async def test_the_listener_closest_to_running_dry_goes_first():
     fake = FakeToken2Wav()
     scheduler = Scheduler(fake, max_batch=1, loop=asyncio.get_running_loop())
     try:
-        queues = {name: asyncio.Queue() for name in "abc"}
-        # add() does not wake the scheduler, so all three are in place before it looks.
-        requests = {name: add(scheduler, FakeState(name, 1), queues[name]) for name in "abc"}
-        with scheduler.lock:
-            # a: has been playing for 1 s with 30 s of audio buffered; b: 2 s buffered;
-            # c: no audio yet. Most urgent first: c (due now), then b, then a.
-            now = time.monotonic()
-            requests["a"].clock.produced(30.0, now - 1)
-            requests["b"].clock.produced(2.0, now - 1)
-            scheduler.wake.notify_all()
-        for name in "abc":
-            await until(queues[name].get())
-            assert await until(queues[name].get()) is END
-        assert fake.batches == [["c"], ["b"], ["a"]]
+        # Most urgent first: c (no audio yet: due now), then b (1 s left), then a (29 s left).
+        assert await served_in_order(scheduler, fake, {"a": 29.0, "b": 1.0, "c": None}) == [["c"], ["b"], ["a"]]
     finally:
         await asyncio.to_thread(scheduler.stop)
 
@@ -152,19 +159,9 @@ async def test_with_playing_first_a_listener_about_to_run_dry_goes_before_a_new_
     fake = FirstCallsFirstToken2Wav()
     scheduler = Scheduler(fake, max_batch=3, loop=asyncio.get_running_loop(), playing_first=playing_first)
     try:
-        queues = {name: asyncio.Queue() for name in "abc"}
-        # add() does not wake the scheduler, so all three are in place before it looks.
-        requests = {name: add(scheduler, FakeState(name, 1, first=name == "c"), queues[name]) for name in "abc"}
-        with scheduler.lock:
-            # a: 30 s of audio buffered; b: runs dry in 0.05 s (urgent on an idle
-            # scheduler: 0.1 s); c: no audio yet.
-            now = time.monotonic()
-            requests["a"].clock.produced(31.0, now - 1)
-            requests["b"].clock.produced(1.05, now - 1)
-            scheduler.wake.notify_all()
-        for name in "abc":
-            await until(queues[name].get())
-        assert fake.batches == [[name] for name in order]
+        # b runs dry in 0.05 s (urgent on an idle scheduler: 0.1 s); c has no audio yet.
+        calls = await served_in_order(scheduler, fake, {"a": 30.0, "b": 0.05, "c": None})
+        assert calls == [[name] for name in order]
     finally:
         await asyncio.to_thread(scheduler.stop)
 
@@ -337,14 +334,13 @@ async def test_a_much_longer_context_waits_for_a_batch_of_its_size():
         ["long"],
     ]
     assert taken == [["short1", "short2"], ["long"]]  # it waited for a batch of its own
-    # Its listener runs dry in 0.05 s (urgent on an idle scheduler: 0.1 s): taken at once, and
-    # short2, which can wait, waits for a batch of its size.
+    # Its listener runs dry in 0.05 s (urgent on an idle scheduler: 0.1 s): taken at once; the
+    # narrower rows join the batch and get a call of their own width.
     assert await batches_for({"short1": (300, None), "short2": (300, 0.5), "long": (1200, 0.05)}) == [
-        ["short1"],
+        ["short1", "short2"],
         ["long"],
-        ["short2"],
     ]
-    assert taken == [["long", "short1"], ["short2"]]
+    assert taken == [["long", "short1", "short2"]]
     # Due now (no audio yet): it is taken at once, but runs after the narrower rows, so that
     # their audio does not wait for its context.
     assert await batches_for({"short": (300, None), "long": (1200, None)}) == [["short"], ["long"]]
