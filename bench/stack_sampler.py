@@ -123,6 +123,7 @@ class Sampler:
         self.out = out
         self.trace = trace
         self.lock = threading.Lock()
+        self._stop = threading.Event()
         self._reset()
 
     def _reset(self) -> None:
@@ -131,10 +132,13 @@ class Sampler:
         self.self_time: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.inclusive: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 
+    def stop(self) -> None:
+        """Ends ``run`` after its current sample (the gateway's sampler runs until the process ends)."""
+        self._stop.set()
+
     def run(self) -> None:
         me = threading.get_ident()
-        while True:
-            time.sleep(INTERVAL_S)
+        while not self._stop.wait(INTERVAL_S):
             names = {t.ident: t.name for t in threading.enumerate()}
             with self.lock:
                 for ident, frame in sys._current_frames().items():

@@ -130,7 +130,8 @@ def test_stack_sampler_reports_where_each_thread_is(tmp_path):
 
     out = tmp_path / "profile.json"
     sampler = stack_sampler.Sampler(out)
-    threading.Thread(target=sampler.run, daemon=True).start()
+    sampling = threading.Thread(target=sampler.run, daemon=True)
+    sampling.start()
     stop = threading.Event()
     worker = threading.Thread(target=spin_here, args=(stop,), name="busy-worker")
     worker.start()
@@ -145,6 +146,11 @@ def test_stack_sampler_reports_where_each_thread_is(tmp_path):
     time.sleep(0.05)
     sampler.dump()  # counts start afresh after each dump (and the worker has ended)
     assert "busy-worker" not in json.loads(out.read_text())["threads"]
+    # Stopped: a sampler left walking every thread's frames for the rest of the test run
+    # once crashed the interpreter under a torch thread.
+    sampler.stop()
+    sampling.join(timeout=5)
+    assert not sampling.is_alive()
 
 
 def test_the_sampler_dumps_the_token2wav_calls_and_chunks_of_its_span(tmp_path, monkeypatch):
