@@ -395,11 +395,11 @@ class Scheduler:
         """Whether the engine thread waits for more ready chunks before its next call
         (``min_call_rows``): while fewer are ready and every one of their listeners has audio
         to spare beyond HOLD_CALLS recent calls and HOLD_MARGIN_S (a listener with no audio yet
-        is due at once). A call's decoder costs much
-        the same for a few rows as for several (its kernels are latency-bound at small sizes:
-        on an H100 ~70 ms a call plus ~65 us a row-frame at 10 Euler steps, from calls at one
-        and at 64 sessions), so calls of more rows serve more audio per second of GPU. Sets
-        ``_wake_at`` to when the most urgent of them stops having audio to spare."""
+        is due at once). A call's decoder costs much the same for a few rows as for several
+        (its kernels are latency-bound at small sizes: on an H100 ~70 ms a call plus ~65 us a
+        row-frame at 10 Euler steps, from calls at one and at 64 sessions), so calls of more
+        rows serve more audio per second of GPU. Sets ``_wake_at`` to when the most urgent of
+        them stops having audio to spare."""
         if len(ready) >= self.min_call_rows or not ready:
             return False
         urgent_at = min(item[0] for item in ready) - HOLD_CALLS * self._recent_call_s - HOLD_MARGIN_S
@@ -512,10 +512,10 @@ class Scheduler:
     ) -> InFlight | None:
         """Run a batch as the flow calls ``runner.plan`` splits it into, in its order (new
         turns' first chunks, then narrowest first; with ``playing_first``, in the order of each
-        call's most urgent chunk). With ``launch_ahead`` on the engine thread,
-        each is launched before the call in flight (``in_flight``, then each of these in turn)
-        is delivered, and the last is returned still in flight; else each is delivered once
-        done (None returned). ``lane``: on the first-chunk lane.
+        call's most urgent chunk). With ``launch_ahead`` on the engine thread, each is launched
+        before the call in flight (``in_flight``, then each of these in turn) is delivered, and
+        the last is returned still in flight; else each is delivered once done (None returned).
+        ``lane``: on the first-chunk lane.
 
         A call runs to its end, and the rest of the batch may take many calls: without a
         first-chunk lane, first chunks that became ready meanwhile go next (with
