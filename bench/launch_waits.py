@@ -115,7 +115,10 @@ def stream(
         call = {"rows": len(jobs), "frames": max(runner.call_frames(job) for job in jobs), "waits": None}
         before = runner.work_totals()
         try:
-            with waits_raise(device) if checked else contextlib.nullcontext(), kept_mels(runner, made):
+            with (
+                waits_raise(device) if checked else contextlib.nullcontext(),
+                kept_mels(runner, made) if mels is not None else contextlib.nullcontext(),
+            ):
                 launched = runner.launch(jobs)
         except RuntimeError as error:  # the launch is broken off: report where, and stop
             call["waits"] = {"error": str(error).splitlines()[0], "at": where(error)}

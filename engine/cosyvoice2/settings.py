@@ -121,8 +121,9 @@ class CosyVoice2Settings:
     # every listener of those chunks has audio to spare (1: every call runs as soon as one chunk
     # is ready). A call costs much the same for a few rows as for several (its kernels are
     # latency-bound at small sizes), so fewer, larger calls serve more sessions: on an H100 at
-    # 64 sessions 98% of replies were stall-free with 8, 89% with 1 (docs/benchmarks.md). A CPU,
-    # whose calls cost their rows, runs each call at once. Held to max_batch.
+    # 64 sessions (fused kernels on) 98% of replies were stall-free with 8, 89% with 1
+    # (docs/benchmarks.md). A CPU, whose calls cost their rows, runs each call at once. Held to
+    # max_batch.
     min_call_rows: int = 8
     # A token2wav call of new turns' first chunks also takes later chunks no wider than they
     # are (more rows, no more padding): in a burst of new turns, the second chunks of the turns

@@ -12,9 +12,9 @@ copies a tile of the new frames into place, and the programs of a row's first fr
 write its context in front and its new context to the pool.
 
 Which path runs is decided per call by the fused kernels' switch (model/fused_kernels.py). The
-Euler step may be a device
-tensor (a CUDA graph's step counter): the kernel reads it on the device; its grid comes from
-tensor shapes only, and it never reads device data on the host, so CUDA graphs capture it.
+Euler step may be a device tensor (a CUDA graph's step counter): the kernel reads it on the
+device; its grid comes from tensor shapes only, and it never reads device data on the host, so
+CUDA graphs capture it.
 
 Reads and writes of the pool. A row reads its turn's slot and writes the new context to the
 same slot only when it commits frames (``commit > 0``); it commits whole 50-frame chunks,
