@@ -359,7 +359,7 @@ class Scheduler:
                 ready.append((request.clock.deadline(now), request.request_id, request, job))
             elif request.status is RequestStatus.TOKENS_DONE and not request.tokens:
                 self._finish(request)  # nothing was generated: nothing to say
-        urgent_s = URGENT_CALLS * self._recent_call_s + URGENT_MARGIN_S
+        urgent_s = self._urgent_s()
         if self.playing_first:
             ready.sort(key=lambda item: (not self._playing_urgent(item[2], item[0], now, urgent_s), *item[:2]))
         else:
@@ -386,10 +386,28 @@ class Scheduler:
             useful, width = useful + frames, max(width, frames)
         return batch
 
+    def _urgent_s(self) -> float:
+        """How soon a playing listener's audio must run out for it to be urgent (URGENT_CALLS)."""
+        return URGENT_CALLS * self._recent_call_s + URGENT_MARGIN_S
+
     @staticmethod
     def _playing_urgent(request: Request, deadline: float, now: float, urgent_s: float) -> bool:
         """Whether a playing listener's audio runs out within ``urgent_s``."""
         return request.clock.first_audio_at is not None and deadline - now < urgent_s
+
+    def _urgent_calls_ahead(self, calls: list[list[tuple[Request, ChunkJob]]]) -> int:
+        """With ``playing_first``, how many of a round's next calls come before first chunks that
+        became ready during the round: those that serve an urgent playing listener
+        (``_playing_urgent``), which are the round's first calls (``_run_calls``)."""
+        if not self.playing_first:
+            return 0
+        now, urgent_s = time.monotonic(), self._urgent_s()
+        ahead = 0
+        while ahead < len(calls) and any(
+            self._playing_urgent(request, request.clock.deadline(now), now, urgent_s) for request, _ in calls[ahead]
+        ):
+            ahead += 1
+        return ahead
 
     def _holds(self, ready: list[tuple], now: float) -> bool:
         """Whether the engine thread waits for more ready chunks before its next call
@@ -519,8 +537,8 @@ class Scheduler:
 
         A call runs to its end, and the rest of the batch may take many calls: without a
         first-chunk lane, first chunks that became ready meanwhile go next (with
-        ``playing_first`` too: the round's urgent chunks then wait for their call), so that a
-        new turn waits for one call, not for the whole round.
+        ``playing_first``, after the round's calls of urgent playing listeners), so that a new
+        turn waits for one call, not for the whole round.
         """
         try:
             plan = self.runner.plan([job for _, job in batch], lane)
@@ -537,9 +555,10 @@ class Scheduler:
                     continue
                 with self.lock:
                     arrived = self._take(self._ready_first_chunks(self.max_batch))
+                    ahead = self._urgent_calls_ahead(calls) if arrived else 0
                 if arrived:
                     plan = self.runner.plan([job for _, job in arrived])
-                    calls[:0] = [[arrived[i] for i in group] for group in plan]
+                    calls[ahead:ahead] = [[arrived[i] for i in group] for group in plan]
         except BaseException:  # the worker is lost (see _guarded): the call in flight still ends
             self._deliver(in_flight)
             raise

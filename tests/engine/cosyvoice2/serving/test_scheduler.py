@@ -374,6 +374,37 @@ async def test_a_new_turns_first_chunk_runs_between_the_calls_of_a_round():
         await asyncio.to_thread(scheduler.stop)
 
 
+@pytest.mark.parametrize("playing_first, order", [(False, ["a", "new", "b", "c"]), (True, ["a", "b", "new", "c"])])
+async def test_a_first_chunk_that_arrives_during_a_round_waits_for_its_urgent_calls(playing_first, order):
+    """Without a lane, a first chunk that becomes ready during a round of calls goes next;
+    with playing_first, after the round's calls of playing listeners about to run dry."""
+    fake = FirstCallsFirstToken2Wav()
+    scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop(), playing_first=playing_first)
+    names = ("a", "b", "c", "new")
+    queues = {name: asyncio.Queue() for name in names}
+    run = fake.run
+
+    def run_and_start_a_turn(jobs, lane=None):
+        if len(fake.batches) == 0:  # during the round's first call, a new turn's tokens arrive
+            add(scheduler, FakeState("new", 1, first=True), queues["new"])
+        return run(jobs, lane)
+
+    fake.run = run_and_start_a_turn
+    try:
+        # a and b run dry within 0.05 s (urgent), c has 30 s to spare: three calls, in that order.
+        requests = {name: add(scheduler, FakeState(name, 1), queues[name]) for name in "abc"}
+        with scheduler.lock:
+            now = time.monotonic()
+            for name, left in (("a", 0.04), ("b", 0.05), ("c", 30.0)):
+                requests[name].clock.produced(1.0 + left, now - 1)
+            scheduler.wake.notify_all()
+        for name in names:
+            await until(queues[name].get())
+        assert fake.batches == [[name] for name in order]
+    finally:
+        await asyncio.to_thread(scheduler.stop)
+
+
 def lane_recording_fake(blocked: Lane | str | None) -> tuple[FakeToken2Wav, list, threading.Event]:
     """A fake that records the lane of every call (None: the main thread) and holds the
     calls of ``blocked`` (a lane, or None for the main thread) until the event is set."""
