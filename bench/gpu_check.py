@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tts_gateway.gateway import loadgen  # noqa: E402
+from tts_gateway.gateway.loadgen.report import percentile  # noqa: E402
 from tts_gateway.engine.cosyvoice2.metrics import CALL_KINDS, PHASE_THREADS, PHASES  # noqa: E402
 from tts_gateway.gateway.wire import STREAM_PATH  # noqa: E402
 
@@ -492,6 +493,36 @@ def kill_engine_core(args, report: Report, gateway: GatewayUnderTest) -> bool:
     return ok
 
 
+# A first chunk's path from its text to its audio, stage by stage (bench/stack_sampler.CallTrace):
+# the LM stage's first token, the rest of the chunk's tokens, the wait for a token2wav call, that call.
+FIRST_AUDIO_STAGES = {
+    "llm_first_token": ("text", "first_token"), "llm_chunk": ("first_token", "ready"),
+    "token2wav_wait": ("ready", "launched"), "token2wav_run": ("launched", "done"), "total": ("text", "done"),
+}
+SLOWEST_FIRST_CHUNKS = 5
+
+
+def first_audio_paths(profile: dict | None) -> dict | None:
+    """What holds first audio, request by request: each stage's p50 and p95 in ms over the
+    level's first chunks, and the stages of the slowest few (their ``total`` is the gateway's
+    share of TTFA). None without a trace."""
+    trace = (profile or {}).get("token2wav_trace")
+    if trace is None:
+        return None
+    firsts = [chunk for chunk in trace["chunks"] if chunk["first"] and "text" in chunk and "first_token" in chunk]
+
+    def stages(chunk: dict) -> dict[str, float]:
+        return {name: round(1000 * (chunk[end] - chunk[start]), 1) for name, (start, end) in FIRST_AUDIO_STAGES.items()}
+
+    paths = [stages(chunk) for chunk in firsts]
+    return {
+        "n": len(paths),
+        "ms": {name: {"p50": percentile([p[name] for p in paths], 50), "p95": percentile([p[name] for p in paths], 95)}
+               for name in FIRST_AUDIO_STAGES},
+        "slowest": sorted(paths, key=lambda p: p["total"], reverse=True)[:SLOWEST_FIRST_CHUNKS],
+    }
+
+
 def take_profile(pid: int | None, path: Path) -> dict | None:
     """The gateway's thread profile since the last call (bench/stack_sampler.py; None when the
     gateway runs without it)."""
@@ -558,7 +589,8 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
             "gpu_peak_used_mib": memory.peak_mib,
             "prefix_cache_hit_ratio": round(hits / queried, 3) if queried else None,
             "stages": stage_report(before, after, elapsed),
-            "profile": take_profile(gateway_pid, profile_path),
+            "profile": (profile := take_profile(gateway_pid, profile_path)),
+            "first_audio_paths": first_audio_paths(profile),
             "seconds": round(elapsed, 1),
             "idle_wait_s": idle_wait_s,
         }

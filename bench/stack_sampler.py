@@ -62,7 +62,8 @@ class CallTrace:
     share of the thread began (``busy_from``: its launch, or the last delivery if later) and
     how long it took, its kind and the requests of its chunks; per chunk its request, whether
     it was the turn's first, when it was ready, when its call was launched and done, and when
-    its listener runs out of audio (None for a first chunk: its listener has none yet). A span
+    its listener runs out of audio (None for a first chunk: its listener has none yet); a first
+    chunk also when its text came (``text``) and its first speech token (``first_token``). A span
     keeps its last TRACE_LIMIT entries of each; ``dropped`` counts the rest.
     """
 
@@ -95,10 +96,13 @@ class CallTrace:
             clock = request.clock
             first = clock.first_audio_at is None
             ready = request.ready_at if request.ready_at is not None else started
+            # A first chunk's path from its text: when the text came and when the first speech token did.
+            opening = (request.text_at, request.first_token_at) if first else (None, None)
             trace.record(trace.chunks, lambda since: {
                 "request": request.request_id, "first": first, "ready": since(ready),
                 "launched": since(started), "done": since(now),
                 "runs_out": None if first else since(clock.deadline(now)),
+                **{name: since(moment) for name, moment in zip(("text", "first_token"), opening) if moment is not None},
             })
             return book_delivered(book, request, started, now)
 

@@ -177,6 +177,7 @@ def test_the_sampler_dumps_the_token2wav_calls_and_chunks_of_its_span(tmp_path, 
     start = time.monotonic()
     playing.clock.produced(2.0, start - 1.0)  # its listener has heard a second of two
     playing.ready_at = start - 0.05
+    opening.text_at, opening.first_token_at, opening.ready_at = start - 0.3, start - 0.2, start - 0.02
     jobs = [SimpleNamespace(request=opening, early=False), SimpleNamespace(request=playing, early=False)]
     book.delivered(opening, start, start + 0.1)
     book.delivered(playing, start, start + 0.1)
@@ -189,6 +190,15 @@ def test_the_sampler_dumps_the_token2wav_calls_and_chunks_of_its_span(tmp_path, 
     assert call["requests"] == [opening.request_id, playing.request_id]
     first, later = report["chunks"]
     assert first["first"] and first["runs_out"] is None and first["done"] - first["launched"] == pytest.approx(0.1)
+    assert first["launched"] - first["text"] == pytest.approx(0.3, abs=1e-3)
+    assert first["first_token"] - first["text"] == pytest.approx(0.1, abs=1e-3)
+    assert "text" not in later  # only a first chunk's path from its text is traced
+    assert gpu_check.first_audio_paths(None) is None  # a gateway run without the sampler
+    paths = gpu_check.first_audio_paths({"token2wav_trace": report})
+    assert paths["n"] == 1
+    assert paths["ms"]["token2wav_wait"] == {"p50": 20.0, "p95": 20.0}
+    assert paths["slowest"] == [{"llm_first_token": 100.0, "llm_chunk": 180.0, "token2wav_wait": 20.0,
+                                 "token2wav_run": 100.0, "total": 400.0}]
     assert not later["first"] and later["runs_out"] - later["launched"] == pytest.approx(1.0, abs=1e-3)
     assert later["launched"] - later["ready"] == pytest.approx(0.05, abs=1e-3)
     assert report["dropped"] == 0
