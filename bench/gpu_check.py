@@ -150,6 +150,7 @@ flow_steps = {args.flow_steps}
 max_batch = {args.max_batch}
 graph_max_batch = {args.graph_max_batch}
 graph_frame_step = {args.graph_frame_step}
+graph_max_frames = {args.graph_max_frames}
 token_first_hop_len = {args.first_hop}
 stream_scale_factor = {args.stream_scale}
 token_max_hop_len = {args.max_hop}
@@ -168,8 +169,10 @@ playing_listeners_first = {str(args.playing_listeners_first).lower()}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
-token2wav_memory_gb = {args.token2wav_cache_gb + 16}
-max_num_seqs = 256
+token2wav_memory_gb = {args.token2wav_cache_gb + 16 if args.token2wav_memory_gb is None else args.token2wav_memory_gb}
+max_num_seqs = {args.max_num_seqs}
+max_num_batched_tokens = {args.max_num_batched_tokens}
+warmup_batch_sizes = {[n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n < args.max_num_seqs] + [args.max_num_seqs]}
 enforce_eager = {str(args.enforce_eager).lower()}
 async_scheduling = {str(args.async_scheduling).lower()}
 mps_priority = "{args.llm_mps_priority}"
@@ -587,6 +590,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
             "stall_free": loadgen.stall_free(summary, args.ttfa_p95_ms),
             "gpu": gpu_memory(),
             "gpu_peak_used_mib": memory.peak_mib,
+            "within_memory_budget": within_budget(memory.peak_mib, args.memory_budget_gb),
             "prefix_cache_hit_ratio": round(hits / queried, 3) if queried else None,
             "stages": stage_report(before, after, elapsed),
             "profile": (profile := take_profile(gateway_pid, profile_path)),
@@ -613,13 +617,23 @@ def kernel_profile_level(plan: list[tuple[str, int, bool]]) -> tuple[str, int, b
     return max(plan, key=lambda level: (level[0] == "full", level[1]))
 
 
+def within_budget(peak_mib: float | None, budget_gb: float | None) -> bool | None:
+    """Whether the card's peak use (every process on it) stayed within ``--memory-budget-gb``
+    (None: no budget, or no peak read)."""
+    if budget_gb is None or peak_mib is None:
+        return None
+    return peak_mib * 2**20 <= budget_gb * 1e9
+
+
 def stall_free_capacity(levels: list[dict], by_spread: bool) -> dict:
-    """The largest stall-free level of each workload (and start spread, ``by_spread``), or None."""
+    """The largest stall-free level of each workload (and start spread, ``by_spread``) that kept
+    within the memory budget if there is one, or None."""
     capacity: dict[str, int | None] = {}
     for level in levels:
         key = f"{level['workload']}@{level['start_spread_s']:g}s" if by_spread else level["workload"]
         best = capacity.get(key)
-        capacity[key] = max(best or 0, level["sessions"]) if level["stall_free"] else best
+        counts = level["stall_free"] and level.get("within_memory_budget") is not False
+        capacity[key] = max(best or 0, level["sessions"]) if counts else best
     return capacity
 
 
@@ -668,6 +682,15 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--graph-max-batch", type=int, default=64,
                         help="graph_max_batch of the gateway: flow CUDA graphs of non-final chunks up to this batch")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    # A smaller card's settings on a large one (docs/cosyvoice2.md, the card table).
+    parser.add_argument("--token2wav-memory-gb", type=float, default=None,
+                        help="token2wav_memory_gb of the gateway (default: the pool and 16)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="max_num_seqs of the gateway (and the warm-up's largest batch)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--graph-max-frames", type=int, default=3200, help="graph_max_frames of the gateway")
+    parser.add_argument("--memory-budget-gb", type=float, default=None,
+                        help="a total the card's peak use must keep within (every process on it): levels over it "
+                        "are marked and do not count towards the stall-free capacity")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-hift-graphs", action="store_true", help="the vocoder eager (hift_graphs = false)")
     parser.add_argument("--no-first-chunk-lane", action="store_true",

@@ -254,6 +254,25 @@ def test_the_gateway_config_it_writes_carries_its_options(tmp_path):
         config = load_config(tmp_path / "gateway.toml", env={})
         assert args.flow_steps == config.engine.cosyvoice2.flow_steps == steps
         assert config.engine.cosyvoice2.final_chunk_attention == args.final_chunk_attention
+        assert config.engine.cosyvoice2.vllm.warmup_batch_sizes == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    # A smaller card's settings (docs/cosyvoice2.md).
+    args = gpu_check.argument_parser().parse_args(
+        ["--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--graph-max-frames", "1600",
+         "--token2wav-cache-gb", "6", "--token2wav-memory-gb", "14"])
+    gpu_check.write_config(tmp_path / "gateway.toml", tmp_path / "model", args)
+    small = load_config(tmp_path / "gateway.toml", env={}).engine.cosyvoice2
+    assert (small.vllm.max_num_seqs, small.vllm.max_num_batched_tokens, small.vllm.token2wav_memory_gb) == (64, 4096, 14)
+    assert small.vllm.warmup_batch_sizes == (1, 2, 4, 8, 16, 32, 64)
+    assert (small.graph_max_frames, small.token2wav_cache_gb) == (1600, 6)
+
+
+def test_levels_over_the_memory_budget_do_not_count_towards_capacity():
+    assert gpu_check.within_budget(30_000, 32) is True  # MiB against GB
+    assert gpu_check.within_budget(31_000, 32) is False
+    assert gpu_check.within_budget(31_000, None) is None and gpu_check.within_budget(None, 32) is None
+    levels = [{"workload": "full", "start_spread_s": 0.5, "sessions": n, "stall_free": True, "within_memory_budget": within}
+              for n, within in ((8, True), (16, True), (32, False))]
+    assert gpu_check.stall_free_capacity(levels, by_spread=False) == {"full": 16}
 
 
 FAKE_MPS_CONTROL = """#!/usr/bin/env bash
