@@ -526,6 +526,12 @@ def first_audio_paths(profile: dict | None) -> dict | None:
     }
 
 
+# How long a profile may take to come once asked for. Levels of the 2026-12-07 H100 runs came
+# back without one now and then while 5 s was the limit (the handler runs on the gateway's
+# event loop thread, between its other work).
+PROFILE_WAIT_S = 30.0
+
+
 def take_profile(pid: int | None, path: Path) -> dict | None:
     """The gateway's thread profile since the last call (bench/stack_sampler.py; None when the
     gateway runs without it)."""
@@ -533,10 +539,12 @@ def take_profile(pid: int | None, path: Path) -> dict | None:
         return None
     path.unlink(missing_ok=True)
     os.kill(pid, signal.SIGUSR1)
-    for _ in range(50):
+    deadline = time.monotonic() + PROFILE_WAIT_S
+    while time.monotonic() < deadline:
         if path.exists():
             return json.loads(path.read_text())
         time.sleep(0.1)
+    print(f"[gpu_check] the gateway wrote no profile within {PROFILE_WAIT_S:g} s", file=sys.stderr, flush=True)
     return None
 
 
