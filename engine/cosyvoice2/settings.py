@@ -155,7 +155,8 @@ class CosyVoice2Settings:
     early_chunks: bool = True
     # GPU: a second token2wav worker thread runs new turns' first chunks on a CUDA stream of
     # the highest priority, with CUDA graphs of its own, so that first audio does not wait
-    # for the flow call in flight (engine/cosyvoice2/serving/scheduler.py).
+    # for the flow call in flight (engine/cosyvoice2/serving/scheduler.py). Without it, at 64
+    # sessions on an H100, TTFA p95 rose by 0.1-0.25 s (docs/benchmarks.md, 2026-12-07 ninth).
     first_chunk_lane: bool = True
     # ... and with a short first chunk, the chunk after it too (its listener holds a fraction
     # of a second). Fewer and shorter stalls after the first chunk, but under load first
