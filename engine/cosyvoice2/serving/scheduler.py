@@ -395,19 +395,24 @@ class Scheduler:
         """Whether a playing listener's audio runs out within ``urgent_s``."""
         return request.clock.first_audio_at is not None and deadline - now < urgent_s
 
-    def _urgent_calls_ahead(self, calls: list[list[tuple[Request, ChunkJob]]]) -> int:
-        """With ``playing_first``, how many of a round's next calls come before first chunks that
-        became ready during the round: those that serve an urgent playing listener
-        (``_playing_urgent``), which are the round's first calls (``_run_calls``)."""
-        if not self.playing_first:
-            return 0
+    def _arrivals_at(self, calls: list[list[tuple[Request, ChunkJob]]]) -> int:
+        """Where first chunks that became ready during a round go among its calls still to run:
+        after the calls of first chunks that were ready before them, and with ``playing_first``
+        after those that serve an urgent playing listener (``_playing_urgent``). Both kinds lead
+        the round (``_run_calls``)."""
         now, urgent_s = time.monotonic(), self._urgent_s()
-        ahead = 0
-        while ahead < len(calls) and any(
-            self._playing_urgent(request, request.clock.deadline(now), now, urgent_s) for request, _ in calls[ahead]
-        ):
-            ahead += 1
-        return ahead
+
+        def goes_first(call: list[tuple[Request, ChunkJob]]) -> bool:
+            return all(job.first for _, job in call) or self.playing_first and any(
+                request.clock.first_audio_at is not None
+                and self._playing_urgent(request, request.clock.deadline(now), now, urgent_s)
+                for request, _ in call
+            )
+
+        at = 0
+        while at < len(calls) and goes_first(calls[at]):
+            at += 1
+        return at
 
     def _holds(self, ready: list[tuple], now: float) -> bool:
         """Whether the engine thread waits for more ready chunks before its next call
@@ -536,9 +541,9 @@ class Scheduler:
         ``lane``: on the first-chunk lane.
 
         A call runs to its end, and the rest of the batch may take many calls: without a
-        first-chunk lane, first chunks that became ready meanwhile go next (with
-        ``playing_first``, after the round's calls of urgent playing listeners), so that a new
-        turn waits for one call, not for the whole round.
+        first-chunk lane, first chunks that became ready meanwhile go next (after those that
+        were ready before them, and with ``playing_first`` after the round's calls of urgent
+        playing listeners), so that a new turn waits for one call, not for the whole round.
         """
         try:
             plan = self.runner.plan([job for _, job in batch], lane)
@@ -555,10 +560,10 @@ class Scheduler:
                     continue
                 with self.lock:
                     arrived = self._take(self._ready_first_chunks(self.max_batch))
-                    ahead = self._urgent_calls_ahead(calls) if arrived else 0
+                    at = self._arrivals_at(calls) if arrived else 0
                 if arrived:
                     plan = self.runner.plan([job for _, job in arrived])
-                    calls[ahead:ahead] = [[arrived[i] for i in group] for group in plan]
+                    calls[at:at] = [[arrived[i] for i in group] for group in plan]
         except BaseException:  # the worker is lost (see _guarded): the call in flight still ends
             self._deliver(in_flight)
             raise

@@ -374,31 +374,35 @@ async def test_a_new_turns_first_chunk_runs_between_the_calls_of_a_round():
         await asyncio.to_thread(scheduler.stop)
 
 
-@pytest.mark.parametrize("playing_first, order", [(False, ["a", "new", "b", "c"]), (True, ["a", "b", "new", "c"])])
-async def test_a_first_chunk_that_arrives_during_a_round_waits_for_its_urgent_calls(playing_first, order):
-    """Without a lane, a first chunk that becomes ready during a round of calls goes next;
-    with playing_first, after the round's calls of playing listeners about to run dry."""
+@pytest.mark.parametrize("playing_first, order", [
+    (False, ["a", "new1", "new2", "b", "c", "d"]), (True, ["a", "b", "c", "new1", "new2", "d"]),
+])
+async def test_first_chunks_that_arrive_during_a_round_wait_for_its_urgent_calls(playing_first, order):
+    """Without a lane, a first chunk that becomes ready during a round of calls goes next, after
+    first chunks that were ready before it; with playing_first, after the round's calls of
+    playing listeners about to run dry too."""
     fake = FirstCallsFirstToken2Wav()
     scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop(), playing_first=playing_first)
-    names = ("a", "b", "c", "new")
-    queues = {name: asyncio.Queue() for name in names}
+    queues = {name: asyncio.Queue() for name in order}
     run = fake.run
+    arrivals = {0: "new1", 1: "new2"}  # during the round's first and second calls, new turns' tokens arrive
 
     def run_and_start_a_turn(jobs, lane=None):
-        if len(fake.batches) == 0:  # during the round's first call, a new turn's tokens arrive
-            add(scheduler, FakeState("new", 1, first=True), queues["new"])
+        if len(fake.batches) in arrivals:
+            name = arrivals[len(fake.batches)]
+            add(scheduler, FakeState(name, 1, first=True), queues[name])
         return run(jobs, lane)
 
     fake.run = run_and_start_a_turn
     try:
-        # a and b run dry within 0.05 s (urgent), c has 30 s to spare: three calls, in that order.
-        requests = {name: add(scheduler, FakeState(name, 1), queues[name]) for name in "abc"}
+        # a, b and c run dry within 0.06 s (urgent), d has 30 s to spare: four calls, in that order.
+        requests = {name: add(scheduler, FakeState(name, 1), queues[name]) for name in "abcd"}
         with scheduler.lock:
             now = time.monotonic()
-            for name, left in (("a", 0.04), ("b", 0.05), ("c", 30.0)):
+            for name, left in (("a", 0.04), ("b", 0.05), ("c", 0.06), ("d", 30.0)):
                 requests[name].clock.produced(1.0 + left, now - 1)
             scheduler.wake.notify_all()
-        for name in names:
+        for name in order:
             await until(queues[name].get())
         assert fake.batches == [[name] for name in order]
     finally:
