@@ -160,6 +160,7 @@ hift_graphs = {str(not args.no_hift_graphs).lower()}
 first_chunk_lane = {str(not args.no_first_chunk_lane).lower()}
 first_chunk_by_load = {str(args.first_chunk_by_load).lower()}
 second_chunk_on_lane = {str(args.second_chunk_on_lane).lower()}
+first_chunk_lane_paged = {str(args.first_chunk_lane_paged).lower()}
 flow_cudnn_attention = {str(not args.no_flow_cudnn_attention).lower()}
 flow_fused_kernels = {str(args.flow_fused_kernels).lower()}
 launch_ahead = {str(args.launch_ahead).lower()}
@@ -527,8 +528,8 @@ def first_audio_paths(profile: dict | None) -> dict | None:
 
 
 # How long a profile may take to come once asked for. Levels of the 2026-12-07 H100 runs came
-# back without one now and then while 5 s was the limit (the handler runs on the gateway's
-# event loop thread, between its other work).
+# back without one now and then while 5 s was the limit (why is not known: the sampler's signal
+# handler runs on the gateway's main thread, and a longer wait is a guess at the cause).
 PROFILE_WAIT_S = 30.0
 
 
@@ -627,10 +628,10 @@ def kernel_profile_level(plan: list[tuple[str, int, bool]]) -> tuple[str, int, b
 
 def within_budget(peak_mib: float | None, budget_gb: float | None) -> bool | None:
     """Whether the card's peak use (every process on it) stayed within ``--memory-budget-gb``
-    (None: no budget, or no peak read)."""
+    (None: no budget, or no peak read). GiB, as nvidia-smi, vLLM and token2wav_memory_gb count."""
     if budget_gb is None or peak_mib is None:
         return None
-    return peak_mib * 2**20 <= budget_gb * 1e9
+    return peak_mib <= budget_gb * 1024
 
 
 def stall_free_capacity(levels: list[dict], by_spread: bool) -> dict:
@@ -697,7 +698,7 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--graph-max-frames", type=int, default=3200, help="graph_max_frames of the gateway")
     parser.add_argument("--memory-budget-gb", type=float, default=None,
-                        help="a total the card's peak use must keep within (every process on it): levels over it "
+                        help="a total in GiB the card's peak use must keep within (every process on it): levels over it "
                         "are marked and do not count towards the stall-free capacity")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-hift-graphs", action="store_true", help="the vocoder eager (hift_graphs = false)")
@@ -707,6 +708,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="the short first chunk only when the next can follow in time (first_chunk_by_load = true)")
     parser.add_argument("--second-chunk-on-lane", action="store_true",
                         help="the lane also runs the chunk after a short first chunk (second_chunk_on_lane = true)")
+    parser.add_argument("--first-chunk-lane-paged", action="store_true",
+                        help="the lane's chunks as paged calls, into the turn pool (first_chunk_lane_paged = true)")
     parser.add_argument("--no-flow-cudnn-attention", action="store_true",
                         help="the flow's attention left on the kernel vLLM's import leaves it (the memory-efficient "
                         "one; flow_cudnn_attention = false)")

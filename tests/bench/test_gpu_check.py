@@ -267,8 +267,8 @@ def test_the_gateway_config_it_writes_carries_its_options(tmp_path):
 
 
 def test_levels_over_the_memory_budget_do_not_count_towards_capacity():
-    assert gpu_check.within_budget(30_000, 32) is True  # MiB against GB
-    assert gpu_check.within_budget(31_000, 32) is False
+    assert gpu_check.within_budget(32 * 1024, 32) is True  # MiB against GiB
+    assert gpu_check.within_budget(32 * 1024 + 1, 32) is False
     assert gpu_check.within_budget(31_000, None) is None and gpu_check.within_budget(None, 32) is None
     levels = [{"workload": "full", "start_spread_s": 0.5, "sessions": n, "stall_free": True, "within_memory_budget": within}
               for n, within in ((8, True), (16, True), (32, False))]
