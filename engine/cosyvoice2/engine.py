@@ -184,7 +184,7 @@ class CosyVoice2Engine(Engine):
             incremental=mode == "incremental", prefix_voices=settings.prefix_voices,
             turn_state_bytes=int(settings.token2wav_cache_gb * 2**30) if mode == "paged" else 0,
             final_attention=settings.final_chunk_attention, flow_steps=settings.flow_steps,
-            later_with_first=settings.later_chunks_with_first, lane_paged=settings.first_chunk_lane_paged,
+            later_with_first=settings.later_chunks_with_first,
         )
 
     async def _warm_up(self) -> None:

@@ -162,10 +162,6 @@ class CosyVoice2Settings:
     # of a second). Fewer and shorter stalls after the first chunk, but under load first
     # chunks then wait behind those calls on the lane (H200: docs/benchmarks.md).
     second_chunk_on_lane: bool = False
-    # ... and in paged mode, its chunks as paged calls: after their voice prefix (~100 instead
-    # of ~250 frames a row with the benchmarks' prompt), their state kept in the turn pool so
-    # that the chunk after continues it. Unmeasured on a GPU yet: off.
-    first_chunk_lane_paged: bool = False
     flow_mode: str = "auto"
     # Paged mode's pool of turns' decoder state (each attention layer's input, per Euler step
     # and CFG row): ~0.57 MB per mel frame at full size in bf16 (8 GB: ~4.6 min of speech

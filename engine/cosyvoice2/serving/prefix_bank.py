@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -320,10 +320,6 @@ class VoicePrefixCache:
     never rebuilt; a voice whose prefix is wider then runs without one. Prefixes and bank
     are laid out for solves of ``steps`` Euler steps; ``keep_inputs``: with their attention
     layers' inputs (for a turn-state pool).
-
-    A second thread (the first-chunk lane) may read the bank while the engine thread serves:
-    it ``pin``s the slots of its call (no prefix is built there), and a pinned slot is neither
-    given to another voice nor is the bank rebuilt until it is ``unpin``ned.
     """
 
     def __init__(self, flow: Flow, capacity: int, steps: int = N_TIMESTEPS, keep_inputs: bool = False) -> None:
@@ -337,8 +333,6 @@ class VoicePrefixCache:
         self._fixed = False
         # Voice -> its slot, most recently used last (the prompt too: its id stays its own while held).
         self._slots: OrderedDict[int, tuple[VoicePrompt, int]] = OrderedDict()
-        self._pins: Counter[int] = Counter()  # slot -> calls of another thread reading it
-        self._lock = threading.RLock()
 
     def prepare(self, prompts: list[VoicePrompt], widest_prompt_tokens: int) -> PrefixBank:
         """At start-up: a bank as wide as the prefix of a prompt of ``widest_prompt_tokens``
@@ -351,56 +345,31 @@ class VoicePrefixCache:
         return self.bank
 
     def make_room(self, frames: int, like: Tensor) -> None:
-        """A bank at least ``frames`` wide, unless its width is fixed (``prepare``) or a slot is pinned."""
-        with self._lock:
-            if self.bank is None or (frames > self.bank.frames and not self._fixed and not self._pins):
-                self.bank = PrefixBank(self.flow.decoder, self.capacity, frames, like, self.steps, self.keep_inputs)
-                self._slots.clear()
+        """A bank at least ``frames`` wide, unless its width is fixed (``prepare``)."""
+        if self.bank is None or (frames > self.bank.frames and not self._fixed):
+            self.bank = PrefixBank(self.flow.decoder, self.capacity, frames, like, self.steps, self.keep_inputs)
+            self._slots.clear()
 
     def slot(self, prompt: VoicePrompt) -> int | None:
         """The voice's slot in the bank, its prefix built on first use in place of the least
-        recently used unpinned voice's; None when its prefix is wider than the bank, or every
-        slot is taken and pinned."""
-        with self._lock:
-            key = id(prompt)
-            if key in self._slots:
-                self._slots.move_to_end(key)
-                return self._slots[key][1]
-            if self.flow.voice_prefix_frames(prompt.tokens) > self.bank.frames:
-                return None
-            if len(self._slots) < self.capacity:
-                slot = len(self._slots)
-            else:
-                evicted = next((k for k, (_, s) in self._slots.items() if not self._pins[s]), None)
-                if evicted is None:
-                    return None
-                _, slot = self._slots.pop(evicted)
-            prompt_state = prompt.speech_tokens, prompt.speech_feat, prompt.embedding
-            prefix = voice_prefix(self.flow, *prompt_state, self.steps, self.keep_inputs)
-            self.bank.put(slot, prefix)
-            if self.bank.start.is_cuda:  # another thread may pin it at once and read it on its own stream
-                torch.cuda.current_stream(self.bank.start.device).synchronize()
-            self._slots[key] = (prompt, slot)
-            return slot
-
-    def pin(self, prompts: list[VoicePrompt]) -> list[int] | None:
-        """The slots of these voices, pinned for a call of another thread (``unpin`` them once
-        its GPU work is done); None, pinning nothing, unless every voice holds one already."""
-        with self._lock:
-            held = [self._slots.get(id(prompt)) for prompt in prompts]
-            if None in held:
-                return None
-            slots = [slot for _, slot in held]
-            self._pins.update(slots)
-            return slots
-
-    def unpin(self, slots: list[int]) -> None:
-        with self._lock:
-            self._pins.subtract(slots)
-            self._pins = +self._pins  # drop the slots no call pins any more
+        recently used voice's; None when its prefix is wider than the bank."""
+        key = id(prompt)
+        if key in self._slots:
+            self._slots.move_to_end(key)
+            return self._slots[key][1]
+        if self.flow.voice_prefix_frames(prompt.tokens) > self.bank.frames:
+            return None
+        if len(self._slots) < self.capacity:
+            slot = len(self._slots)
+        else:
+            _, (_, slot) = self._slots.popitem(last=False)
+        prompt_state = prompt.speech_tokens, prompt.speech_feat, prompt.embedding
+        prefix = voice_prefix(self.flow, *prompt_state, self.steps, self.keep_inputs)
+        self.bank.put(slot, prefix)
+        self._slots[key] = (prompt, slot)
+        return slot
 
     def shortest(self) -> int | None:
         """The shortest prefix the bank holds, in frames: what a call after the prefixes saves
         at least (None while it holds none)."""
-        with self._lock:
-            return min((self.flow.voice_prefix_frames(p.tokens) for p, _ in self._slots.values()), default=None)
+        return min((self.flow.voice_prefix_frames(p.tokens) for p, _ in self._slots.values()), default=None)

@@ -29,7 +29,7 @@ import collections
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -77,8 +77,7 @@ class Lane:
     """What a second worker thread runs chunks on while the first runs others: its own CUDA
     stream (of high priority, so that its kernels go first on a busy GPU) and its own CUDA
     graphs (graphs that share a memory pool or static buffers must not replay at the same
-    time). It runs its chunks whole, or with the runner's ``lane_paged`` as paged calls after
-    voice prefixes whose slots it pins meanwhile (the first thread changes the bank's slots)."""
+    time). It runs without voice prefixes: the bank's slots change on the first thread."""
 
     stream: torch.cuda.Stream | None = None
     flow_graphs: FlowGraphs | None = None
@@ -90,8 +89,7 @@ class LaunchedCall:
     """A call whose work is enqueued (``Token2WavRunner.launch``): its chunks' audio, one after
     another in ``host`` (pinned host memory on a GPU, filled once ``done`` has passed), their
     ``lengths``, and the phase clock it ran on (``infix``: its thread's, in the totals' names).
-    ``finish`` sets ``gpu_seconds``: the call's time on its stream (None off a GPU), and
-    unpins the voice-prefix slots the call pinned (``pinned``: a lane's paged call)."""
+    ``finish`` sets ``gpu_seconds``: the call's time on its stream (None off a GPU)."""
 
     host: torch.Tensor
     lengths: list[int]
@@ -99,7 +97,6 @@ class LaunchedCall:
     clock: PhaseClock
     infix: str
     gpu_seconds: float | None = None
-    pinned: list[int] = field(default_factory=list)
 
 
 def paged_kernel(flow: Flow) -> PagedAttention:
@@ -144,16 +141,14 @@ class Token2WavRunner:
     official flow's streaming mode for the last chunk too) or ``"full"`` (the official
     ``tts()`` loop's full-attention last pass); ``flow_steps``: the Euler steps of every flow
     solve (10 is the official count); ``later_with_first``: later chunks may share first chunks'
-    calls (``CallPlanner``); ``lane_paged``: with a turn-state pool, the first-chunk lane's
-    chunks run as paged calls too (after their voice prefixes, their state kept in the pool).
-    ``flow_graphs`` and ``hift_graphs`` (the engine thread's CUDA graphs, captured for
-    ``flow_steps``) are set at start-up.
+    calls (``CallPlanner``). ``flow_graphs`` and ``hift_graphs`` (the engine thread's
+    CUDA graphs, captured for ``flow_steps``) are set at start-up.
     """
 
     def __init__(
         self, flow: Flow, hift: HiFT, schedule: ChunkSchedule, *, incremental: bool = True, prefix_voices: int = 0,
         turn_state_bytes: int = 0, final_attention: str = "full", flow_steps: int = N_TIMESTEPS,
-        later_with_first: bool = False, lane_paged: bool = False,
+        later_with_first: bool = False,
     ) -> None:
         if final_attention not in ("chunk", "full"):
             raise ValueError(f"final_attention must be 'chunk' or 'full', got {final_attention!r}")
@@ -181,7 +176,6 @@ class Token2WavRunner:
             like = next(flow.parameters())
             self.turn_pool = TurnStatePool.within(flow.decoder, turn_state_bytes, like, flow_steps, paged_kernel(flow))
             self.token_encoder = IncrementalEncoder(flow)
-        self.lane_paged = lane_paged and self.turn_pool is not None
         self._window = torch.from_numpy(np.hamming(2 * schedule.cache_samples))
         # The flow's work as running totals (see work_totals); two worker threads add to them.
         self._work: collections.Counter[str] = collections.Counter()
@@ -193,7 +187,7 @@ class Token2WavRunner:
         cls, flow: Flow, hift: HiFT, *, hop_len: int = 25, max_hop_len: int = 100, scale: int = 1,
         first_hop_len: int | None = None, first_by_load: bool = False, second_on_lane: bool = False,
         incremental: bool = True, prefix_voices: int = 0, turn_state_bytes: int = 0, final_attention: str = "full",
-        flow_steps: int = N_TIMESTEPS, later_with_first: bool = False, lane_paged: bool = False,
+        flow_steps: int = N_TIMESTEPS, later_with_first: bool = False,
     ) -> Token2WavRunner:
         """A runner with the chunk schedule these settings and the model's chunk sizes give
         (``first_hop_len`` None: the official first chunk, ``hop_len``)."""
@@ -213,7 +207,7 @@ class Token2WavRunner:
         return cls(
             flow, hift, schedule, incremental=incremental, prefix_voices=prefix_voices,
             turn_state_bytes=turn_state_bytes, final_attention=final_attention, flow_steps=flow_steps,
-            later_with_first=later_with_first, lane_paged=lane_paged,
+            later_with_first=later_with_first,
         )
 
     def new_stream(self) -> StreamState:
@@ -225,10 +219,10 @@ class Token2WavRunner:
 
     def plan(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[list[int]]:
         """Indices of ``jobs`` in flow calls, in the order to run them (``CallPlanner.plan``);
-        ``lane``: the calls run there (its graphs; voice prefixes only with ``lane_paged``)."""
-        after_prefixes = self.prefixes is not None and (lane is None or self.lane_paged)
-        prefix = self.prefixes.shortest() if after_prefixes else None
-        stored = self.stored_frames if after_prefixes and self.turn_pool is not None else None
+        ``lane``: the calls run there (its graphs, no voice prefixes)."""
+        on_engine_thread = self.prefixes is not None and lane is None
+        prefix = self.prefixes.shortest() if on_engine_thread else None
+        stored = self.stored_frames if on_engine_thread and self.turn_pool is not None else None
         return self.planner.plan(jobs, self._flow_graphs(lane), prefix, stored)
 
     def lane_serves(self, job: ChunkJob, lane: Lane) -> bool:
@@ -270,7 +264,6 @@ class Token2WavRunner:
             stream = torch.cuda.current_stream(self.flow.decoder.noise.device) if self.planner.on_gpu else None
             clock = PhaseClock(stream)
             self._phases.clock = clock
-            self._phases.pinned = pinned = []  # voice-prefix slots a lane's paged call pins (_paged_serves)
             try:
                 audio = self._run(jobs, lane)
                 # One copy to the host for the whole call, which finish waits for.
@@ -279,19 +272,13 @@ class Token2WavRunner:
                 host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=stream is not None)
                 host.copy_(joined, non_blocking=stream is not None)
                 self._lap("output")
-            except BaseException:
-                if pinned:  # nothing more of the call will be launched; what was may still read them
-                    torch.cuda.current_stream(self.flow.decoder.noise.device).synchronize()
-                    self.prefixes.unpin(pinned)
-                raise
             finally:
-                self._phases.clock = self._phases.pinned = None
+                self._phases.clock = None
             done = None
             if stream is not None:
                 done = torch.cuda.Event()
                 done.record(stream)
-            infix = "" if lane is None else "lane_"  # metrics.PHASE_THREADS
-            return LaunchedCall(host, lengths, done, clock, infix, pinned=pinned)
+            return LaunchedCall(host, lengths, done, clock, "" if lane is None else "lane_")  # metrics.PHASE_THREADS
 
     @staticmethod
     def done(call: LaunchedCall | None) -> bool:
@@ -301,9 +288,6 @@ class Token2WavRunner:
     def finish(self, call: LaunchedCall) -> list[np.ndarray]:
         """A launched call's audio on the host, once its GPU work is done (waits for it)."""
         call.clock.wait(call.done)
-        if call.pinned:
-            self.prefixes.unpin(call.pinned)
-            call.pinned = []
         totals = call.clock.close()
         if call.done is not None:
             call.gpu_seconds = sum(value for name, value in totals.items() if name.startswith("gpu_seconds_"))
@@ -347,7 +331,7 @@ class Token2WavRunner:
             if group_jobs[0].request.stream.flow_cache is not None and self._streaming(group_jobs[0].finalize):
                 continue
             if self._paged_serves(group_jobs, lane):
-                mels.update(zip(group, self._flow_paged(group_jobs, lane)))
+                mels.update(zip(group, self._flow_paged(group_jobs)))
                 continue
             for finalize, part in by_finalize(group, jobs):
                 if len(part) > 1 or (self._streaming(finalize) and self.prefixes is not None and lane is None):
@@ -413,16 +397,10 @@ class Token2WavRunner:
 
     def _paged_serves(self, jobs: list[ChunkJob], lane: Lane | None) -> bool:
         """Whether these jobs run after their voice prefixes and stored chunks: chunk-causal
-        calls whose voices all fit the prefix bank. On the lane (``lane_paged``), only voices
-        the bank holds already, whose slots the call pins (no prefix is built there)."""
-        if self.turn_pool is None or not all(self._streaming(job.finalize) for job in jobs):
+        calls on the engine's own thread (the lane keeps its graphs of whole first chunks)
+        whose voices all fit the prefix bank."""
+        if self.turn_pool is None or lane is not None or not all(self._streaming(job.finalize) for job in jobs):
             return False
-        if lane is not None:
-            slots = self.prefixes.pin([job.request.prompt for job in jobs]) if self.lane_paged else None
-            if slots is None:
-                return False
-            self._phases.pinned.extend(slots)
-            return True
         prompts = {id(job.request.prompt): job.request.prompt for job in jobs}.values()
         if len(prompts) > self.prefixes.capacity:
             return False
@@ -431,15 +409,15 @@ class Token2WavRunner:
         return all(self.prefixes.slot(p) is not None for p in prompts)
 
     @torch.inference_mode()
-    def _flow_paged(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[torch.Tensor]:
+    def _flow_paged(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
         """Chunks that start after their voice prefix and their turn's stored frames, and keep
         the chunks they complete (turn_pool.py): each costs its own frames. Chunks of turns the
-        pool has no room for run without it (after their voice prefix; on the lane, whole), in one call."""
+        pool has no room for run without it (after their voice prefix), in one call."""
         mels: dict[int, torch.Tensor] = {}
         fallen = [i for i, job in enumerate(jobs) if getattr(job.request.stream.turn, "fell_back", False)]
         paged = [i for i in range(len(jobs)) if i not in fallen]
         if paged:
-            mels.update((paged[k], mel) for k, mel in self._paged_call([jobs[i] for i in paged], lane).items())
+            mels.update((paged[k], mel) for k, mel in self._paged_call([jobs[i] for i in paged]).items())
         # A turn that fell back comes back once the pool has room for it again, one a call (each
         # judged by the pool as the calls before left it), in a paged call of its own: it would
         # widen the others' (all of it after its voice prefix is new there, as on the recompute
@@ -447,12 +425,12 @@ class Token2WavRunner:
         back = next((i for i in fallen if not jobs[i].finalize and self._pool_has_room(jobs[i])), None)
         if back is not None:
             jobs[back].request.stream.turn = None
-            served = self._paged_call([jobs[back]], lane)
+            served = self._paged_call([jobs[back]])
             if served:
                 mels[back] = served[0]
                 self.turn_pool.count_return()
         for finalize, rest in by_finalize([i for i in range(len(jobs)) if i not in mels], jobs):
-            mels.update(zip(rest, self._flow_batched([jobs[i] for i in rest], finalize, lane)))
+            mels.update(zip(rest, self._flow_batched([jobs[i] for i in rest], finalize)))
         return [mels[i] for i in range(len(jobs))]
 
     def _pool_has_room(self, job: ChunkJob) -> bool:
@@ -461,9 +439,9 @@ class Token2WavRunner:
         prefix = self.flow.voice_prefix_frames(job.request.prompt.tokens)
         return self.turn_pool.has_room(prefix, self.schedule.job_frames(job))
 
-    def _paged_call(self, jobs: list[ChunkJob], lane: Lane | None = None) -> dict[int, torch.Tensor]:
+    def _paged_call(self, jobs: list[ChunkJob]) -> dict[int, torch.Tensor]:
         """One paged call of these jobs: the mel of each job it served, by index (those it did
-        not serve fell back). Their voices hold slots (``_paged_serves``): none is built here."""
+        not serve fell back)."""
         slots = [self.prefixes.slot(job.request.prompt) for job in jobs]
         states = [job.request.stream for job in jobs]
         prompt_feat, prompt_feat_len, embedding = self._prompt_args(jobs)
@@ -478,7 +456,7 @@ class Token2WavRunner:
             return self.flow.inputs_after(encoded, prompt_feat, prompt_feat_len, start, width), row_ends
 
         def solve(rows: TurnRows, *inputs: torch.Tensor) -> torch.Tensor:
-            mel, replayed = self._solve_paged(self._flow_graphs(lane), rows, *inputs)
+            mel, replayed = self._solve_paged(rows, *inputs)
             padded.append(replayed)
             return mel
 
@@ -525,10 +503,6 @@ class Token2WavRunner:
             start = self.flow.voice_prefix_frames(prompt.tokens) + self.stored_frames(job)
             if stream.encoder.committed * self.schedule.mel_ratio > start:
                 raise RuntimeError(f"the token encoder has moved past frame {start}, where the decoder starts")
-            # Its state may come from a call on the other thread's stream (the lane's first chunk).
-            encoder = stream.encoder
-            held = (encoder.lookahead_activations, encoder.upsample_input, *encoder.keys, *encoder.values)
-            _read_on_this_stream(*(tensor for tensor in held if tensor is not None))
             states.append(stream.encoder)
             device = prompt.speech_tokens.device
             turn_tokens = to_device(job.request.tokens[: job.end], torch.long, device)
@@ -538,14 +512,13 @@ class Token2WavRunner:
         return EncodedTokens(out.mu, out.mel_start, out.mel_start + out.mel_len, speaker), out.mel_end
 
     def _solve_paged(
-        self, graphs: FlowGraphs | None, rows: TurnRows, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor,
-        cond: torch.Tensor,
+        self, rows: TurnRows, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
     ) -> tuple[torch.Tensor, int | None]:
         """The decoder after the rows' prefixes and stored chunks, and the row-frames its graph
-        computed: the thread's graph replay when one exists for the shape, else the eager
-        solve (None)."""
-        if graphs is not None and graphs.pool is not None:
-            replayed = graphs.run_paged(rows, mu, mask, spks, cond)
+        computed: the engine thread's graph replay when one exists for the shape, else the
+        eager solve (None)."""
+        if self.flow_graphs is not None:
+            replayed = self.flow_graphs.run_paged(rows, mu, mask, spks, cond)
             if replayed is not None:
                 return replayed
         bank = self.prefixes.bank

@@ -129,22 +129,12 @@ def first_chunk_lane(
 ) -> Lane:
     """The first-chunk lane: a stream of the highest priority and its own graphs of every
     voice's opening chunks (``ChunkSchedule.opens_turn``: flow run whole, and the vocoder) up
-    to FIRST_LANE_MAX_BATCH; with ``runner.lane_paged``, of its paged calls too (after each
-    voice's prefix, over the engine's bank and pool)."""
+    to FIRST_LANE_MAX_BATCH."""
     schedule = runner.schedule
     widths = sorted({width for tokens in voice_prompt_tokens for width in schedule.lane_widths(tokens)})
     buckets = FlowBuckets.up_to(FIRST_LANE_MAX_BATCH, widths[-1], settings.graph_frame_step)
-    bank, pool = (runner.prefixes.bank, runner.turn_pool) if runner.lane_paged else (None, None)
-    flow_graphs = FlowGraphs(
-        runner.flow.decoder, buckets, bank=bank, pool=pool, priority=LANE_PRIORITY, steps=runner.flow_steps
-    )
+    flow_graphs = FlowGraphs(runner.flow.decoder, buckets, priority=LANE_PRIORITY, steps=runner.flow_steps)
     flow_graphs.capture(buckets.batches, widths, [True])
-    if runner.lane_paged:
-        after_prefix = sorted({
-            width - runner.flow.voice_prefix_frames(tokens)
-            for tokens in voice_prompt_tokens for width in schedule.lane_widths(tokens)
-        })
-        flow_graphs.capture(buckets.batches, after_prefix, [True], paged=True)
     hift_graphs = None
     if settings.hift_graphs:
         hift_graphs = HiftGraphs(runner.hift, FIRST_LANE_MAX_BATCH, priority=LANE_PRIORITY)

@@ -290,34 +290,25 @@ class TurnStatePool:
     def prefix_pages(self, bank: PrefixBank, slot: int) -> list[int] | None:
         """The pages holding bank slot ``slot``'s voice prefix, copied from the bank when the
         slot's prefix is new to the pool; None when the pool has no room for it."""
-        # Under the lock throughout: the engine thread and the first-chunk lane may both ask.
+        held = self._prefixes.get(slot)
+        if held is not None and held[0] is bank and held[1] == bank.generation[slot]:
+            return held[2]
+        frames = bank.start_frames[slot]
         with self._lock:
-            held = self._prefixes.get(slot)
-            if held is not None and held[0] is bank and held[1] == bank.generation[slot]:
-                return held[2]
-            frames = bank.start_frames[slot]
-            stale = [s for s, (b, g, _) in self._prefixes.items() if b is not bank or g != bank.generation[s]]
-            device = bank.start.device
-            if stale and device.type == "cuda":
-                # A call of the other thread, on its own stream, may still read those pages. Rare:
-                # a voice came into the bank.
-                torch.cuda.synchronize(device)
             # Copies of prefixes the bank no longer holds (this slot's old one, another bank's).
-            for old in stale:
-                self._free_pages += self._prefixes.pop(old)[2]
+            for stale in [s for s, (b, g, _) in self._prefixes.items() if b is not bank or g != bank.generation[s]]:
+                self._free_pages += self._prefixes.pop(stale)[2]
             pages = self._take(-(-frames // PAGE_FRAMES))
             if pages is None:
                 return None
-            index = to_device(pages, torch.long, device)
-            for ours, stored in zip(self.inputs, bank.inputs, strict=True):
-                # [steps, 2, frames, dim] -> pages of [16, 1, dim] per step and row
-                prefix = torch.nn.functional.pad(stored[:, slot, :, :frames], (0, 0, 0, len(pages) * PAGE_FRAMES - frames))
-                pages_of = prefix.reshape(*prefix.shape[:2], len(pages), PAGE_FRAMES, *ours.shape[2:])
-                self._logical(ours)[:, :, index] = pages_of
-            if device.type == "cuda":  # the other thread reads them on its own stream once they are listed
-                torch.cuda.current_stream(device).synchronize()
             self._prefixes[slot] = (bank, bank.generation[slot], pages)
-            return pages
+        index = to_device(pages, torch.long, bank.start.device)
+        for ours, stored in zip(self.inputs, bank.inputs, strict=True):
+            # [steps, 2, frames, dim] -> pages of [16, 1, dim] per step and row
+            prefix = torch.nn.functional.pad(stored[:, slot, :, :frames], (0, 0, 0, len(pages) * PAGE_FRAMES - frames))
+            pages_of = prefix.reshape(*prefix.shape[:2], len(pages), PAGE_FRAMES, *ours.shape[2:])
+            self._logical(ours)[:, :, index] = pages_of
+        return pages
 
     def _logical(self, stored: Tensor) -> Tensor:
         """A pool tensor as ``[steps, 2, pages + 1, 16, 1, dim]``."""

@@ -460,53 +460,6 @@ def test_flow_work_totals_are_the_decoder_calls_made(models, voice, tokens, monk
     # The streams are a chunk apart, so calls of both padded the shorter row.
     assert work["flow_padded_row_frames"] > sum(needed)
 
-@pytest.mark.parametrize("lane_paged", [False, True], ids=["whole-on-the-lane", "paged-on-the-lane"])
-def test_a_turn_opened_on_the_lane_goes_on_as_the_official_stream(official_chunks, models, voice, tokens, lane_paged):
-    """A turn whose first chunk runs on the first-chunk lane, its later chunks on the engine
-    thread, equals the official stream (chunk-causal last chunk): run whole there, or with
-    ``lane_paged`` as a paged call that stores the turn's state, which the next chunk continues.
-    The lane's call pins its voice's slot, and finishing it unpins the slot."""
-    reference = official_chunks("chunk", N_TIMESTEPS)
-    page = TurnStatePool.page_bytes(models.flow.decoder, torch.float32)
-    token2wav = make_runner(
-        models, scale=1, incremental=False, prefix_voices=2, final_attention="chunk", turn_state_bytes=65 * page,
-        lane_paged=lane_paged,
-    )
-    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
-    token2wav.prepare_voices([prompt], widest_prompt_tokens=prompt.tokens)  # the lane builds no prefix
-    state = stream(token2wav, prompt, tokens, done=True)
-    pins = []
-    pin = token2wav.prefixes.pin
-    token2wav.prefixes.pin = lambda prompts: pins.append(pin(prompts)) or pins[-1]
-    torch.manual_seed(1234)
-    chunks, stored = [], []
-    while (job := token2wav.schedule.next_job(state)) is not None:
-        chunks.append(token2wav.run([job], Lane() if not chunks else None)[0])
-        stored.append(state.stream.turn.frames if state.stream.turn is not None else 0)
-    assert [len(c) for c in chunks] == [len(c) for c in reference]
-    error = max(float(np.max(np.abs(a - b))) for a, b in zip(chunks, reference))
-    assert error <= 1e-4, error
-    assert (stored[0] > 0) == lane_paged  # the lane's chunk stored the turn's state in the pool
-    assert pins == ([[0]] if lane_paged else [])
-    assert not token2wav.prefixes._pins and token2wav.turn_pool.pages_in_use == 0
-
-
-def test_a_pinned_voice_keeps_its_slot(models, voice):
-    """A voice whose slot a call of the lane pins is not replaced by another until unpinned (the
-    other runs without a prefix meanwhile); a voice the bank does not hold is not pinned."""
-    shorter = models.frontend.prepare(voiced(1.4, 24000), 24000, "Short.")
-    wide, narrow = (VoicePrompt(v.speech_tokens, v.speech_feat, v.embedding) for v in (voice, shorter))
-    cache = make_runner(models, scale=1, incremental=False, prefix_voices=1).prefixes
-    cache.prepare([narrow], widest_prompt_tokens=wide.tokens)
-    assert cache.pin([wide]) is None and not cache._pins
-    assert cache.pin([narrow, narrow]) == [0, 0]
-    assert cache.slot(wide) is None  # its only slot is pinned
-    cache.unpin([0])
-    assert cache.slot(wide) is None  # ... by one call still
-    cache.unpin([0])
-    assert cache.slot(wide) == 0 and [p for p, _ in cache._slots.values()] == [wide]
-
-
 def test_voice_prefix_bank_slots(models, voice, tokens):
     """Voices take turns in the bank's slots (least recently used out), and a voice whose
     prefix is wider than a bank of fixed width runs without one; each chunk's mel stays
