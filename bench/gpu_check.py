@@ -160,7 +160,6 @@ hift_graphs = {str(not args.no_hift_graphs).lower()}
 first_chunk_lane = {str(not args.no_first_chunk_lane).lower()}
 first_chunk_by_load = {str(args.first_chunk_by_load).lower()}
 second_chunk_on_lane = {str(args.second_chunk_on_lane).lower()}
-first_chunk_lane_paged = {str(args.first_chunk_lane_paged).lower()}
 flow_cudnn_attention = {str(not args.no_flow_cudnn_attention).lower()}
 flow_fused_kernels = {str(args.flow_fused_kernels).lower()}
 launch_ahead = {str(args.launch_ahead).lower()}
@@ -708,8 +707,6 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="the short first chunk only when the next can follow in time (first_chunk_by_load = true)")
     parser.add_argument("--second-chunk-on-lane", action="store_true",
                         help="the lane also runs the chunk after a short first chunk (second_chunk_on_lane = true)")
-    parser.add_argument("--first-chunk-lane-paged", action="store_true",
-                        help="the lane's chunks as paged calls, into the turn pool (first_chunk_lane_paged = true)")
     parser.add_argument("--no-flow-cudnn-attention", action="store_true",
                         help="the flow's attention left on the kernel vLLM's import leaves it (the memory-efficient "
                         "one; flow_cudnn_attention = false)")
