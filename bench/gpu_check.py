@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from tts_gateway.gateway import loadgen  # noqa: E402
 from tts_gateway.gateway.loadgen.report import percentile  # noqa: E402
 from tts_gateway.engine.cosyvoice2.metrics import CALL_KINDS, PHASE_THREADS, PHASES  # noqa: E402
+from tts_gateway.engine.cosyvoice2.settings import VLLMSettings  # noqa: E402
 from tts_gateway.gateway.wire import STREAM_PATH  # noqa: E402
 
 PROMPT_TEXT = "This is the voice of the prompt, spoken clearly and slowly."
@@ -172,7 +173,7 @@ gpu_memory_utilization = {args.gpu_memory_utilization}
 token2wav_memory_gb = {args.token2wav_cache_gb + 16 if args.token2wav_memory_gb is None else args.token2wav_memory_gb}
 max_num_seqs = {args.max_num_seqs}
 max_num_batched_tokens = {args.max_num_batched_tokens}
-warmup_batch_sizes = {[n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n < args.max_num_seqs] + [args.max_num_seqs]}
+warmup_batch_sizes = {[n for n in VLLMSettings.warmup_batch_sizes if n < args.max_num_seqs] + [args.max_num_seqs]}
 enforce_eager = {str(args.enforce_eager).lower()}
 async_scheduling = {str(args.async_scheduling).lower()}
 mps_priority = "{args.llm_mps_priority}"
