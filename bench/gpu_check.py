@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import stack_sampler  # noqa: E402  (bench/, this script's folder)
 from tts_gateway.gateway import loadgen  # noqa: E402
 from tts_gateway.gateway.loadgen.report import percentile  # noqa: E402
 from tts_gateway.engine.cosyvoice2.metrics import CALL_KINDS, PHASE_THREADS, PHASES  # noqa: E402
@@ -527,10 +528,9 @@ def first_audio_paths(profile: dict | None) -> dict | None:
     }
 
 
-# How long a profile may take to come once asked for. Levels of the 2026-12-07 H100 runs came
-# back without one now and then while 5 s was the limit (why is not known: the sampler's signal
-# handler runs on the gateway's main thread, and a longer wait is a guess at the cause).
-PROFILE_WAIT_S = 30.0
+# How long a profile may take to come once asked for: the sampler answers within its 10 ms
+# interval, and a level's trace is a few MB of JSON.
+PROFILE_WAIT_S = 10.0
 
 
 def take_profile(pid: int | None, path: Path) -> dict | None:
@@ -539,7 +539,7 @@ def take_profile(pid: int | None, path: Path) -> dict | None:
     if pid is None:
         return None
     path.unlink(missing_ok=True)
-    os.kill(pid, signal.SIGUSR1)
+    stack_sampler.request_path(path).touch()
     deadline = time.monotonic() + PROFILE_WAIT_S
     while time.monotonic() < deadline:
         if path.exists():
@@ -549,14 +549,14 @@ def take_profile(pid: int | None, path: Path) -> dict | None:
     return None
 
 
-async def profile_kernels(pid: int, path: Path, after_s: float, seconds: float) -> dict | None:
+async def profile_kernels(path: Path, after_s: float, seconds: float) -> dict | None:
     """The gateway's GPU kernels over ``seconds`` from ``after_s`` into a level
     (bench/stack_sampler.py, KernelProfiler), or None if no summary came."""
     path.unlink(missing_ok=True)
     await asyncio.sleep(after_s)
-    os.kill(pid, signal.SIGUSR2)
+    stack_sampler.request_path(path).touch()
     await asyncio.sleep(seconds)
-    os.kill(pid, signal.SIGUSR2)
+    stack_sampler.request_path(path).touch()
     for _ in range(600):  # summing a window's kernel records can take a while
         if path.exists():
             return json.loads(path.read_text())
@@ -615,7 +615,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
         # while it sums the records, so the load results of this pass are not reported.
         workload, sessions, _ = kernel_profile_level(plan)
         kernels = asyncio.create_task(profile_kernels(
-            gateway_pid, profile_path.with_suffix(".kernels.json"), max(0.0, (args.duration - args.kernel_profile_s) / 2),
+            profile_path.with_suffix(".kernels.json"), max(0.0, (args.duration - args.kernel_profile_s) / 2),
             args.kernel_profile_s))
         await asyncio.to_thread(run_load, url, workload, sessions, args.start_spread[-1], args)
         report.put("kernel_profile", {"workload": workload, "sessions": sessions, **(await kernels or {})})

@@ -4,7 +4,7 @@
 
 Every 10 ms a background thread records where each named thread of the gateway is: the
 innermost Python function (its *self* time) and every function on its stack (*inclusive*
-time). ``kill -USR1`` writes the counts gathered since the last signal to OUT.json and
+time). Creating OUT.request writes the counts gathered since the last dump to OUT.json and
 starts afresh, so a load test can take one profile per concurrency level.
 
 With the summary come the token2wav calls and chunk deliveries of that span, in order
@@ -12,9 +12,14 @@ With the summary come the token2wav calls and chunk deliveries of that span, in 
 and whether its listener had run out of audio by then. A level's aggregate totals cannot
 say why a burst of new turns stalls; its timeline can.
 
-``kill -USR2`` starts torch's profiler on the GPU's kernels, and the next ``kill -USR2``
-stops it and writes the kernels by GPU time to OUT.kernels.json (``KernelProfiler``): what
-the token2wav stage's GPU time goes to, in a window of a level.
+Creating OUT.kernels.request starts torch's profiler on the GPU's kernels, and creating it
+again stops it and writes the kernels by GPU time to OUT.kernels.json (``KernelProfiler``):
+what the token2wav stage's GPU time goes to, in a window of a level.
+
+Why request files, not signals: a Python signal handler runs on the main thread, between two
+of its bytecodes. In some gateway processes on the GPU machine no profile ever came back
+after ``kill -USR1`` (why is not known); the sampler's own thread, which wakes every 10 ms
+anyway, answers a request file whatever the main thread does.
 
 Why a sampler: the gateway's event loop, the token2wav worker thread and vLLM's output
 handling share one interpreter lock. A stage that looks slow may be waiting for the lock
@@ -28,7 +33,6 @@ import functools
 import json
 import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -68,7 +72,7 @@ class CallTrace:
     """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()  # records come from the token2wav threads, takes from a signal
+        self.lock = threading.Lock()  # records come from the token2wav threads, takes from the sampler's
         self._start()
 
     def _start(self) -> None:
@@ -122,10 +126,25 @@ class CallTrace:
         return report
 
 
+def request_path(out: Path) -> Path:
+    """The file whose creation asks for ``out`` (a profile, or a kernel profile's start or end)."""
+    return out.with_suffix(".request")
+
+
+def take_request(path: Path) -> bool:
+    """Whether ``path`` was there (it is removed: one request, one answer)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 class Sampler:
-    def __init__(self, out: Path, trace: CallTrace | None = None) -> None:
+    def __init__(self, out: Path, trace: CallTrace | None = None, kernels: KernelProfiler | None = None) -> None:
         self.out = out
         self.trace = trace
+        self.kernels = kernels
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._reset()
@@ -143,6 +162,10 @@ class Sampler:
     def run(self) -> None:
         me = threading.get_ident()
         while not self._stop.wait(INTERVAL_S):
+            if take_request(request_path(self.out)):
+                self.dump()
+            if self.kernels is not None and take_request(request_path(self.kernels.out)):
+                self.kernels.toggle()
             names = {t.ident: t.name for t in threading.enumerate()}
             with self.lock:
                 for ident, frame in sys._current_frames().items():
@@ -157,7 +180,7 @@ class Sampler:
                         frame = frame.f_back
                     self.inclusive[name].update(seen)
 
-    def dump(self, *_args) -> None:
+    def dump(self) -> None:
         with self.lock:
             report = {
                 "seconds": round(time.monotonic() - self.started, 1),
@@ -193,17 +216,17 @@ def kernel_summary(averages, seconds: float, time_attr: str = "self_device_time_
 
 
 class KernelProfiler:
-    """Toggled by a signal (``toggle``): the first starts torch's profiler, the next stops it
-    and writes ``kernel_summary`` to ``out``. CUDA kernel records (CUPTI) cover every thread
-    of the process, so the profiler runs on a thread of its own, not in the signal handler
-    (which runs on the event loop's thread). On a CPU (tests) it profiles its own thread's ops."""
+    """Toggled by its request file (``toggle``): the first starts torch's profiler, the next
+    stops it and writes ``kernel_summary`` to ``out``. CUDA kernel records (CUPTI) cover every
+    thread of the process, so the profiler runs on a thread of its own, not the sampler's
+    (stopping it and summing its records takes seconds). On a CPU (tests) it profiles its own thread's ops."""
 
     def __init__(self, out: Path, cuda: bool = True) -> None:
         self.out = out
         self.cuda = cuda
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
 
-    def toggle(self, *_args) -> None:
+    def toggle(self) -> None:
         self.requests.put(True)
 
     def run(self) -> None:
@@ -231,12 +254,10 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     trace = CallTrace()
     trace.install()
-    sampler = Sampler(out, trace)
-    signal.signal(signal.SIGUSR1, sampler.dump)
-    threading.Thread(target=sampler.run, name="stack-sampler", daemon=True).start()
     kernels = KernelProfiler(out.with_suffix(".kernels.json"))
-    signal.signal(signal.SIGUSR2, kernels.toggle)
     threading.Thread(target=kernels.run, name="kernel-profiler", daemon=True).start()
+    sampler = Sampler(out, trace, kernels)
+    threading.Thread(target=sampler.run, name="stack-sampler", daemon=True).start()
     from tts_gateway.gateway.cli import main as gateway_main
 
     return gateway_main(sys.argv[2:])

@@ -138,7 +138,12 @@ def test_stack_sampler_reports_where_each_thread_is(tmp_path):
     time.sleep(0.5)
     stop.set()
     worker.join()
-    sampler.dump()
+    # gpu_check asks with a request file, answered by the sampler's own thread.
+    stack_sampler.request_path(out).touch()
+    deadline = time.monotonic() + 5
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not stack_sampler.request_path(out).exists()  # taken: one request, one profile
     report = json.loads(out.read_text())
     thread = report["threads"]["busy-worker"]
     assert thread["samples"] >= 10
