@@ -719,7 +719,7 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="a reply about to run out of audio goes before first chunks (playing_listeners_first)")
     parser.add_argument("--launch-ahead", action="store_true",
                         help="the token2wav thread launches its next call before it waits for the last (launch_ahead)")
-    parser.add_argument("--flow-fused-kernels", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--flow-fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="the flow decoder's fused Triton kernels (flow_fused_kernels)")
     parser.add_argument("--first-audio-without-word-timings", action="store_true",
                         help="each first-audio level again with sessions that ask for no word timings (their cost)")

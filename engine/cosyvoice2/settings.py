@@ -209,9 +209,9 @@ class CosyVoice2Settings:
     # the turn-state pool or the voice prefix, the new context back to the pool) in one kernel
     # instead of 9 (serving/fused_context.py). On an H100 a paged call's decoder took 31% less
     # time a call and 13% less a row-frame (docs/benchmarks.md). Exact on CPU through Triton's
-    # interpreter; off until their mels have been compared with the plain ops' on a GPU (the
-    # interpreter runs a kernel's programs one by one). False runs the plain torch ops (CPUs always do).
-    flow_fused_kernels: bool = False
+    # interpreter, and on an H100 the turns' mels lie as far from the plain ops' as a mere change
+    # of summation order puts them (bfloat16 rounding). False runs the plain torch ops (CPUs always do).
+    flow_fused_kernels: bool = True
     # The watchdog: a token2wav call running this long, or an utterance whose text has all
     # been sent waiting this long for its next speech token, means a stage has hung; the engine
     # then fails every utterance and reports itself failed (the gateway ends its sessions and

@@ -70,18 +70,18 @@ async def test_flow_cudnn_attention_is_turned_back_on(cv2_engine):
 
 
 async def test_flow_fused_kernels_switches_the_decoders_fused_kernels(cv2_engine, monkeypatch):
-    """flow_fused_kernels (off by default) is the flow decoder's switch between the fused Triton
-    kernels and the plain torch ops (which a CPU runs either way); true turns them on."""
+    """flow_fused_kernels (on by default) is the flow decoder's switch between the fused Triton
+    kernels and the plain torch ops (which a CPU runs either way); false turns them off."""
     import dataclasses
 
     from tts_gateway.engine.cosyvoice2.model import fused_kernels
 
-    assert not cv2_engine.settings.flow_fused_kernels and not fused_kernels.enabled
-    monkeypatch.setattr(fused_kernels, "enabled", False)  # put back for the other tests
-    engine = CosyVoice2Engine(dataclasses.replace(cv2_engine.settings, flow_fused_kernels=True))
+    assert cv2_engine.settings.flow_fused_kernels and fused_kernels.enabled
+    monkeypatch.setattr(fused_kernels, "enabled", True)  # put back for the other tests
+    engine = CosyVoice2Engine(dataclasses.replace(cv2_engine.settings, flow_fused_kernels=False))
     await engine.start()
     try:
-        assert fused_kernels.enabled
+        assert not fused_kernels.enabled
     finally:
         await engine.close()
 
