@@ -168,6 +168,7 @@ launch_ahead = {str(args.launch_ahead).lower()}
 min_call_rows = {args.min_call_rows}
 later_chunks_with_first = {str(args.later_chunks_with_first).lower()}
 playing_listeners_first = {str(args.playing_listeners_first).lower()}
+urgent_chunks_between_calls = {str(args.urgent_chunks_between_calls).lower()}
 
 [engine.cosyvoice2.vllm]
 gpu_memory_utilization = {args.gpu_memory_utilization}
@@ -717,6 +718,9 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="first chunks' calls also take later chunks no wider (later_chunks_with_first)")
     parser.add_argument("--playing-listeners-first", action=argparse.BooleanOptionalAction, default=True,
                         help="a reply about to run out of audio goes before first chunks (playing_listeners_first)")
+    parser.add_argument("--urgent-chunks-between-calls", action="store_true",
+                        help="a reply that would run dry waiting for a round of calls goes between them "
+                        "(urgent_chunks_between_calls)")
     parser.add_argument("--launch-ahead", action="store_true",
                         help="the token2wav thread launches its next call before it waits for the last (launch_ahead)")
     parser.add_argument("--flow-fused-kernels", action=argparse.BooleanOptionalAction, default=True,

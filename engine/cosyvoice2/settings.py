@@ -135,6 +135,12 @@ class CosyVoice2Settings:
     # those): a reply that has begun does not stall for another's first audio. False: a
     # listener with no audio always goes first.
     playing_listeners_first: bool = True
+    # A batch of the token2wav engine thread may run as several calls (a round); a playing
+    # listener's chunk that becomes ready during one goes between its calls when it would be
+    # late after the rest of the round (in a burst of new turns an H100's calls took up to half
+    # a second, docs/benchmarks.md). Not yet measured on a GPU; false: such chunks wait for the
+    # round's end.
+    urgent_chunks_between_calls: bool = False
     stream_scale_factor: int = 1
     # A reply that reaches this many speech tokens per text token without eos is ended
     # there (the official maximum ratio, 20). Benchmarks on random weights, which never

@@ -15,6 +15,10 @@ thread runs new turns' first chunks there, up to ``FIRST_LANE_MAX_BATCH`` at a t
 soon as they are ready: a first chunk then does not wait for the flow call in flight.
 While the lane is busy, the main thread takes first chunks too (a burst of new turns).
 
+A batch may run as several flow calls, a round. Chunks that become ready during a round
+wait for its end, unless they go between its calls: without a lane, new turns' first
+chunks; with ``urgent_between_calls``, playing listeners' chunks that would be late after it.
+
 Requests (request.py) are the scheduler's: every change to one happens under its lock.
 """
 
@@ -25,6 +29,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tts_gateway.engine.base import EngineError
@@ -109,7 +114,7 @@ class Scheduler:
     def __init__(
         self, runner, max_batch: int, loop: asyncio.AbstractEventLoop, *, early_chunks: bool = True,
         first_chunk_lane: Lane | None = None, first_chunk_by_load: bool = False, launch_ahead: bool = False,
-        min_call_rows: int = 1, playing_first: bool = False,
+        min_call_rows: int = 1, playing_first: bool = False, urgent_between_calls: bool = False,
     ) -> None:
         self.runner = runner
         self.schedule = runner.schedule
@@ -121,6 +126,7 @@ class Scheduler:
         self.launch_ahead = launch_ahead
         self.min_call_rows = min_call_rows
         self.playing_first = playing_first
+        self.urgent_between_calls = urgent_between_calls
         self._lane_busy = False
         self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
         # Moving average of one flow call of the main thread: its share of the thread (from its
@@ -396,8 +402,8 @@ class Scheduler:
         return request.clock.first_audio_at is not None and deadline - now < urgent_s
 
     def _arrivals_at(self, calls: list[list[tuple[Request, ChunkJob]]]) -> int:
-        """Where first chunks that became ready during a round go among its calls still to run:
-        after the calls of first chunks that were ready before them, and with ``playing_first``
+        """Where the chunks that became ready during a round (``_arrivals``) go among its calls still
+        to run: after the calls of first chunks that were ready before them, and with ``playing_first``
         after those that serve an urgent playing listener (``_playing_urgent``). Both kinds lead
         the round (``_run_calls``)."""
         now, urgent_s = time.monotonic(), self._urgent_s()
@@ -455,16 +461,38 @@ class Scheduler:
         return batch
 
     def _ready_first_chunks(self, limit: int) -> list[tuple[Request, ChunkJob]]:
-        """(request, job) of up to ``limit`` first chunks ready to run, of requests no thread
-        holds, most urgent first (with a lane: the lane's jobs, see _for_lane)."""
+        """(request, job) of up to ``limit`` first chunks the lane runs (_for_lane) ready to run,
+        of requests no thread holds, most urgent first."""
+        return self._ready(limit, lambda request, job, deadline, now: self._for_lane(job))
+
+    def _arrivals(self, calls_left: int) -> list[tuple[Request, ChunkJob]]:
+        """What goes between the engine thread's calls of a round, of the chunks ready now (up to
+        ``max_batch``, most urgent first): without a first-chunk lane, new turns' first chunks;
+        with ``urgent_between_calls``, a playing listener's chunk whose audio would run out before
+        the round's ``calls_left`` calls still to run have taken a recent call's time each and
+        its own call ``_urgent_s`` more. Waiting for the round's end, it would be late (on an
+        H100 at 64 sessions the opening burst's calls took up to half a second, docs/benchmarks.md)."""
+        due_s = self._urgent_s() + calls_left * self._recent_call_s
+
+        def goes_between(request: Request, job: ChunkJob, deadline: float, now: float) -> bool:
+            if job.first:
+                return self.first_chunk_lane is None
+            return self.urgent_between_calls and self._playing_urgent(request, deadline, now, due_s)
+
+        return self._ready(self.max_batch, goes_between)
+
+    def _ready(self, limit: int, takes: Callable[[Request, ChunkJob, float, float], bool]) -> list[tuple[Request, ChunkJob]]:
+        """(request, job) of up to ``limit`` chunks ready to run, of requests no thread holds,
+        that ``takes(request, job, deadline, now)``, most urgent first."""
         now = time.monotonic()
         ready = []
         for request in self.requests:
             if request.running or request.pending >= OUTPUT_CHUNKS:
                 continue
             job = self._job(request, now)
-            if job is not None and (job.first if self.first_chunk_lane is None else self._for_lane(job)):
-                ready.append((request.clock.deadline(now), request.request_id, request, job))
+            deadline = request.clock.deadline(now)
+            if job is not None and takes(request, job, deadline, now):
+                ready.append((deadline, request.request_id, request, job))
         ready.sort(key=lambda item: item[:2])
         return [(request, job) for _, _, request, job in ready[:limit]]
 
@@ -540,10 +568,10 @@ class Scheduler:
         the last is returned still in flight; else each is delivered once done (None returned).
         ``lane``: on the first-chunk lane.
 
-        A call runs to its end, and the rest of the batch may take many calls: without a
-        first-chunk lane, first chunks that became ready meanwhile go next (after those that
-        were ready before them, and with ``playing_first`` after the round's calls of urgent
-        playing listeners), so that a new turn waits for one call, not for the whole round.
+        A call runs to its end, and the rest of the batch may take many calls: on the engine
+        thread, ``_arrivals`` that became ready meanwhile go next (after first chunks that were
+        ready before them, and with ``playing_first`` after the round's calls of urgent playing
+        listeners), so that they wait for one call, not for the whole round.
         """
         try:
             plan = self.runner.plan([job for _, job in batch], lane)
@@ -556,10 +584,10 @@ class Scheduler:
                 if not self.launch_ahead or lane is not None:  # delivered as soon as it is done
                     done, in_flight = in_flight, None
                     self._deliver(done)
-                if self.first_chunk_lane is not None:
-                    continue
+                if lane is not None or (self.first_chunk_lane is not None and not self.urgent_between_calls):
+                    continue  # no arrivals to take
                 with self.lock:
-                    arrived = self._take(self._ready_first_chunks(self.max_batch))
+                    arrived = self._take(self._arrivals(len(calls)))
                     at = self._arrivals_at(calls) if arrived else 0
                 if arrived:
                     plan = self.runner.plan([job for _, job in arrived])

@@ -409,6 +409,48 @@ async def test_first_chunks_that_arrive_during_a_round_wait_for_its_urgent_calls
         await asyncio.to_thread(scheduler.stop)
 
 
+@pytest.mark.parametrize("between_calls, order", [
+    (False, ["x", "y", "z", "late"]), (True, ["x", "late", "y", "z"]),
+])
+async def test_with_urgent_between_calls_a_listener_about_to_run_dry_goes_between_a_rounds_calls(
+    between_calls, order
+):
+    """urgent_between_calls: a playing listener's chunk that becomes ready during a round of calls
+    and would run dry waiting for the round's end goes next, before the round's calls of
+    listeners with audio to spare (the first-chunk lane runs no other chunks); without it, it
+    waits for the round's end."""
+    fake = FirstCallsFirstToken2Wav()
+    scheduler = Scheduler(
+        fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=Lane(), playing_first=True,
+        urgent_between_calls=between_calls,
+    )
+    queues = {name: asyncio.Queue() for name in order}
+    run = fake.run
+
+    def run_and_ready_a_playing_chunk(jobs, lane=None):
+        if len(fake.batches) == 0:  # during the round's first call, the chunk of a reply with 0.05 s left
+            late = Request(prompt=None, stream=FakeState("late", 1), output=queues["late"],
+                           status=RequestStatus.INPUT_ENDED)
+            late.clock.produced(1.05, time.monotonic() - 1)
+            scheduler.add(late)
+        return run(jobs, lane)
+
+    fake.run = run_and_ready_a_playing_chunk
+    try:
+        # x, y and z have 30 s to spare: three calls of a round.
+        requests = {name: add(scheduler, FakeState(name, 1), queues[name]) for name in "xyz"}
+        with scheduler.lock:
+            now = time.monotonic()
+            for name, left in (("x", 30.0), ("y", 30.1), ("z", 30.2)):
+                requests[name].clock.produced(1.0 + left, now - 1)
+            scheduler.wake.notify_all()
+        for name in order:
+            await until(queues[name].get())
+        assert fake.batches == [[name] for name in order]
+    finally:
+        await asyncio.to_thread(scheduler.stop)
+
+
 def lane_recording_fake(blocked: Lane | str | None) -> tuple[FakeToken2Wav, list, threading.Event]:
     """A fake that records the lane of every call (None: the main thread) and holds the
     calls of ``blocked`` (a lane, or None for the main thread) until the event is set."""
