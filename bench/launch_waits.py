@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", default="4", help="turns streamed together; a list (1,8,32) streams each in turn")
     parser.add_argument("--fused-kernels", action="store_true", help="the decoder's fused Triton kernels on")
     parser.add_argument("--attention-splits", type=int, default=0,
-                        help="FlashAttention's key splits in the paged attention (0: the kernel's choice)")
+                        help="FlashAttention's key splits in the paged attention (0: the kernel's choice, as "
+                        "the engine's before 2026-12-07; 1: unsplit, the engine's since)")
     parser.add_argument("--pool-gb", type=float, default=4.0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--mels", type=Path,

@@ -5,7 +5,8 @@
 # call's phases, any launch that waited, and the decoder's cost fitted as ms a call plus us a
 # row-frame. One device call after the vLLM bundle's staging calls (~5 minutes):
 #   carry [".whl", ".gpu"], command: . /root/vllm-env.sh && bash bench/paged_call_costs.sh [VARIANT...]
-# VARIANT: plain, fused, fused_unsplit (default: all three).
+# VARIANT: plain, fused, fused_unsplit (default: all three). plain and fused leave FlashAttention's
+# key splits to the kernel, as the engine did before 2026-12-07; fused_unsplit is the engine since.
 # Writes $OUT/paged_call_costs_<variant>.json and .log, and paged_call_costs_mels.json (how
 # far each two variants' mels lie apart, bf16 all: fused_unsplit against fused is a change of
 # summation order alone, the yardstick for fused against plain); the checkpoint goes to /tmp/cv2-full

@@ -99,13 +99,21 @@ def attend_reference(query: Tensor, key_pages: Tensor, value_pages: Tensor, plan
     return out
 
 
+# Pieces' keys unsplit: the pool's keys are one head that every query head shares, and the
+# kernel's own choice by shape split them and combined the parts in a kernel of its own. On an
+# H100 a paged call's decoder took 32.4 us a row-frame unsplit against 39.8 split, at the same
+# cost a call, and the mels moved by bfloat16 rounding only, as any change of summation order
+# moves them (bench/paged_call_costs.sh, 2026-12-07, twice: docs/benchmarks.md).
+UNSPLIT = 1
+
+
 def flash_attend(
-    head_dim: int, num_splits: int = 0,
+    head_dim: int, num_splits: int = UNSPLIT,
 ) -> Callable[[Tensor, Tensor, Tensor, ChunkSequences, float | None], Tensor]:
     """The paged varlen FlashAttention kernel of the vLLM the GPU engine runs on (fewer key
     heads than query heads are shared, as in grouped-query attention). ``num_splits``: how
     many parts each piece's keys are split into, run in parallel and combined by a kernel of
-    their own (0: the kernel's choice by shape; 1: no split, no combining kernel)."""
+    their own (0: the kernel's choice by shape; 1, the default: no split, no combining kernel)."""
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
