@@ -611,7 +611,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
         levels.append(level)
         report.put("levels", levels)
         report.put("stall_free_capacity", stall_free_capacity(levels, len(args.start_spread) > 1))
-    if args.kernel_profile_s and plan:
+    if args.kernel_profile_s and plan and gateway_pid is not None:  # the sampler answers it (not behind a balancer)
         # A pass of its own: stopping the profiler holds the gateway (GIL) for tens of seconds
         # while it sums the records, so the load results of this pass are not reported.
         workload, sessions, _ = kernel_profile_level(plan)

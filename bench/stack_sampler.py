@@ -255,6 +255,8 @@ def main() -> int:
     trace = CallTrace()
     trace.install()
     kernels = KernelProfiler(out.with_suffix(".kernels.json"))
+    for left in (out, kernels.out):  # requests a run before this one left unanswered
+        request_path(left).unlink(missing_ok=True)
     threading.Thread(target=kernels.run, name="kernel-profiler", daemon=True).start()
     sampler = Sampler(out, trace, kernels)
     threading.Thread(target=sampler.run, name="stack-sampler", daemon=True).start()

@@ -336,9 +336,10 @@ def test_kernel_summary_orders_kernels_by_gpu_time():
     }
 
 
-def test_kernel_profiler_is_toggled_by_its_signal(tmp_path):
-    """The first toggle starts the profiler on its own thread, the next writes the summary
-    (on a CPU: that thread's own ops, none here)."""
+def test_kernel_profiler_is_toggled_by_its_request_file(tmp_path):
+    """The sampler's thread answers the kernel profile's request file: the first starts the
+    profiler on its own thread, the next has it write the summary (on a CPU: that thread's own
+    ops, none here)."""
     import json
     import threading
     import time
@@ -348,12 +349,20 @@ def test_kernel_profiler_is_toggled_by_its_signal(tmp_path):
     out = tmp_path / "profile.kernels.json"
     profiler = stack_sampler.KernelProfiler(out, cuda=False)
     threading.Thread(target=profiler.run, daemon=True).start()
-    profiler.toggle()
-    time.sleep(0.2)
-    profiler.toggle()
-    for _ in range(100):
-        if out.exists():
-            break
-        time.sleep(0.1)
-    report = json.loads(out.read_text())
-    assert report["seconds"] >= 0.2 and report["kernels"] == [] and report["kernel_seconds"] == 0
+    sampler = stack_sampler.Sampler(tmp_path / "profile.json", kernels=profiler)
+    sampling = threading.Thread(target=sampler.run, daemon=True)
+    sampling.start()
+    try:
+        for pause in (0.2, 0.0):
+            stack_sampler.request_path(out).touch()
+            time.sleep(pause)
+        for _ in range(100):
+            if out.exists():
+                break
+            time.sleep(0.1)
+        report = json.loads(out.read_text())
+        assert report["seconds"] >= 0.2 and report["kernels"] == [] and report["kernel_seconds"] == 0
+        assert not (tmp_path / "profile.json").exists()  # the thread profile was not asked for
+    finally:
+        sampler.stop()
+        sampling.join(timeout=5)

@@ -462,37 +462,53 @@ class Scheduler:
 
     def _ready_first_chunks(self, limit: int) -> list[tuple[Request, ChunkJob]]:
         """(request, job) of up to ``limit`` first chunks the lane runs (_for_lane) ready to run,
-        of requests no thread holds, most urgent first."""
-        return self._ready(limit, lambda request, job, deadline, now: self._for_lane(job))
+        of requests no thread holds, earliest deadline first."""
+        return self._ready(limit, lambda request, job, deadline, now: self._for_lane(job),
+                           lambda request, deadline, now: (deadline,))
 
     def _arrivals(self, calls_left: int) -> list[tuple[Request, ChunkJob]]:
         """What goes between the engine thread's calls of a round, of the chunks ready now (up to
-        ``max_batch``, most urgent first): without a first-chunk lane, new turns' first chunks;
-        with ``urgent_between_calls``, a playing listener's chunk whose audio would run out before
-        the round's ``calls_left`` calls still to run have taken a recent call's time each and
-        its own call ``_urgent_s`` more. Waiting for the round's end, it would be late (on an
-        H100 at 64 sessions the opening burst's calls took up to half a second, docs/benchmarks.md)."""
-        due_s = self._urgent_s() + calls_left * self._recent_call_s
+        ``max_batch``, most urgent first as in ``_next_batch``): without a first-chunk lane, new
+        turns' first chunks; with ``urgent_between_calls`` and calls of the round still to run
+        (``calls_left``, the one in flight counted), a playing listener's chunk whose audio would
+        run out before those calls have taken a recent call's time each and its own call
+        ``_urgent_s`` more (not one the idle lane takes). Waiting for the round's end, it would be
+        late (on an H100 at 64 sessions the opening burst's calls took up to half a second,
+        docs/benchmarks.md). After a round's last call only first chunks are: the next batch
+        (``_next_batch``) takes a playing listener's chunk with the rest."""
+        urgent_s = self._urgent_s()
+        due_s = urgent_s + calls_left * self._recent_call_s
 
         def goes_between(request: Request, job: ChunkJob, deadline: float, now: float) -> bool:
             if job.first:
                 return self.first_chunk_lane is None
-            return self.urgent_between_calls and self._playing_urgent(request, deadline, now, due_s)
+            if not (self.urgent_between_calls and calls_left) or (self._for_lane(job) and not self._lane_busy):
+                return False
+            return self._playing_urgent(request, deadline, now, due_s)
 
-        return self._ready(self.max_batch, goes_between)
+        def urgency(request: Request, deadline: float, now: float) -> tuple:
+            return (not (self.playing_first and self._playing_urgent(request, deadline, now, urgent_s)), deadline)
 
-    def _ready(self, limit: int, takes: Callable[[Request, ChunkJob, float, float], bool]) -> list[tuple[Request, ChunkJob]]:
+        return self._ready(self.max_batch, goes_between, urgency)
+
+    def _ready(
+        self, limit: int, takes: Callable[[Request, ChunkJob, float, float], bool],
+        urgency: Callable[[Request, float, float], tuple],
+    ) -> list[tuple[Request, ChunkJob]]:
         """(request, job) of up to ``limit`` chunks ready to run, of requests no thread holds,
-        that ``takes(request, job, deadline, now)``, most urgent first."""
+        that ``takes(request, job, deadline, now)``, in the order of ``urgency(request, deadline,
+        now)`` (then of the requests' ids)."""
         now = time.monotonic()
         ready = []
         for request in self.requests:
             if request.running or request.pending >= OUTPUT_CHUNKS:
                 continue
             job = self._job(request, now)
+            if job is None:
+                continue  # a deadline asked for starts a new turn's wait (PlaybackClock.deadline)
             deadline = request.clock.deadline(now)
-            if job is not None and takes(request, job, deadline, now):
-                ready.append((deadline, request.request_id, request, job))
+            if takes(request, job, deadline, now):
+                ready.append((urgency(request, deadline, now), request.request_id, request, job))
         ready.sort(key=lambda item: item[:2])
         return [(request, job) for _, _, request, job in ready[:limit]]
 
@@ -587,10 +603,12 @@ class Scheduler:
                 if lane is not None or (self.first_chunk_lane is not None and not self.urgent_between_calls):
                     continue  # no arrivals to take
                 with self.lock:
-                    arrived = self._take(self._arrivals(len(calls)))
+                    arrived = self._take(self._arrivals(len(calls) + (in_flight is not None)))
                     at = self._arrivals_at(calls) if arrived else 0
                 if arrived:
                     plan = self.runner.plan([job for _, job in arrived])
+                    if self.playing_first:  # arrived is most urgent first: so are its calls
+                        plan.sort(key=min)
                     calls[at:at] = [[arrived[i] for i in group] for group in plan]
         except BaseException:  # the worker is lost (see _guarded): the call in flight still ends
             self._deliver(in_flight)

@@ -409,33 +409,36 @@ async def test_first_chunks_that_arrive_during_a_round_wait_for_its_urgent_calls
         await asyncio.to_thread(scheduler.stop)
 
 
-@pytest.mark.parametrize("between_calls, order", [
-    (False, ["x", "y", "z", "late"]), (True, ["x", "late", "y", "z"]),
-])
+@pytest.mark.parametrize("between_calls, lane, order", [
+    (False, Lane(), ["x", "y", "z", "late", "spare"]),
+    (True, Lane(), ["x", "late", "y", "z", "spare"]),
+    (True, None, ["x", "late", "y", "z", "spare"]),
+], ids=["off", "on", "on-without-a-lane"])
 async def test_with_urgent_between_calls_a_listener_about_to_run_dry_goes_between_a_rounds_calls(
-    between_calls, order
+    between_calls, lane, order
 ):
     """urgent_between_calls: a playing listener's chunk that becomes ready during a round of calls
     and would run dry waiting for the round's end goes next, before the round's calls of
-    listeners with audio to spare (the first-chunk lane runs no other chunks); without it, it
-    waits for the round's end."""
+    listeners with audio to spare; one with audio to spare still waits for the round's end.
+    Without it, both wait for the round's end."""
     fake = FirstCallsFirstToken2Wav()
     scheduler = Scheduler(
-        fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=Lane(), playing_first=True,
+        fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=lane, playing_first=True,
         urgent_between_calls=between_calls,
     )
     queues = {name: asyncio.Queue() for name in order}
     run = fake.run
 
-    def run_and_ready_a_playing_chunk(jobs, lane=None):
-        if len(fake.batches) == 0:  # during the round's first call, the chunk of a reply with 0.05 s left
-            late = Request(prompt=None, stream=FakeState("late", 1), output=queues["late"],
-                           status=RequestStatus.INPUT_ENDED)
-            late.clock.produced(1.05, time.monotonic() - 1)
-            scheduler.add(late)
+    def run_and_ready_playing_chunks(jobs, lane=None):
+        if len(fake.batches) == 0:  # during the round's first call: replies with 0.05 s and 30 s left
+            for name, left in (("late", 0.05), ("spare", 30.0)):
+                request = Request(prompt=None, stream=FakeState(name, 1), output=queues[name],
+                                  status=RequestStatus.INPUT_ENDED)
+                request.clock.produced(1.0 + left, time.monotonic() - 1)
+                scheduler.add(request)
         return run(jobs, lane)
 
-    fake.run = run_and_ready_a_playing_chunk
+    fake.run = run_and_ready_playing_chunks
     try:
         # x, y and z have 30 s to spare: three calls of a round.
         requests = {name: add(scheduler, FakeState(name, 1), queues[name]) for name in "xyz"}
@@ -447,6 +450,23 @@ async def test_with_urgent_between_calls_a_listener_about_to_run_dry_goes_betwee
         for name in order:
             await until(queues[name].get())
         assert fake.batches == [[name] for name in order]
+    finally:
+        await asyncio.to_thread(scheduler.stop)
+
+
+async def test_a_request_with_no_chunk_ready_keeps_its_first_chunk_unclocked():
+    """The scan for ready chunks (the lane's, and the engine thread's) leaves the playback
+    clock of a request with nothing ready alone: a new turn's wait for first audio starts when
+    its first chunk is ready, not when the scheduler first looks at it."""
+    fake = FakeToken2Wav()
+    scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=Lane())
+    try:
+        waiting = add(scheduler, FakeState("waiting", 0, first=True), asyncio.Queue())  # no chunk ready
+        with scheduler.lock:
+            scheduler.wake.notify_all()
+        await asyncio.sleep(0.1)  # both threads have looked
+        with scheduler.lock:
+            assert waiting.clock.ready_since is None
     finally:
         await asyncio.to_thread(scheduler.stop)
 
