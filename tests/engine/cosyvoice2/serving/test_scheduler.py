@@ -54,6 +54,17 @@ def add(scheduler: Scheduler, state: FakeState, queue: asyncio.Queue) -> Request
     return request
 
 
+def add_playing(scheduler: Scheduler, queues: dict[str, asyncio.Queue], left: dict[str, float]) -> None:
+    """Single-chunk utterances whose listeners have played a second and have ``left[name]``
+    seconds still buffered, scheduled, and the scheduler woken."""
+    requests = {name: add(scheduler, FakeState(name, 1), queues[name]) for name in left}
+    with scheduler.lock:
+        now = time.monotonic()
+        for name, seconds in left.items():
+            requests[name].clock.produced(1.0 + seconds, now - 1)
+        scheduler.wake.notify_all()
+
+
 class FakeToken2Wav:
     """Runs 'chunks' of one second each and records which utterances ran, in which batches.
     It is the runner and its chunk schedule at once (``schedule`` is itself)."""
@@ -396,12 +407,7 @@ async def test_first_chunks_that_arrive_during_a_round_wait_for_its_urgent_calls
     fake.run = run_and_start_a_turn
     try:
         # a, b and c run dry within 0.06 s (urgent), d has 30 s to spare: four calls, in that order.
-        requests = {name: add(scheduler, FakeState(name, 1), queues[name]) for name in "abcd"}
-        with scheduler.lock:
-            now = time.monotonic()
-            for name, left in (("a", 0.04), ("b", 0.05), ("c", 0.06), ("d", 30.0)):
-                requests[name].clock.produced(1.0 + left, now - 1)
-            scheduler.wake.notify_all()
+        add_playing(scheduler, queues, {"a": 0.04, "b": 0.05, "c": 0.06, "d": 30.0})
         for name in order:
             await until(queues[name].get())
         assert fake.batches == [[name] for name in order]
@@ -431,22 +437,13 @@ async def test_with_urgent_between_calls_a_listener_about_to_run_dry_goes_betwee
 
     def run_and_ready_playing_chunks(jobs, lane=None):
         if len(fake.batches) == 0:  # during the round's first call: replies with 0.05 s and 30 s left
-            for name, left in (("late", 0.05), ("spare", 30.0)):
-                request = Request(prompt=None, stream=FakeState(name, 1), output=queues[name],
-                                  status=RequestStatus.INPUT_ENDED)
-                request.clock.produced(1.0 + left, time.monotonic() - 1)
-                scheduler.add(request)
+            add_playing(scheduler, queues, {"late": 0.05, "spare": 30.0})
         return run(jobs, lane)
 
     fake.run = run_and_ready_playing_chunks
     try:
         # x, y and z have 30 s to spare: three calls of a round.
-        requests = {name: add(scheduler, FakeState(name, 1), queues[name]) for name in "xyz"}
-        with scheduler.lock:
-            now = time.monotonic()
-            for name, left in (("x", 30.0), ("y", 30.1), ("z", 30.2)):
-                requests[name].clock.produced(1.0 + left, now - 1)
-            scheduler.wake.notify_all()
+        add_playing(scheduler, queues, {"x": 30.0, "y": 30.1, "z": 30.2})
         for name in order:
             await until(queues[name].get())
         assert fake.batches == [[name] for name in order]
