@@ -607,8 +607,8 @@ class Scheduler:
                     at = self._arrivals_at(calls) if arrived else 0
                 if arrived:
                     plan = self.runner.plan([job for _, job in arrived])
-                    if self.playing_first:  # arrived is most urgent first: so are its calls
-                        plan.sort(key=min)
+                    if self.playing_first and self.urgent_between_calls:
+                        plan.sort(key=min)  # arrived is most urgent first: so are its calls
                     calls[at:at] = [[arrived[i] for i in group] for group in plan]
         except BaseException:  # the worker is lost (see _guarded): the call in flight still ends
             self._deliver(in_flight)
