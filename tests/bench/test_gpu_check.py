@@ -352,10 +352,20 @@ def test_kernel_profiler_is_toggled_by_its_request_file(tmp_path):
     sampler = stack_sampler.Sampler(tmp_path / "profile.json", kernels=profiler)
     sampling = threading.Thread(target=sampler.run, daemon=True)
     sampling.start()
+    request = stack_sampler.request_path(out)
+
+    def ask() -> None:  # and wait until the sampler has taken it (two at once would be one)
+        request.touch()
+        for _ in range(500):
+            if not request.exists():
+                return
+            time.sleep(0.01)
+        raise AssertionError("the sampler did not take the request")
+
     try:
-        for pause in (0.2, 0.0):
-            stack_sampler.request_path(out).touch()
-            time.sleep(pause)
+        ask()
+        time.sleep(0.3)
+        ask()
         for _ in range(100):
             if out.exists():
                 break

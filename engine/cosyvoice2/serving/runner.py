@@ -581,8 +581,11 @@ class Token2WavRunner:
     def _flow_call(
         self, args: tuple, streaming: bool, finalize: bool, graphs: FlowGraphs | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``Flow.inference_batch`` with the decoder solved by ``_decode``."""
+        """``Flow.inference_batch`` with the decoder solved by ``_decode``; its token encoder is a
+        phase of its own (the first-chunk lane's calls run here: what their first audio costs)."""
+        self._lap("flow_other")
         inputs = self.flow.decoder_inputs(*args, streaming, finalize)
+        self._lap("encoder")
         return self.flow.new_frames(self._decode(inputs, streaming, graphs), inputs), inputs.new_len
 
     def _decode(self, inputs: DecoderInputs, streaming: bool, graphs: FlowGraphs | None) -> torch.Tensor:

@@ -817,7 +817,8 @@ def test_without_look_ahead_the_held_back_tail_is_still_flushed():
 @pytest.mark.parametrize("paged", [True, False])
 def test_engine_thread_calls_are_timed_phase_by_phase(models, voice, tokens, monkeypatch, paged):
     """Each call of the engine thread books its phases (phase_clock.py; exported as metrics):
-    a paged call its token encoder and decoder, a recompute call its flow outside the pool, both
+    a paged call its token encoder and decoder, a recompute call its flow outside the pool (a
+    whole one its token encoder apart), both
     their vocoder and output; the first-chunk lane's calls are booked apart. Each reading of the clock here
     is one second later than the last, so a phase's seconds count its laps."""
     ticks = iter(range(10**6))
@@ -838,11 +839,15 @@ def test_engine_thread_calls_are_timed_phase_by_phase(models, voice, tokens, mon
     work = token2wav.work_totals()
     booked = {name.removeprefix("flow_phase_thread_seconds_"): value
               for name, value in work.items() if name.startswith("flow_phase_thread_seconds_")}
-    flow = {"encoder": calls, "decoder": calls} if paged else {"unpaged": calls}
+    # Recompute: the last chunk (full attention) is a whole call, its token encoder booked apart.
+    flow = {"encoder": calls, "decoder": calls, "flow_other": 2 * calls} if paged else {
+        "encoder": 1, "unpaged": calls, "flow_other": 2 * calls + 1}
     assert calls >= 3 and work["flow_phase_calls"] == calls
-    assert booked == {"flow_other": 2 * calls, **flow, "vocoder": calls, "output": calls, "wait": calls}
+    assert booked == {**flow, "vocoder": calls, "output": calls, "wait": calls}
     assert not any("_gpu_seconds_" in name for name in work)  # no GPU timeline on a CPU
     assert work["flow_lane_phase_calls"] == 1 and work["flow_lane_phase_thread_seconds_output"] == 1
+    # The lane runs the first chunk whole: its token encoder is booked apart from the rest of the flow.
+    assert work["flow_lane_phase_thread_seconds_encoder"] == 1 and work["flow_lane_phase_thread_seconds_unpaged"] == 1
 
 
 def test_a_phase_clock_knows_its_phases():
