@@ -611,7 +611,9 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
         levels.append(level)
         report.put("levels", levels)
         report.put("stall_free_capacity", stall_free_capacity(levels, len(args.start_spread) > 1))
-    if args.kernel_profile_s and plan and gateway_pid is not None:  # the sampler answers it (not behind a balancer)
+    if args.kernel_profile_s and plan and gateway_pid is None:
+        print("[gpu_check] no kernel profile behind the balancer (no sampler there)", file=sys.stderr, flush=True)
+    elif args.kernel_profile_s and plan:
         # A pass of its own: stopping the profiler holds the gateway (GIL) for tens of seconds
         # while it sums the records, so the load results of this pass are not reported.
         workload, sessions, _ = kernel_profile_level(plan)
@@ -691,7 +693,7 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--graph-max-batch", type=int, default=64,
                         help="graph_max_batch of the gateway: flow CUDA graphs of non-final chunks up to this batch")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     # A smaller card's settings on a large one (docs/cosyvoice2.md, the card table).
     parser.add_argument("--token2wav-memory-gb", type=float, default=None,
                         help="token2wav_memory_gb of the gateway (default: the pool and 16)")

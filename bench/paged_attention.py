@@ -55,7 +55,9 @@ def pages_of(rows: int, frames: int, page: int, pool_pages: int, device) -> tupl
 
 def varlen_call(rows: int, frames: int, new: int, device, dtype):
     """The varlen arm: every row's frames on 16-frame pages scattered over a pool, its new frames'
-    queries one chunk-aligned piece each. Returns (the call, the plan's build), or why it cannot run."""
+    queries one chunk-aligned piece each. Returns (the call, the plan's build), or why it cannot run.
+    The kernel runs as the engine's (keys unsplit since 2026-12-07; the kernel's own split before,
+    in the runs of docs/benchmarks.md until then)."""
     try:
         attend = flash_attend(DIM)
     except Exception as error:  # noqa: BLE001 - reported in the result; the other arms still run

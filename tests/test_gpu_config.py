@@ -23,10 +23,6 @@ NOT_AS_BENCHMARKED = {
     # Random weights never sample eos, so the benchmark caps replies at a speaking rate; real
     # weights end their replies, and the official bound (20) only stops a runaway one.
     "max_speech_per_text_token": "the official bound",
-    # The paged mode's pool: what fits beside vLLM on an 80 GB card (the H100 runs of 2026-12-07),
-    # where the benchmark's default fills an H200; the memory budget is the pool and 16 GB.
-    "token2wav_cache_gb": "an 80 GB card's pool",
-    "token2wav_memory_gb": "the pool and 16 GB",
     # docs/cosyvoice2.md's value for 80-141 GB cards, from the H200 runs of 2026-12-04.
     "first_chunk_by_load": "measured since",
 }

@@ -463,8 +463,9 @@ class Scheduler:
     def _ready_first_chunks(self, limit: int) -> list[tuple[Request, ChunkJob]]:
         """(request, job) of up to ``limit`` first chunks the lane runs (_for_lane) ready to run,
         of requests no thread holds, earliest deadline first."""
-        return self._ready(limit, lambda request, job, deadline, now: self._for_lane(job),
-                           lambda request, deadline, now: (deadline,))
+        return self._ready(
+            limit, lambda request, job, now: self._for_lane(job), lambda request, deadline, now: (deadline,)
+        )
 
     def _arrivals(self, calls_left: int) -> list[tuple[Request, ChunkJob]]:
         """What goes between the engine thread's calls of a round, of the chunks ready now (up to
@@ -479,12 +480,13 @@ class Scheduler:
         urgent_s = self._urgent_s()
         due_s = urgent_s + calls_left * self._recent_call_s
 
-        def goes_between(request: Request, job: ChunkJob, deadline: float, now: float) -> bool:
+        def goes_between(request: Request, job: ChunkJob, now: float) -> bool:
             if job.first:
                 return self.first_chunk_lane is None
             if not (self.urgent_between_calls and calls_left) or (self._for_lane(job) and not self._lane_busy):
                 return False
-            return self._playing_urgent(request, deadline, now, due_s)
+            clock = request.clock  # playing: its deadline is asked without side effect
+            return clock.first_audio_at is not None and self._playing_urgent(request, clock.deadline(now), now, due_s)
 
         def urgency(request: Request, deadline: float, now: float) -> tuple:
             return (not (self.playing_first and self._playing_urgent(request, deadline, now, urgent_s)), deadline)
@@ -492,22 +494,22 @@ class Scheduler:
         return self._ready(self.max_batch, goes_between, urgency)
 
     def _ready(
-        self, limit: int, takes: Callable[[Request, ChunkJob, float, float], bool],
+        self, limit: int, takes: Callable[[Request, ChunkJob, float], bool],
         urgency: Callable[[Request, float, float], tuple],
     ) -> list[tuple[Request, ChunkJob]]:
         """(request, job) of up to ``limit`` chunks ready to run, of requests no thread holds,
-        that ``takes(request, job, deadline, now)``, in the order of ``urgency(request, deadline,
-        now)`` (then of the requests' ids)."""
+        that ``takes(request, job, now)``, in the order of ``urgency(request, deadline, now)``
+        (then of the requests' ids). Only those taken are asked their deadline: asking starts a
+        new turn's wait for first audio (PlaybackClock.deadline), which is the thread's that
+        takes it."""
         now = time.monotonic()
         ready = []
         for request in self.requests:
             if request.running or request.pending >= OUTPUT_CHUNKS:
                 continue
             job = self._job(request, now)
-            if job is None:
-                continue  # a deadline asked for starts a new turn's wait (PlaybackClock.deadline)
-            deadline = request.clock.deadline(now)
-            if takes(request, job, deadline, now):
+            if job is not None and takes(request, job, now):
+                deadline = request.clock.deadline(now)
                 ready.append((urgency(request, deadline, now), request.request_id, request, job))
         ready.sort(key=lambda item: item[:2])
         return [(request, job) for _, _, request, job in ready[:limit]]

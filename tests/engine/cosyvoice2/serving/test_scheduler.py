@@ -468,6 +468,27 @@ async def test_a_request_with_no_chunk_ready_keeps_its_first_chunk_unclocked():
         await asyncio.to_thread(scheduler.stop)
 
 
+async def test_the_lane_leaves_the_clock_of_a_first_chunk_it_does_not_run_alone():
+    """A first chunk the lane does not run (here, wider than its graphs) is the engine thread's:
+    its wait for first audio starts when that thread first sees it, not when the lane does."""
+    fake, lanes, release = lane_recording_fake(None)  # the engine thread's calls wait for release
+    scheduler = Scheduler(fake, max_batch=8, loop=asyncio.get_running_loop(), first_chunk_lane=Lane())
+    try:
+        add_playing(scheduler, {"busy": asyncio.Queue()}, {"busy": 5.0})
+        await eventually(lambda: lanes == [None])  # the engine thread is in its call
+        wide = add(scheduler, FakeState("wide", 2, first=True, frames=2000), asyncio.Queue())
+        with scheduler.lock:
+            scheduler.wake.notify_all()
+        await asyncio.sleep(0.1)  # the lane has looked
+        with scheduler.lock:
+            assert wide.clock.ready_since is None
+        release.set()
+        await eventually(lambda: wide.clock.ready_since is not None)  # the engine thread's, once it looks
+    finally:
+        release.set()
+        await asyncio.to_thread(scheduler.stop)
+
+
 def lane_recording_fake(blocked: Lane | str | None) -> tuple[FakeToken2Wav, list, threading.Event]:
     """A fake that records the lane of every call (None: the main thread) and holds the
     calls of ``blocked`` (a lane, or None for the main thread) until the event is set."""
