@@ -138,8 +138,9 @@ class CosyVoice2Settings:
     # A batch of the token2wav engine thread may run as several calls (a round); a playing
     # listener's chunk that becomes ready during one goes between its calls when it would be
     # late after the rest of the round (in a burst of new turns an H100's calls took up to half
-    # a second, docs/benchmarks.md). Not yet measured on a GPU; false: such chunks wait for the
-    # round's end.
+    # a second, docs/benchmarks.md), and urgent chunks get calls of their own, run first (with
+    # playing_listeners_first). Not yet measured on a GPU; false: such chunks wait for the
+    # round's end, and share calls with chunks of their width.
     urgent_chunks_between_calls: bool = False
     stream_scale_factor: int = 1
     # A reply that reaches this many speech tokens per text token without eos is ended

@@ -579,9 +579,8 @@ class Scheduler:
     def _run_calls(
         self, batch: list[tuple[Request, ChunkJob]], lane: Lane | None = None, in_flight: InFlight | None = None
     ) -> InFlight | None:
-        """Run a batch as the flow calls ``runner.plan`` splits it into, in its order (new
-        turns' first chunks, then narrowest first; with ``playing_first``, in the order of each
-        call's most urgent chunk). With ``launch_ahead`` on the engine thread, each is launched
+        """Run a batch as the flow calls ``_calls`` plans, in their order (with ``playing_first``,
+        that of each call's most urgent chunk). With ``launch_ahead`` on the engine thread, each is launched
         before the call in flight (``in_flight``, then each of these in turn) is delivered, and
         the last is returned still in flight; else each is delivered once done (None returned).
         ``lane``: on the first-chunk lane.
@@ -592,10 +591,7 @@ class Scheduler:
         listeners), so that they wait for one call, not for the whole round.
         """
         try:
-            plan = self.runner.plan([job for _, job in batch], lane)
-            if self.playing_first:  # the batch is most urgent first (_next_batch): so are its calls
-                plan.sort(key=min)
-            calls = [[batch[i] for i in group] for group in plan]
+            calls = self._calls(batch, lane, by_urgency=self.playing_first)
             while calls:
                 previous, in_flight = in_flight, self._launch(calls.pop(0), lane)
                 self._deliver(previous)
@@ -608,14 +604,38 @@ class Scheduler:
                     arrived = self._take(self._arrivals(len(calls) + (in_flight is not None)))
                     at = self._arrivals_at(calls) if arrived else 0
                 if arrived:
-                    plan = self.runner.plan([job for _, job in arrived])
-                    if self.playing_first and self.urgent_between_calls:
-                        plan.sort(key=min)  # arrived is most urgent first: so are its calls
-                    calls[at:at] = [[arrived[i] for i in group] for group in plan]
+                    by_urgency = self.playing_first and self.urgent_between_calls
+                    calls[at:at] = self._calls(arrived, None, by_urgency)
         except BaseException:  # the worker is lost (see _guarded): the call in flight still ends
             self._deliver(in_flight)
             raise
         return in_flight
+
+    def _calls(
+        self, batch: list[tuple[Request, ChunkJob]], lane: Lane | None, by_urgency: bool
+    ) -> list[list[tuple[Request, ChunkJob]]]:
+        """A batch's flow calls (``runner.plan``) in the order they run: the planner's (new turns'
+        first chunks, then narrowest first), or ``by_urgency``, that of each call's most urgent
+        chunk (a batch is most urgent first). With ``playing_first`` and ``urgent_between_calls``
+        on the engine thread, urgent playing listeners' chunks (``_playing_urgent``) are planned
+        apart and run first: a chunk with audio to spare in their call would only lengthen it
+        (on an H100, urgent second chunks waited behind such a call of 369 ms)."""
+        parts = [list(range(len(batch)))]
+        if lane is None and self.playing_first and self.urgent_between_calls:
+            now, urgent_s = time.monotonic(), self._urgent_s()
+            urgent = {
+                i for i, (request, _) in enumerate(batch)
+                if request.clock.first_audio_at is not None
+                and self._playing_urgent(request, request.clock.deadline(now), now, urgent_s)
+            }
+            parts = [sorted(urgent), [i for i in parts[0] if i not in urgent]]
+        calls = []
+        for part in filter(None, parts):
+            plan = [[part[k] for k in group] for group in self.runner.plan([batch[i][1] for i in part], lane)]
+            if by_urgency:
+                plan.sort(key=min)
+            calls += [[batch[i] for i in group] for group in plan]
+        return calls
 
     def _launch(self, batch: list[tuple[Request, ChunkJob]], lane: Lane | None) -> InFlight:
         """Launch one call (``runner.launch``); an error fails the call's requests when it is

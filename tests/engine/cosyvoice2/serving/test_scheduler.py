@@ -451,6 +451,22 @@ async def test_with_urgent_between_calls_a_listener_about_to_run_dry_goes_betwee
         await asyncio.to_thread(scheduler.stop)
 
 
+@pytest.mark.parametrize("between_calls, calls", [
+    (False, [["a", "b", "c", "d"]]), (True, [["a", "b"], ["c", "d"]]),
+])
+async def test_with_urgent_between_calls_urgent_chunks_get_calls_of_their_own(between_calls, calls):
+    """urgent_between_calls: the chunks of playing listeners about to run dry are planned apart
+    from those with audio to spare, and run first; without it, chunks of one width share a call."""
+    fake = FakeToken2Wav()
+    scheduler = Scheduler(
+        fake, max_batch=8, loop=asyncio.get_running_loop(), playing_first=True, urgent_between_calls=between_calls,
+    )
+    try:
+        assert await served_in_order(scheduler, fake, {"a": 0.05, "b": 0.06, "c": 30.0, "d": 30.1}) == calls
+    finally:
+        await asyncio.to_thread(scheduler.stop)
+
+
 async def test_a_request_with_no_chunk_ready_keeps_its_first_chunk_unclocked():
     """The scan for ready chunks (the lane's, and the engine thread's) leaves the playback
     clock of a request with nothing ready alone: a new turn's wait for first audio starts when
