@@ -366,10 +366,7 @@ class Scheduler:
             elif request.status is RequestStatus.TOKENS_DONE and not request.tokens:
                 self._finish(request)  # nothing was generated: nothing to say
         urgent_s = self._urgent_s()
-        if self.playing_first:
-            ready.sort(key=lambda item: (not self._playing_urgent(item[2], item[0], now, urgent_s), *item[:2]))
-        else:
-            ready.sort(key=lambda item: item[:2])
+        ready.sort(key=lambda item: (*self._urgency(item[2], item[0], now, urgent_s), item[1]))
         if self._holds(ready, now):
             return []
         batch: list[tuple[Request, ChunkJob]] = []
@@ -401,6 +398,18 @@ class Scheduler:
         """Whether a playing listener's audio runs out within ``urgent_s``."""
         return request.clock.first_audio_at is not None and deadline - now < urgent_s
 
+    @classmethod
+    def _runs_dry(cls, request: Request, now: float, within_s: float) -> bool:
+        """``_playing_urgent`` for a request whose deadline is not at hand: asked only once its
+        listener plays (asking starts a new turn's wait for first audio, PlaybackClock.deadline)."""
+        clock = request.clock
+        return clock.first_audio_at is not None and cls._playing_urgent(request, clock.deadline(now), now, within_s)
+
+    def _urgency(self, request: Request, deadline: float, now: float, urgent_s: float) -> tuple[bool, float]:
+        """A ready chunk's place in the queue, most urgent first: by deadline, and with
+        ``playing_first`` urgent playing listeners ahead of the rest."""
+        return not (self.playing_first and self._playing_urgent(request, deadline, now, urgent_s)), deadline
+
     def _arrivals_at(self, calls: list[list[tuple[Request, ChunkJob]]]) -> int:
         """Where the chunks that became ready during a round (``_arrivals``) go among its calls still
         to run: after the calls of first chunks that were ready before them, and with ``playing_first``
@@ -410,9 +419,7 @@ class Scheduler:
 
         def goes_first(call: list[tuple[Request, ChunkJob]]) -> bool:
             return all(job.first for _, job in call) or self.playing_first and any(
-                request.clock.first_audio_at is not None
-                and self._playing_urgent(request, request.clock.deadline(now), now, urgent_s)
-                for request, _ in call
+                self._runs_dry(request, now, urgent_s) for request, _ in call
             )
 
         at = 0
@@ -485,13 +492,11 @@ class Scheduler:
                 return self.first_chunk_lane is None
             if not (self.urgent_between_calls and calls_left) or (self._for_lane(job) and not self._lane_busy):
                 return False
-            clock = request.clock  # playing: its deadline is asked without side effect
-            return clock.first_audio_at is not None and self._playing_urgent(request, clock.deadline(now), now, due_s)
+            return self._runs_dry(request, now, due_s)
 
-        def urgency(request: Request, deadline: float, now: float) -> tuple:
-            return (not (self.playing_first and self._playing_urgent(request, deadline, now, urgent_s)), deadline)
-
-        return self._ready(self.max_batch, goes_between, urgency)
+        return self._ready(
+            self.max_batch, goes_between, lambda request, deadline, now: self._urgency(request, deadline, now, urgent_s)
+        )
 
     def _ready(
         self, limit: int, takes: Callable[[Request, ChunkJob, float], bool],
@@ -623,11 +628,7 @@ class Scheduler:
         parts = [list(range(len(batch)))]
         if lane is None and self.playing_first and self.urgent_between_calls:
             now, urgent_s = time.monotonic(), self._urgent_s()
-            urgent = {
-                i for i, (request, _) in enumerate(batch)
-                if request.clock.first_audio_at is not None
-                and self._playing_urgent(request, request.clock.deadline(now), now, urgent_s)
-            }
+            urgent = {i for i, (request, _) in enumerate(batch) if self._runs_dry(request, now, urgent_s)}
             parts = [sorted(urgent), [i for i in parts[0] if i not in urgent]]
         calls = []
         for part in filter(None, parts):
