@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import stack_sampler  # noqa: E402  (bench/, this script's folder)
 from tts_gateway.gateway import loadgen  # noqa: E402
 from tts_gateway.gateway.loadgen.report import percentile  # noqa: E402
-from tts_gateway.engine.cosyvoice2.metrics import CALL_KINDS, PHASE_THREADS, PHASES  # noqa: E402
+from tts_gateway.engine.cosyvoice2.metrics import CALL_KINDS, FIRST_AUDIO_STAGES, PHASE_THREADS, PHASES  # noqa: E402
 from tts_gateway.engine.cosyvoice2.settings import VLLMSettings  # noqa: E402
 from tts_gateway.gateway.wire import STREAM_PATH  # noqa: E402
 
@@ -298,7 +298,7 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
     }
     firsts = delta("tts_first_audio_chunks_total")
     first_audio_ms = {stage: round(1000 * delta(f"tts_first_audio_{stage}_seconds_total") / firsts, 1) if firsts else None
-                      for stage in ("llm_first_token", "llm_chunk", "token2wav_wait", "token2wav_run")}
+                      for stage in FIRST_AUDIO_STAGES}
     # Calls phase by phase (engine/cosyvoice2/serving/phase_clock.py), the engine thread's and the
     # first-chunk lane's: ms per call, on the GPU's timeline and the thread's.
     call_phase_ms = {}
@@ -499,12 +499,9 @@ def kill_engine_core(args, report: Report, gateway: GatewayUnderTest) -> bool:
     return ok
 
 
-# A first chunk's path from its text to its audio, stage by stage (bench/stack_sampler.CallTrace):
-# the LM stage's first token, the rest of the chunk's tokens, the wait for a token2wav call, that call.
-FIRST_AUDIO_STAGES = {
-    "llm_first_token": ("text", "first_token"), "llm_chunk": ("first_token", "ready"),
-    "token2wav_wait": ("ready", "launched"), "token2wav_run": ("launched", "done"), "total": ("text", "done"),
-}
+# A first chunk's path from its text to its audio, stage by stage (bench/stack_sampler.CallTrace,
+# whose chunks carry the stages' moments by the same names), and in all.
+FIRST_AUDIO_PATH = {**FIRST_AUDIO_STAGES, "total": ("text", "done")}
 SLOWEST_FIRST_CHUNKS = 5
 
 
@@ -518,13 +515,13 @@ def first_audio_paths(profile: dict | None) -> dict | None:
     firsts = [chunk for chunk in trace["chunks"] if chunk["first"] and "text" in chunk and "first_token" in chunk]
 
     def stages(chunk: dict) -> dict[str, float]:
-        return {name: round(1000 * (chunk[end] - chunk[start]), 1) for name, (start, end) in FIRST_AUDIO_STAGES.items()}
+        return {name: round(1000 * (chunk[end] - chunk[start]), 1) for name, (start, end) in FIRST_AUDIO_PATH.items()}
 
     paths = [stages(chunk) for chunk in firsts]
     return {
         "n": len(paths),
         "ms": {name: {"p50": percentile([p[name] for p in paths], 50), "p95": percentile([p[name] for p in paths], 95)}
-               for name in FIRST_AUDIO_STAGES},
+               for name in FIRST_AUDIO_PATH},
         "slowest": sorted(paths, key=lambda p: p["total"], reverse=True)[:SLOWEST_FIRST_CHUNKS],
     }
 

@@ -9,6 +9,13 @@ from __future__ import annotations
 # The kinds of token2wav call (engine/cosyvoice2/serving/chunking.py, call_kind). In paged mode
 # last chunks share the later chunks' calls, which then count as calls of later chunks.
 CALL_KINDS = {"first": "first chunks", "later": "later chunks", "final": "final chunks"}
+# The stages of an utterance's first audio, each between two moments of its first chunk: its
+# text given to the LLM stage, its first speech token, its tokens all there, its token2wav call
+# launched, done (serving/latency.py books them as first_audio_<stage>_seconds).
+FIRST_AUDIO_STAGES = {
+    "llm_first_token": ("text", "first_token"), "llm_chunk": ("first_token", "ready"),
+    "token2wav_wait": ("ready", "launched"), "token2wav_run": ("launched", "done"),
+}
 # The phases of a token2wav call (engine/cosyvoice2/serving/phase_clock.py, the runner's laps)
 # and what each holds.
 PHASES = {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 
+from tts_gateway.engine.cosyvoice2.metrics import FIRST_AUDIO_STAGES
 from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob
 from tts_gateway.engine.cosyvoice2.serving.request import Request
 
@@ -46,13 +47,14 @@ class LatencyBook:
         ready_at = request.ready_at if request.ready_at is not None else started
         request.ready_at = None
         if request.clock.first_audio_at is None:
-            text_at = request.text_at if request.text_at is not None else started
-            first_token_at = request.first_token_at if request.first_token_at is not None else ready_at
+            moments = {
+                "text": request.text_at if request.text_at is not None else started,
+                "first_token": request.first_token_at if request.first_token_at is not None else ready_at,
+                "ready": ready_at, "launched": started, "done": now,
+            }
             totals["first_audio_chunks"] += 1
-            totals["first_audio_llm_first_token_seconds"] += max(0.0, first_token_at - text_at)
-            totals["first_audio_llm_chunk_seconds"] += max(0.0, ready_at - first_token_at)
-            totals["first_audio_token2wav_wait_seconds"] += max(0.0, started - ready_at)
-            totals["first_audio_token2wav_run_seconds"] += now - started
+            for stage, (begin, end) in FIRST_AUDIO_STAGES.items():
+                totals[f"first_audio_{stage}_seconds"] += max(0.0, moments[end] - moments[begin])
             return
         runs_out = request.clock.deadline(now)
         if now > runs_out:
