@@ -8,7 +8,8 @@
 #       --full-sessions "" --sessions 64' base '' between '--urgent-chunks-between-calls'
 # NAME ARGS pairs, run in order; each variant's ARGS follow the common ones (quoting as in a
 # shell). The variants share the call's 600 s: at 64 sessions a gateway with one 40 s level
-# takes ~210 s. A variant cut off by the call's limit leaves what it wrote so far.
+# takes ~190-210 s. Each variant's folder is packed into $OUT/<name>.tar.gz when it ends (a
+# device call brings back at most 8 files); one cut off by the call's limit leaves its folder.
 # GPU_CHECK: the script each variant runs (the tests give a stand-in).
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
@@ -36,5 +37,6 @@ for i in "${!names[@]}"; do
     mkdir -p "$OUT/$name"
     echo "== $name:${options[*]:+ ${options[*]}}"
     OUT="$OUT/$name" bash "${GPU_CHECK:-bench/gpu_check.sh}" "${options[@]}" || { echo "== $name failed" >&2; status=1; }
+    tar -czf "$OUT/$name.tar.gz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name" || { echo "== $name not packed" >&2; status=1; }
 done
 exit "$status"

@@ -1,11 +1,13 @@
 """bench/gpu_check_variants.sh: several gpu_check runs in one device call, each into a folder of
-its own, with the common options and its own (run here with a stand-in for gpu_check.sh)."""
+its own, packed when it ends, with the common options and its own (run here with a stand-in for
+gpu_check.sh)."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import tarfile
 
 from tests.paths import ROOT
 
@@ -27,21 +29,28 @@ def run(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
+def options_of(out, name: str) -> list[str]:
+    """The options a variant's stand-in wrote, read from the variant's packed folder."""
+    with tarfile.open(out / f"{name}.tar.gz") as packed:
+        return json.load(packed.extractfile(f"{name}/options.json"))
+
+
 def test_each_variant_runs_with_the_common_options_and_its_own_into_its_folder(tmp_path):
     done = run(tmp_path, "--common", '--sessions 64 --first-audio-sessions ""', "base", "",
                "between", "--urgent-chunks-between-calls --token2wav-cache-gb 40")
     assert done.returncode == 0, done.stderr
     out = tmp_path / "out"
-    assert json.loads((out / "base" / "options.json").read_text()) == ["--sessions", "64", "--first-audio-sessions", ""]
-    assert json.loads((out / "between" / "options.json").read_text()) == [
+    assert options_of(out, "base") == ["--sessions", "64", "--first-audio-sessions", ""]
+    assert options_of(out, "between") == [
         "--sessions", "64", "--first-audio-sessions", "", "--urgent-chunks-between-calls", "--token2wav-cache-gb", "40"]
     assert "== base:" in done.stdout and "== between:" in done.stdout
+    assert sorted(path.name for path in out.iterdir()) == ["base.tar.gz", "between.tar.gz"]  # folders packed
 
 
 def test_a_failed_variant_fails_the_call_after_the_others_have_run(tmp_path):
     done = run(tmp_path, "broken", "--fail", "next", "--sessions 1")
     assert done.returncode == 1 and "== broken failed" in done.stderr
-    assert json.loads((tmp_path / "out" / "next" / "options.json").read_text()) == ["--sessions", "1"]
+    assert options_of(tmp_path / "out", "next") == ["--sessions", "1"]
 
 
 def test_names_and_pairs_are_checked_before_anything_runs(tmp_path):
