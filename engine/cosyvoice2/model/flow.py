@@ -172,6 +172,7 @@ class Flow(nn.Module):
         streaming: bool,
         finalize: bool | Tensor,
         start: Tensor | None = None,
+        encoding: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> DecoderInputs:
         """The decoder's inputs for a batch: the token encoder's output and the conditions.
 
@@ -180,13 +181,16 @@ class Flow(nn.Module):
         ``[B, 192]``. finalize (one flag, or one per row): where False, the last
         ``pre_lookahead_len`` tokens are held back as look-ahead. start ``[B]`` (streaming
         only): the inputs of the frames from ``start[b]`` on (a voice prefix's end: row b's
-        column i is frame start[b] + i); None: of every frame.
+        column i is frame start[b] + i); None: of every frame. encoding: the token encoder's
+        output (mu, mel_len, spk) for these arguments where the caller computed it.
         """
         config = self.config
-        mu, mel_len, spk = encode_tokens(
-            self, token, token_len, prompt_token, prompt_token_len, embedding, streaming, finalize,
-            config.pre_lookahead_len, config.token_mel_ratio,
-        )
+        if encoding is None:
+            encoding = encode_tokens(
+                self, token, token_len, prompt_token, prompt_token_len, embedding, streaming, finalize,
+                config.pre_lookahead_len, config.token_mel_ratio,
+            )
+        mu, mel_len, spk = encoding
         if start is None:
             prompt_feat_len = prompt_feat_len.to(mu.device)
             frames = mu.shape[2]

@@ -572,11 +572,17 @@ def embed_tokens(parts: Parts, ids: Tensor, lengths: Tensor, width: int) -> Tens
     return F.pad(frames, (0, 0, 0, width - ids.size(1)))
 
 
-def _join_rows(prompt_token: Tensor, prompt_len: Tensor, token: Tensor, token_len: Tensor) -> tuple[Tensor, Tensor]:
-    """Per row, prompt tokens then new tokens, packed left: ([B, max total], totals [B])."""
+def join_rows(
+    prompt_token: Tensor, prompt_len: Tensor, token: Tensor, token_len: Tensor, width: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per row, prompt tokens then new tokens, packed left: ([B, width], totals [B]), zero
+    beyond each row's total. ``width``: at least the largest total, where the caller counted
+    it (else it is read from the device, which waits for the work before it)."""
     joined = torch.cat([prompt_token, token], dim=1)
     lengths = prompt_len + token_len
-    slots = torch.arange(int(lengths.max()), device=token.device)[None, :]
+    if width is None:
+        width = int(lengths.max())
+    slots = torch.arange(width, device=token.device)[None, :]
     source = torch.where(slots < prompt_len[:, None], slots, slots - prompt_len[:, None] + prompt_token.size(1))
     ids = joined.gather(1, source.clamp(max=joined.size(1) - 1))
     return ids.masked_fill(slots >= lengths[:, None], 0), lengths
@@ -607,15 +613,25 @@ def encode_tokens(
     encoder: UpsampleConformerEncoder = token_encoder_part(parts, "encoder")
     if pre_lookahead_len != encoder.pre_lookahead_len or token_mel_ratio != encoder.stride:
         raise ValueError("pre_lookahead_len / token_mel_ratio differ from the encoder's")
-    spk = project_speaker(parts, embedding)
-    ids, lengths = _join_rows(prompt_token, prompt_token_len, token, token_len)
+    ids, lengths = join_rows(prompt_token, prompt_token_len, token, token_len)
     finalize = torch.as_tensor(finalize, device=ids.device).expand(ids.size(0))
     encoded = (lengths - torch.where(finalize, 0, pre_lookahead_len)).clamp(min=0)
-    width = int(encoded.max())
-    frames = embed_tokens(parts, ids, lengths, width + pre_lookahead_len)
+    return encode_joined(parts, ids, lengths, encoded, embedding, int(encoded.max()), streaming)
+
+
+def encode_joined(
+    parts: Parts, ids: Tensor, lengths: Tensor, encoded: Tensor, embedding: Tensor, width: int, streaming: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``encode_tokens`` of rows already joined (``join_rows``): ids ``[B, L]`` with ``lengths``
+    [B] valid tokens each, of which the first ``encoded[b]`` are encoded (the rest are
+    look-ahead), ``width`` >= every ``encoded[b]`` (a larger one pads, exactly: padded frames
+    are masked). Reads nothing back from the device, so it can be captured in a CUDA graph.
+    Returns mu [B, 80, stride x width], mel_len [B], spk [B, 80]."""
+    encoder: UpsampleConformerEncoder = token_encoder_part(parts, "encoder")
+    frames = embed_tokens(parts, ids, lengths, width + encoder.pre_lookahead_len)
     ys = encoder.forward_frames(frames, encoded, streaming).ys
-    mel_len = encoded * token_mel_ratio
-    return project_frames(parts, ys, mel_len), mel_len, spk
+    mel_len = encoded * encoder.stride
+    return project_frames(parts, ys, mel_len), mel_len, project_speaker(parts, embedding)
 
 
 def project_frames(parts: Parts, ys: Tensor, mel_len: Tensor) -> Tensor:

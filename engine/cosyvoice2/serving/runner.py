@@ -41,6 +41,7 @@ from tts_gateway.engine.cosyvoice2.model.hift import HiFT
 from tts_gateway.engine.cosyvoice2.serving.buckets import CAPTURE_LOCK
 from tts_gateway.engine.cosyvoice2.serving.call_plan import CallPlanner
 from tts_gateway.engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, ChunkJob, ChunkSchedule, call_kind
+from tts_gateway.engine.cosyvoice2.serving.encoder_graphs import EncoderGraphs
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 from tts_gateway.engine.cosyvoice2.serving.incremental import FlowStreamCache, inference_chunk
@@ -82,6 +83,7 @@ class Lane:
     stream: torch.cuda.Stream | None = None
     flow_graphs: FlowGraphs | None = None
     hift_graphs: HiftGraphs | None = None
+    encoder_graphs: EncoderGraphs | None = None
 
 
 @dataclass
@@ -387,7 +389,7 @@ class Token2WavRunner:
                 self.flow, prefixes.bank, slots, *args, finalize=finalize, solve=self._solve_after_prefix
             )
         else:
-            mel, new_len = self._flow_call(args, streaming, finalize, graphs)
+            mel, new_len = self._flow_call(args, streaming, finalize, graphs, self._lane_encoder(jobs, lane))
         mel_ratio = self.schedule.mel_ratio
         return [
             mel[i : i + 1, :, job.request.stream.offset * mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
@@ -575,16 +577,29 @@ class Token2WavRunner:
             mel, _ = inference_chunk(self.flow, state.flow_cache, *args, finalize=job.finalize)
             return mel
         else:
-            mel, _ = self._flow_call(args, True, job.finalize, graphs)
+            mel, _ = self._flow_call(args, True, job.finalize, graphs, self._lane_encoder([job], lane))
         return mel[:, :, state.offset * self.schedule.mel_ratio :]
 
+    def _lane_encoder(self, jobs: list[ChunkJob], lane: Lane | None) -> tuple[EncoderGraphs, list[int]] | None:
+        """The lane's token-encoder graphs, with each job's prompt + tokens as they count them."""
+        if lane is None or lane.encoder_graphs is None:
+            return None
+        return lane.encoder_graphs, [job.request.prompt.tokens + len(job.request.tokens[: job.end]) for job in jobs]
+
     def _flow_call(
-        self, args: tuple, streaming: bool, finalize: bool, graphs: FlowGraphs | None
+        self, args: tuple, streaming: bool, finalize: bool, graphs: FlowGraphs | None,
+        encoder: tuple[EncoderGraphs, list[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``Flow.inference_batch`` with the decoder solved by ``_decode``; its token encoder is a
-        phase of its own (the first-chunk lane's calls run here: what their first audio costs)."""
+        phase of its own (the first-chunk lane's calls run here: what their first audio costs),
+        by ``encoder``'s graphs (with the rows' token counts) where they hold a streaming call."""
         self._lap("flow_other")
-        inputs = self.flow.decoder_inputs(*args, streaming, finalize)
+        encoding = None
+        if encoder is not None and streaming:
+            graphs_of_encoder, totals = encoder
+            token, token_len, prompt_token, prompt_token_len, _, _, embedding = args
+            encoding = graphs_of_encoder.run(token, token_len, prompt_token, prompt_token_len, embedding, totals, finalize)
+        inputs = self.flow.decoder_inputs(*args, streaming, finalize, encoding=encoding)
         self._lap("encoder")
         return self.flow.new_frames(self._decode(inputs, streaming, graphs), inputs), inputs.new_len
 

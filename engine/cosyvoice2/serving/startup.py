@@ -16,6 +16,7 @@ import torch
 from tts_gateway.engine.base import EngineError
 from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets
 from tts_gateway.engine.cosyvoice2.serving.call_plan import MAX_CALL_ROW_FRAMES
+from tts_gateway.engine.cosyvoice2.serving.encoder_graphs import EncoderGraphs
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 from tts_gateway.engine.cosyvoice2.serving.lm.stage import LMStage
@@ -128,8 +129,8 @@ def first_chunk_lane(
     runner: Token2WavRunner, settings: CosyVoice2Settings, voice_prompt_tokens: list[int], device: torch.device
 ) -> Lane:
     """The first-chunk lane: a stream of the highest priority and its own graphs of every
-    voice's opening chunks (``ChunkSchedule.opens_turn``: flow run whole, and the vocoder) up
-    to FIRST_LANE_MAX_BATCH."""
+    voice's opening chunks (``ChunkSchedule.opens_turn``: token encoder and flow run whole,
+    and the vocoder) up to FIRST_LANE_MAX_BATCH."""
     schedule = runner.schedule
     widths = sorted({width for tokens in voice_prompt_tokens for width in schedule.lane_widths(tokens)})
     buckets = FlowBuckets.up_to(FIRST_LANE_MAX_BATCH, widths[-1], settings.graph_frame_step)
@@ -148,4 +149,25 @@ def first_chunk_lane(
         flow_graphs.capture_seconds + (hift_graphs.capture_seconds if hift_graphs else 0),
         flow_graphs.reserved_bytes / 2**30,
     )
-    return Lane(torch.cuda.Stream(device, priority=LANE_PRIORITY), flow_graphs, hift_graphs)
+    encoder_graphs = lane_encoder_graphs(runner, buckets.batches, [width // schedule.mel_ratio for width in widths])
+    return Lane(torch.cuda.Stream(device, priority=LANE_PRIORITY), flow_graphs, hift_graphs, encoder_graphs)
+
+
+def lane_encoder_graphs(runner: Token2WavRunner, batches: tuple[int, ...], widths: list[int]) -> EncoderGraphs | None:
+    """CUDA graphs of the token encoder for the lane's calls (``widths``: encoded tokens of the
+    voices' opening chunks); None where capture fails (the lane then encodes eagerly)."""
+    reserved = torch.cuda.memory_reserved()
+    try:
+        graphs = EncoderGraphs(runner.flow, batches, widths, priority=LANE_PRIORITY)
+        graphs.capture()
+        largest = max(graphs.programs, key=lambda key: (key.batch, key.width))
+        error = graphs.replay_error(largest)
+    except Exception as exc:  # an optional speed-up: the lane still encodes, eagerly
+        log.error("token encoder CUDA graphs of the first-chunk lane could not be captured, it encodes eagerly: %s", exc)
+        return None
+    log.info(
+        "first-chunk lane: %d token encoder CUDA graphs in %.1f s (%.2f GiB); |replay - eager| %s: %.2e",
+        len(graphs.programs), graphs.capture_seconds, (torch.cuda.memory_reserved() - reserved) / 2**30, largest,
+        error,
+    )
+    return graphs

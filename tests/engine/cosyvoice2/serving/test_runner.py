@@ -28,6 +28,7 @@ from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets
 from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkSchedule, call_kind
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus, StreamState, VoicePrompt
+from tts_gateway.engine.cosyvoice2.serving.encoder_graphs import EncoderGraphs
 from tts_gateway.engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnStatePool
 from tts_gateway.testkit.checkpoint import make_checkpoint
@@ -368,9 +369,9 @@ def test_chunks_run_with_graphs_set_on_either_thread(models, voice, tokens, monk
     calls = []  # (the decoder ran after the voice prefixes, the graphs it was offered)
     whole, after = token2wav._flow_call, token2wav._solve_after_prefix
 
-    def recording_whole(args, streaming, finalize, graphs):
+    def recording_whole(args, streaming, finalize, graphs, *encoder):
         calls.append((False, graphs))
-        return whole(args, streaming, finalize, graphs)
+        return whole(args, streaming, finalize, graphs, *encoder)
 
     def recording_after(*args):
         calls.append((True, token2wav.flow_graphs))
@@ -392,6 +393,26 @@ def test_chunks_run_with_graphs_set_on_either_thread(models, voice, tokens, monk
     assert token2wav.lane_serves(jobs[0], Lane())
     assert not token2wav.lane_serves(jobs[0], Lane(flow_graphs=lanes))
 
+
+
+def test_a_lanes_token_encoder_programs_give_its_chunks_the_eager_mel(models, voice, tokens, monkeypatch):
+    """A lane with token-encoder programs of its first chunks' shape (run eagerly here, replayed
+    on a GPU) encodes its calls by them, one row or several, and each chunk's mel is the one
+    the eager encoder gives it."""
+    token2wav = make_runner(models, scale=1, incremental=False, prefix_voices=0)
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    jobs = [chunk_after(token2wav, prompt, order, 0) for order in (tokens, tokens[::-1], tokens[1:] + tokens[:1])]
+    plain = token2wav._flows(jobs, Lane())
+    widths = [w // token2wav.schedule.mel_ratio for w in token2wav.schedule.first_chunk_widths(prompt.tokens)]
+    encoder_graphs = EncoderGraphs(token2wav.flow, batches=(1, 2, 4), widths=widths, graphs=False)
+    served = []
+    run = encoder_graphs.run
+    monkeypatch.setattr(encoder_graphs, "run", lambda *a, **k: served.append(run(*a, **k)) or served[-1])
+    lane = Lane(encoder_graphs=encoder_graphs)
+    for together in (token2wav._flows(jobs, lane), [token2wav._flows([job], lane)[0] for job in jobs]):
+        for a, b in zip(plain, together):
+            assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
+    assert served and None not in served  # every call by the programs
 
 
 def test_graphs_set_on_a_cpu_runner_are_never_consulted(models, voice, tokens):
