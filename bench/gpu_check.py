@@ -22,6 +22,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -608,6 +609,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
         levels.append(level)
         report.put("levels", levels)
         report.put("stall_free_capacity", stall_free_capacity(levels, len(args.start_spread) > 1))
+        report.put("repeats", repeat_spread(levels))
     if args.kernel_profile_s and plan and gateway_pid is None:
         print("[gpu_check] no kernel profile behind the balancer (no sampler there)", file=sys.stderr, flush=True)
     elif args.kernel_profile_s and plan:
@@ -636,14 +638,48 @@ def within_budget(peak_mib: float | None, budget_gb: float | None) -> bool | Non
 
 def stall_free_capacity(levels: list[dict], by_spread: bool) -> dict:
     """The largest stall-free level of each workload (and start spread, ``by_spread``) that kept
-    within the memory budget if there is one, or None."""
-    capacity: dict[str, int | None] = {}
+    within the memory budget if there is one, or None. A level run more than once (``--sessions
+    64,64``) counts only if every run of it does."""
+    counted: dict[tuple[str, int, float], bool] = {}  # a level (and its runs): whether it counts
     for level in levels:
         key = f"{level['workload']}@{level['start_spread_s']:g}s" if by_spread else level["workload"]
+        counts = bool(level["stall_free"]) and level.get("within_memory_budget") is not False
+        run = key, level["sessions"], level["start_spread_s"]
+        counted[run] = counted.get(run, True) and counts
+    capacity: dict[str, int | None] = {}
+    for (key, sessions, _), counts in counted.items():
         best = capacity.get(key)
-        counts = level["stall_free"] and level.get("within_memory_budget") is not False
-        capacity[key] = max(best or 0, level["sessions"]) if counts else best
+        capacity[key] = max(best or 0, sessions) if counts else best
     return capacity
+
+
+def repeat_spread(levels: list[dict]) -> dict:
+    """For each level run more than once (same workload, sessions and start spread; the same
+    seeds, so the runs differ by timing alone): how far its runs lie apart, as the smallest,
+    median and largest stall-free share, TTFA p50 and p95, and stalls. At 64 sessions on one
+    H100 three runs of one configuration spanned 70-95% stall-free (docs/benchmarks.md): a
+    setting is told apart from the defaults by ranges like these, not by one level."""
+    runs: dict[str, list[dict]] = {}
+    for level in levels:
+        runs.setdefault(f"{level['workload']}@{level['sessions']}@{level['start_spread_s']:g}s", []).append(level)
+
+    def spread(values: list[float | None]) -> dict | None:
+        ordered = sorted(value for value in values if value is not None)  # None: a run without audio
+        return {"min": ordered[0], "median": statistics.median(ordered), "max": ordered[-1]} if ordered else None
+
+    report = {}
+    for key, repeated in runs.items():
+        summaries = [level["summary"] for level in repeated]
+        if len(summaries) < 2:
+            continue
+        report[key] = {
+            "runs": len(summaries),
+            "stall_free_fraction": spread([s["stall_free_fraction"] for s in summaries]),
+            "ttfa_p50_ms": spread([s["ttfa_ms"]["p50"] for s in summaries]),
+            "ttfa_p95_ms": spread([s["ttfa_ms"]["p95"] for s in summaries]),
+            "stalls": spread([s["stalls"] for s in summaries]),
+        }
+    return report
 
 
 def argument_parser() -> argparse.ArgumentParser:

@@ -271,6 +271,35 @@ def test_the_gateway_config_it_writes_carries_its_options(tmp_path):
     assert (small.graph_max_frames, small.token2wav_cache_gb) == (1600, 6)
 
 
+def test_a_level_run_again_counts_towards_capacity_only_if_every_run_was_stall_free():
+    def level(sessions, stall_free):
+        return {"workload": "llm", "sessions": sessions, "start_spread_s": 0.5, "stall_free": stall_free}
+
+    levels = [level(16, True), level(64, True), level(64, False), level(64, True)]
+    assert gpu_check.stall_free_capacity(levels, by_spread=False) == {"llm": 16}
+    assert gpu_check.stall_free_capacity(levels[:2], by_spread=False) == {"llm": 64}
+
+
+def test_levels_run_more_than_once_report_how_far_their_runs_lie_apart():
+    def level(sessions, stall_free, p50, p95, stalls, spread=0.5):
+        summary = {"stall_free_fraction": stall_free, "ttfa_ms": {"p50": p50, "p95": p95}, "stalls": stalls}
+        return {"workload": "llm", "sessions": sessions, "start_spread_s": spread, "summary": summary}
+
+    levels = [level(1, 1.0, 113, 122, 0), level(64, 0.915, 562, 920, 10), level(64, 0.947, 831, 1267, 6),
+              level(64, 0.7, 588, 1226, 34), level(64, 0.5, None, None, 3, spread=5.0)]
+    spread = gpu_check.repeat_spread(levels)
+    assert list(spread) == ["llm@64@0.5s"]  # run once: no spread (the 5 s start spread is another level)
+    assert spread["llm@64@0.5s"] == {
+        "runs": 3,
+        "stall_free_fraction": {"min": 0.7, "median": 0.915, "max": 0.947},
+        "ttfa_p50_ms": {"min": 562, "median": 588, "max": 831},
+        "ttfa_p95_ms": {"min": 920, "median": 1226, "max": 1267},
+        "stalls": {"min": 6, "median": 10, "max": 34},
+    }
+    no_audio = [level(8, 0.0, None, None, 0), level(8, 0.0, None, None, 0)]
+    assert gpu_check.repeat_spread(no_audio)["llm@8@0.5s"]["ttfa_p50_ms"] is None
+
+
 def test_levels_over_the_memory_budget_do_not_count_towards_capacity():
     assert gpu_check.within_budget(32 * 1024, 32) is True  # MiB against GiB
     assert gpu_check.within_budget(32 * 1024 + 1, 32) is False
