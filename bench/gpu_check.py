@@ -166,6 +166,7 @@ second_chunk_on_lane = {str(args.second_chunk_on_lane).lower()}
 flow_cudnn_attention = {str(not args.no_flow_cudnn_attention).lower()}
 flow_fused_kernels = {str(args.flow_fused_kernels).lower()}
 launch_ahead = {str(args.launch_ahead).lower()}
+paged_encoder_graphs = {str(args.paged_encoder_graphs).lower()}
 min_call_rows = {args.min_call_rows}
 later_chunks_with_first = {str(args.later_chunks_with_first).lower()}
 playing_listeners_first = {str(args.playing_listeners_first).lower()}
@@ -738,6 +739,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         "are marked and do not count towards the stall-free capacity")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-hift-graphs", action="store_true", help="the vocoder eager (hift_graphs = false)")
+    parser.add_argument("--paged-encoder-graphs", action="store_true",
+                        help="the paged calls' token encoder by CUDA graphs (paged_encoder_graphs)")
     parser.add_argument("--no-first-chunk-lane", action="store_true",
                         help="first chunks wait for the main token2wav thread (first_chunk_lane = false)")
     parser.add_argument("--first-chunk-by-load", action="store_true",

@@ -37,6 +37,6 @@ for i in "${!names[@]}"; do
     mkdir -p "$OUT/$name"
     echo "== $name:${options[*]:+ ${options[*]}}"
     OUT="$OUT/$name" bash "${GPU_CHECK:-bench/gpu_check.sh}" "${options[@]}" || { echo "== $name failed" >&2; status=1; }
-    tar -czf "$OUT/$name.tar.gz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name" || { echo "== $name not packed" >&2; status=1; }
+    if tar -czf "$OUT/$name.tar.gz" -C "$OUT" "$name"; then rm -rf "${OUT:?}/$name"; else echo "== $name not packed" >&2; status=1; fi
 done
 exit "$status"

@@ -138,6 +138,8 @@ class CosyVoice2Engine(Engine):
             await asyncio.to_thread(startup.capture_flow_graphs, runner, settings, device)
         if device.type == "cuda" and settings.hift_graphs:
             await asyncio.to_thread(startup.capture_hift_graphs, runner, settings.max_batch, prompt_tokens)
+        if device.type == "cuda" and settings.paged_encoder_graphs and runner.token_encoder is not None:
+            await asyncio.to_thread(startup.capture_incremental_encoder_graphs, runner, settings.max_batch)
         lane = None
         if device.type == "cuda" and settings.first_chunk_lane:
             lane = await asyncio.to_thread(startup.first_chunk_lane, runner, settings, prompt_tokens, device)

@@ -114,8 +114,8 @@ class CosyVoice2Settings:
     first_chunk_by_load: bool = False
     # The token2wav engine thread launches its next call before it waits for the one in flight,
     # so that the GPU has the next call's work queued while the host finishes the last one.
-    # Off until a GPU run has measured it on the paged path that waits for the GPU nowhere
-    # (H100: before that it lost; docs/benchmarks.md).
+    # Off: on an H100 at 64 sessions it did not stand out of the spread of repeated runs, and
+    # the opening burst's first audio came later (docs/benchmarks.md, eleventh round).
     launch_ahead: bool = False
     # GPU: the token2wav engine thread's calls wait until this many chunks are ready, while
     # every listener of those chunks has audio to spare (1: every call runs as soon as one chunk
@@ -139,8 +139,9 @@ class CosyVoice2Settings:
     # listener's chunk that becomes ready during one goes between its calls when it would be
     # late after the rest of the round (in a burst of new turns an H100's calls took up to half
     # a second, docs/benchmarks.md), and urgent chunks get calls of their own, run first (with
-    # playing_listeners_first). Not yet measured on a GPU; false: such chunks wait for the
-    # round's end, and share calls with chunks of their width.
+    # playing_listeners_first). Off: on two H100s at 64 sessions it did not stand out of the
+    # spread of repeated runs, and new turns' first audio came later (docs/benchmarks.md); so
+    # such chunks wait for the round's end, and share calls with chunks of their width.
     urgent_chunks_between_calls: bool = False
     stream_scale_factor: int = 1
     # A reply that reaches this many speech tokens per text token without eos is ended
@@ -203,6 +204,11 @@ class CosyVoice2Settings:
     # GPU: CUDA graphs of the HiFT vocoder for the streamed chunk shapes at every batch
     # bucket up to max_batch (engine/cosyvoice2/serving/hift_graphs.py); final chunks run eagerly.
     hift_graphs: bool = True
+    # GPU, paged flow: the engine thread's token encoder (a paged call's incremental encode,
+    # ~600 ops launched one by one: 26-45 ms of a ~200 ms call on an H100 at 64 sessions) by
+    # CUDA graphs of its encoder pass, with the turns' caches copied into their inputs
+    # (engine/cosyvoice2/serving/incremental_encoder_graphs.py; exact). Not yet measured on a GPU.
+    paged_encoder_graphs: bool = False
     # The flow decoder's attention (an additive chunk mask, which SDPA's flash kernel does not
     # take) runs on cuDNN's kernel or else the memory-efficient one. Importing vLLM turns
     # cuDNN's SDPA off for the whole process (vllm/platforms/cuda.py, for other models' sake);

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +36,15 @@ from tts_gateway.engine.cosyvoice2.model.flow_encoder import (
     token_encoder_part,
 )
 from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
+
+
+class EncoderPass(Protocol):
+    """What runs a step's encoder pass instead of the eager one where it can (the paged calls'
+    CUDA graphs, incremental_encoder_graphs.py): the pass's output and mu, or None."""
+
+    def run(
+        self, states: Sequence[EncoderStreamState], ids: Tensor, lengths: Tensor, encoded: Tensor, counts: list[int]
+    ) -> tuple[EncoderOutput, Tensor] | None: ...
 
 
 @dataclass
@@ -85,6 +95,8 @@ class IncrementalEncoder:
         self.encoder: UpsampleConformerEncoder = token_encoder_part(parts, "encoder")
         self.encoder_proj = token_encoder_part(parts, "encoder_proj")
         self.positions = PositionTables(self.encoder)
+        # The encoder pass by CUDA graphs where they hold a step (set at start-up, opt-in).
+        self.graphs: EncoderPass | None = None
         self.chunk = self.encoder.static_chunk_size
         if self.chunk <= 0:
             raise ValueError("incremental encoding needs chunk masks (static_chunk_size > 0)")
@@ -124,12 +136,16 @@ class IncrementalEncoder:
             return IncrementalOutput(empty, mel_start, encoded * stride, mel_start, mel_end)
 
         ids = nn.utils.rnn.pad_sequence(rows, batch_first=True)
-        parts = {"input_embedding": self.input_embedding, "encoder": self.encoder}
-        frames = embed_tokens(parts, ids, lengths, width + lookahead)
-        cache = SessionCaches(self.encoder, states, device, dtype)
-        out = self.encoder.forward_frames(frames, encoded, streaming=True, cache=cache, positions=self.positions)
         mel_len = encoded * stride
-        mu = project_frames({"encoder_proj": self.encoder_proj}, out.ys, mel_len)
+        replayed = None if self.graphs is None else self.graphs.run(states, ids, lengths, encoded, counts)
+        if replayed is not None:
+            out, mu = replayed
+        else:
+            parts = {"input_embedding": self.input_embedding, "encoder": self.encoder}
+            frames = embed_tokens(parts, ids, lengths, width + lookahead)
+            cache = SessionCaches(self.encoder, states, device, dtype)
+            out = self.encoder.forward_frames(frames, encoded, streaming=True, cache=cache, positions=self.positions)
+            mu = project_frames({"encoder_proj": self.encoder_proj}, out.ys, mel_len)
         for row, (state, final) in enumerate(zip(states, finals)):
             self._commit(state, row, out, rows[row], counts[row], final)
         committed = to_device([s.committed * stride for s in states], torch.long, device)

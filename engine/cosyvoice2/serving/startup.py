@@ -19,6 +19,7 @@ from tts_gateway.engine.cosyvoice2.serving.call_plan import MAX_CALL_ROW_FRAMES
 from tts_gateway.engine.cosyvoice2.serving.encoder_graphs import EncoderGraphs
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
+from tts_gateway.engine.cosyvoice2.serving.incremental_encoder_graphs import IncrementalEncoderGraphs
 from tts_gateway.engine.cosyvoice2.serving.lm.stage import LMStage
 from tts_gateway.engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
 from tts_gateway.engine.cosyvoice2.serving.scheduler import FIRST_LANE_MAX_BATCH
@@ -91,6 +92,26 @@ def capture_flow_graphs(runner: Token2WavRunner, settings: CosyVoice2Settings, d
     log.info(
         "flow CUDA graphs: %d captured in %.1f s (%.2f GiB); |replay - eager| %s",
         len(graphs.graphs), graphs.capture_seconds, graphs.reserved_bytes / 2**30, errors,
+    )
+
+
+def capture_incremental_encoder_graphs(runner: Token2WavRunner, max_batch: int) -> None:
+    """CUDA graphs of the paged calls' incremental token encoder (``paged_encoder_graphs``); where
+    capture fails the engine thread encodes eagerly."""
+    reserved = torch.cuda.memory_reserved()
+    try:
+        graphs = IncrementalEncoderGraphs(runner.flow, max_batch)
+        graphs.capture()
+        largest = max(graphs.programs, key=lambda key: (key.batch * (key.width + key.cached), key.batch))
+        error = graphs.replay_error(largest)
+    except Exception as exc:  # an optional speed-up: the paged calls still encode, eagerly
+        log.error("token encoder CUDA graphs of the paged calls could not be captured, they encode eagerly: %s", exc)
+        return
+    runner.token_encoder.graphs = graphs
+    log.info(
+        "paged calls: %d token encoder CUDA graphs in %.1f s (%.2f GiB); |replay - eager| %s: %.2e",
+        len(graphs.programs), graphs.capture_seconds, (torch.cuda.memory_reserved() - reserved) / 2**30, largest,
+        error,
     )
 
 

@@ -29,6 +29,7 @@ from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkSchedule, call_k
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus, StreamState, VoicePrompt
 from tts_gateway.engine.cosyvoice2.serving.encoder_graphs import EncoderGraphs
+from tts_gateway.engine.cosyvoice2.serving.incremental_encoder_graphs import IncrementalEncoderGraphs
 from tts_gateway.engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnStatePool
 from tts_gateway.testkit.checkpoint import make_checkpoint
@@ -121,13 +122,18 @@ def official_stream(
 
 def our_stream(
     models, voice, tokens: list[int], incremental: bool, prefix_voices: int = 0, final_attention: str = "full",
-    turn_state_pages: int = 0, flow_steps: int = N_TIMESTEPS,
+    turn_state_pages: int = 0, flow_steps: int = N_TIMESTEPS, encoder_programs: bool = False,
 ) -> list[np.ndarray]:
     page = TurnStatePool.page_bytes(models.flow.decoder, torch.float32, flow_steps)
     token2wav = make_runner(
         models, scale=1, incremental=incremental, prefix_voices=prefix_voices, final_attention=final_attention,
         turn_state_bytes=(turn_state_pages + 1) * page if turn_state_pages else 0, flow_steps=flow_steps,
     )
+    served = []  # what the encoder programs returned, call by call (None: the call went eager)
+    if encoder_programs:
+        programs = token2wav.token_encoder.graphs = IncrementalEncoderGraphs(token2wav.flow, 4, graphs=False)
+        run = programs.run
+        programs.run = lambda *args: served.append(run(*args)) or served[-1]
     state = stream(token2wav, VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding), tokens, done=True)
     torch.manual_seed(1234)
     chunks = []
@@ -165,6 +171,8 @@ def our_stream(
         else:  # the turn fell back to recompute when it outgrew what the prefix left
             assert 0 < pool.peak_pages <= turn_state_pages - prefix_pages and pool.fallbacks > 0
         assert encoded[-1] == 0 and state.stream.encoder is None
+    if encoder_programs:  # every paged call's encode by them
+        assert served and None not in served and len(served) == len(fed)
     return chunks
 
 
@@ -180,6 +188,8 @@ STREAMING_MODES = {
     "incremental": dict(incremental=True),
     "paged": dict(incremental=False, prefix_voices=2, turn_state_pages=64),
     "paged-pool-full": dict(incremental=False, prefix_voices=2, turn_state_pages=16),
+    # The paged calls' token encodes by the programs of their CUDA graphs (run eagerly on a CPU).
+    "paged-encoder-programs": dict(incremental=False, prefix_voices=2, turn_state_pages=64, encoder_programs=True),
 }
 
 

@@ -1,0 +1,257 @@
+"""CUDA graphs of the incremental token encoder, for the engine thread's paged calls.
+
+Why: a paged call's token encoder is bound by its launches. One call issues ~600 torch ops
+(~3,300 counted with their nested aten calls) whatever its rows, and on an H100 at 64 sessions
+that took 26-45 ms of a ~200 ms call, the GPU waiting for the host (docs/benchmarks.md); the
+first-chunk lane's whole-prompt encoder, in graphs since (encoder_graphs.py), went from ~20 to
+2-5 ms. Here the step's encoder pass (``IncrementalEncoder.step``: embedding, the ten blocks over
+the turns' cached keys and values, the projection) is one replay; what stays on the host is
+the copy of each turn's cache into the graph's inputs, and the commit of its complete chunks.
+
+Keys: (batch bucket, new-token bucket, cached-token bucket). A call pads its rows to the
+batch bucket with copies of row 0, its new tokens to the next width (tokens past a row's
+length are zero and masked, as rows of different lengths already are), and its turns' caches to
+the next cache width (cached frames past a row's count are masked by its offset). Exact for the
+same reasons as the eager batch (tests/engine/cosyvoice2/serving/test_incremental_encoder_graphs.py
+runs the programs eagerly against the eager step; start-up compares a replay with its program).
+A call no key holds (more rows or tokens than the largest) runs eagerly.
+
+Memory: the programs share their static inputs, one buffer per kind sized for the largest key
+(the caches: ~28 KB per cached token and row at full size in bf16, bounded by ``MAX_ROW_TOKENS``),
+and one graph pool: calls of one thread never overlap, and a step copies what it keeps out of
+the outputs before the next call. The graphs' distance tables (``PositionTables``) are their own,
+grown to the largest key before capture and never after (a replay reads their memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tts_gateway.engine.cosyvoice2.model.flow_encoder import (
+    EncoderCache, EncoderOutput, Parts, PositionTables, Upsample1D, UpsampleConformerEncoder, embed_tokens,
+    project_frames, token_encoder_part,
+)
+from tts_gateway.engine.cosyvoice2.serving.buckets import batch_buckets, holding_capture_lock, pad_rows
+from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState
+from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
+
+log = logging.getLogger(__name__)
+
+# The most rows x cached tokens a graph's inputs hold: 64 turns of 256 cached tokens, 8 of
+# 2,048. ~0.45 GB of static cache inputs at full size in bf16.
+MAX_ROW_TOKENS = 1 << 14
+# The most rows x new tokens of a graph: a paged call's decoder frames are held to
+# call_plan.MAX_CALL_ROW_FRAMES (13,000, two a token), so wider calls do not come.
+MAX_ROW_NEW_TOKENS = 1 << 13
+# New tokens of a call (its rows' widest): a chunk's tokens and look-ahead, the pending tokens
+# of the last incomplete chunk before them, and in a turn's first paged call its prompt.
+NEW_TOKEN_WIDTHS = (25, 50, 100, 150, 200, 250, 300)
+# Cached tokens of a call (its rows' most): 0 in a turn's first paged call, then doubling.
+CACHED_TOKEN_WIDTHS = (0, 128, 256, 512, 1024, 2048)
+
+
+@dataclass(frozen=True)
+class IncrementalKey:
+    batch: int  # padded rows
+    width: int  # new tokens encoded (their look-ahead follows)
+    cached: int  # cached tokens, padded
+
+
+class _StaticInputs:
+    """The programs' shared inputs, sized for the largest key; ``for_key`` views them at a key."""
+
+    def __init__(self, encoder: UpsampleConformerEncoder, keys: Iterable[IncrementalKey], device, dtype) -> None:
+        keys = list(keys)
+        size, heads = encoder.config.output_size, encoder.config.attention_heads
+        rows = max(k.batch for k in keys)
+        width = max(k.width for k in keys) + encoder.pre_lookahead_len
+        row_tokens = max(k.batch * k.cached for k in keys)
+        self.n_first, self.stride = len(encoder.encoders), encoder.stride
+        self.ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.encoded = torch.zeros(rows, dtype=torch.long, device=device)
+        self.offset = torch.zeros(rows, dtype=torch.long, device=device)
+        self.lookahead = torch.zeros(rows, size, encoder.pre_lookahead_layer.history, device=device, dtype=dtype)
+        self.upsample = torch.zeros(rows, Upsample1D.history, size, device=device, dtype=dtype)
+        n_blocks = self.n_first + len(encoder.up_encoders)
+        # Flat, so that every key's [batch, heads, cached, d_k] view is contiguous.
+        self.keys = [torch.zeros(row_tokens * self._scale(b) * size, device=device, dtype=dtype) for b in range(n_blocks)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.heads, self.head_dim = heads, size // heads
+
+    def _scale(self, block: int) -> int:
+        return 1 if block < self.n_first else self.stride  # the up blocks cache stride frames a token
+
+    def cache(self, key: IncrementalKey) -> EncoderCache:
+        def view(flat: Tensor, block: int) -> Tensor:
+            frames = key.cached * self._scale(block)
+            return flat[: key.batch * self.heads * frames * self.head_dim].view(key.batch, self.heads, frames, self.head_dim)
+
+        return EncoderCache(
+            self.offset[: key.batch], self.lookahead[: key.batch], self.upsample[: key.batch],
+            [view(k, b) for b, k in enumerate(self.keys)], [view(v, b) for b, v in enumerate(self.values)],
+        )
+
+
+class _Program:
+    def __init__(self, graphs: IncrementalEncoderGraphs, key: IncrementalKey) -> None:
+        self.graphs, self.key = graphs, key
+        inputs = graphs.inputs
+        lookahead = graphs.encoder.pre_lookahead_len
+        self.ids = inputs.ids[: key.batch, : key.width + lookahead]
+        self.lengths, self.encoded = inputs.lengths[: key.batch], inputs.encoded[: key.batch]
+        self.cache = inputs.cache(key)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[EncoderOutput, Tensor] | None = None
+
+    def run(self) -> tuple[EncoderOutput, Tensor]:
+        graphs = self.graphs
+        frames = embed_tokens(graphs.parts, self.ids, self.lengths, self.ids.size(1))
+        out = graphs.encoder.forward_frames(frames, self.encoded, True, cache=self.cache, positions=graphs.positions)
+        return out, project_frames(graphs.parts, out.ys, self.encoded * graphs.encoder.stride)
+
+    def replay(self) -> tuple[EncoderOutput, Tensor]:
+        if self.graph is None:
+            self.outputs = self.run()
+        else:
+            self.graph.replay()
+        return self.outputs
+
+
+class IncrementalEncoderGraphs:
+    """``IncrementalEncoder.step``'s encoder pass by graph replay (module docstring). ``capture``
+    makes every key's graph ahead of serving; ``run`` returns None where no key holds a call.
+    ``graphs=False``: the same programs run eagerly (CPU tests)."""
+
+    def __init__(
+        self, parts: Parts, max_batch: int, *, widths: Sequence[int] = NEW_TOKEN_WIDTHS,
+        cached: Sequence[int] = CACHED_TOKEN_WIDTHS, max_row_tokens: int = MAX_ROW_TOKENS,
+        max_row_new_tokens: int = MAX_ROW_NEW_TOKENS, graphs: bool = True,
+    ) -> None:
+        weight = token_encoder_part(parts, "encoder_proj").weight
+        if graphs and weight.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the token encoder on a CUDA device, it is on {weight.device}")
+        self.parts = {name: token_encoder_part(parts, name) for name in ("input_embedding", "encoder", "encoder_proj")}
+        self.encoder: UpsampleConformerEncoder = self.parts["encoder"]
+        self.device, self.dtype = weight.device, weight.dtype
+        self.batches = batch_buckets(max_batch)
+        self.widths, self.cached = tuple(sorted(widths)), tuple(sorted(cached))
+        keys = [
+            IncrementalKey(b, w, c) for b in self.batches for w in self.widths for c in self.cached
+            if b * c <= max_row_tokens and b * w <= max_row_new_tokens
+        ]
+        if not keys:
+            raise ValueError("no incremental encoder shapes within max_row_tokens and max_row_new_tokens")
+        self.inputs = _StaticInputs(self.encoder, keys, self.device, self.dtype)
+        self.positions = PositionTables(self.encoder)
+        self._grow_positions(max(k.width for k in keys), max(k.cached for k in keys))
+        self.programs = {key: _Program(self, key) for key in keys}
+        self.use_graphs = graphs
+        self.capture_seconds = 0.0
+        if graphs:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+
+    def _grow_positions(self, width: int, cached: int) -> None:
+        """Every layer's distance table at the span of the widest keys (``AttentionFrames.build``:
+        up to cached + width - 1 frames back, width - 1 ahead; the up blocks at stride frames a token)."""
+        stride, n_first = self.encoder.stride, len(self.encoder.encoders)
+        for layer in range(len(self.positions.attentions)):
+            scale = 1 if layer < n_first else stride
+            self.positions.lookup(layer, (cached + width) * scale - 1, (cached + 2 * width) * scale - 1)
+
+    def _tables(self) -> list[int]:
+        return [table.data_ptr() for table in self.positions.tables]
+
+    def key(self, rows: int, width: int, cached: int) -> IncrementalKey | None:
+        """The smallest key holding a call of ``rows`` rows, ``width`` new tokens at most and
+        ``cached`` cached ones at most; None: no key does."""
+        keys = [
+            IncrementalKey(b, w, c)
+            for b in self.batches if b >= rows for w in self.widths if w >= width for c in self.cached if c >= cached
+        ]
+        held = [k for k in keys if k in self.programs]
+        return min(held, key=lambda k: (k.batch * (k.width + k.cached), k.batch, k.width)) if held else None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every key's graph, largest first (smaller ones then reuse the pool's blocks)."""
+        for key in sorted(self.programs, key=lambda k: (k.batch * (k.width + k.cached), k.batch), reverse=True):
+            self._capture(self.programs[key])
+
+    @holding_capture_lock
+    def _capture(self, program: _Program) -> None:
+        started = time.perf_counter()
+        current = torch.cuda.current_stream(self.device)
+        self._fill_for_capture(program.key)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):  # the libraries' per-shape set-up, outside the graph
+            program.run()
+        current.wait_stream(self._stream)
+        tables = self._tables()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            program.outputs = program.run()
+        if self._tables() != tables:  # the graphs would read tables that are gone
+            raise RuntimeError(f"the distance tables grew while {program.key} was captured")
+        program.graph = graph
+        self.capture_seconds += time.perf_counter() - started
+
+    def _fill_for_capture(self, key: IncrementalKey) -> None:
+        """A valid call of the key's shape: full rows, full caches."""
+        inputs = self.inputs
+        inputs.lengths[: key.batch] = key.width + self.encoder.pre_lookahead_len
+        inputs.encoded[: key.batch] = key.width
+        inputs.offset[: key.batch] = key.cached
+
+    @torch.inference_mode()
+    def replay_error(self, key: IncrementalKey) -> float:
+        """Largest |replay - eager| of the key's mu, on what its inputs hold."""
+        self._fill_for_capture(key)
+        program = self.programs[key]
+        replayed = program.replay()[1].clone()
+        return float((replayed - program.run()[1]).abs().max())
+
+    @torch.inference_mode()
+    def run(
+        self, states: Sequence[EncoderStreamState], ids: Tensor, lengths: Tensor, encoded: Tensor, counts: list[int]
+    ) -> tuple[EncoderOutput, Tensor] | None:
+        """The step's encoder pass (``forward_frames`` after the states' caches, and mu) for rows
+        ``ids`` [B, L] with ``lengths`` tokens of which ``encoded`` (``counts``, on the host) are
+        encoded; outputs at the key's padded shape, mu [B, 80, stride x max(counts)] of the
+        call's rows. None: no key holds the call."""
+        key = self.key(len(states), max(counts), max(s.committed for s in states))
+        if key is None:
+            return None
+        program = self.programs[key]
+        rows, lookahead = len(states), self.encoder.pre_lookahead_len
+        program.ids.copy_(pad_rows(F.pad(ids, (0, key.width + lookahead - ids.size(1))), key.batch))
+        program.lengths.copy_(pad_rows(lengths, key.batch))
+        program.encoded.copy_(pad_rows(encoded, key.batch))
+        self._fill_caches(program.cache, states, key.batch)
+        out, mu = program.replay()
+        return out, mu[:rows, :, : self.encoder.stride * max(counts)].clone()
+
+    def _fill_caches(self, cache: EncoderCache, states: Sequence[EncoderStreamState], batch: int) -> None:
+        """Each row's cached keys, values and convolution context into the static cache (zeros
+        for the context of a row at its start, as ``empty_cache``). Padding rows cache nothing:
+        their output is cut off, and whatever their context holds is finite (earlier rows')."""
+        committed = [s.committed for s in states]
+        cache.offset.copy_(to_device(committed + [0] * (batch - len(states)), torch.long, self.device))
+        for row, state in enumerate(states):
+            if not state.committed:
+                cache.lookahead_activations[row].zero_()
+                cache.upsample_input[row].zero_()
+                continue
+            cache.lookahead_activations[row].copy_(state.lookahead_activations)
+            cache.upsample_input[row].copy_(state.upsample_input)
+            for ours, theirs in ((cache.keys, state.keys), (cache.values, state.values)):
+                for block, stored in enumerate(theirs):
+                    ours[block][row, :, : stored.size(1)].copy_(stored)
