@@ -22,9 +22,10 @@ from torch import Tensor
 
 
 # While any thread captures a graph, the CUDA random generator is in capture mode, and a draw
-# from another thread fails ("offset increment outside graph capture"). The first-chunk lane
-# and the engine thread both capture on first use and both vocode (the vocoder's source draws
-# noise, eagerly or by replay), so captures and vocoder calls take this lock.
+# from another thread fails ("offset increment outside graph capture"). So does any graph's
+# replay: every graph registers that generator, and its replay advances it. The first-chunk
+# lane and the engine thread both capture on first use and both vocode (the vocoder's source
+# draws noise, eagerly or by replay), so captures, vocoder calls and replays take this lock.
 CAPTURE_LOCK = threading.RLock()
 
 

@@ -12,12 +12,14 @@ the speaker embeddings. It reads nothing back from the device, which ``encode_to
 for the widest row: the caller gives each row's token count, counted on the host.
 
 Keys: (batch bucket, encoded tokens). The widths are those of the voices' opening chunks
-(``ChunkSchedule.lane_widths``), exact for each voice; a call takes the smallest key that
-holds its rows and its widest row, and runs eagerly where none does. Padding is exact, as in
-the flow's graphs: rows are copies of row 0, cut off afterwards; tokens past a row's length
-are masked in every attention, and the convolutions never read right of a frame but for the
-look-ahead, which reads zeros there as at the end of an utterance. The encoder's output is
-trimmed back to the widest row, so the decoder sees what the eager encoder gives it.
+(``ChunkSchedule.lane_widths``) rounded up to whole 25-token chunks, so that many voices share
+a few; a call takes the smallest key that holds its rows and its widest row, and runs eagerly
+where none does. Padding is exact up to floating-point rounding (a padded shape sums in
+another order), as in the flow's graphs: rows are copies of row 0, cut off afterwards; tokens
+past a row's length are masked in every attention, and the convolutions never read right of a
+frame but for the look-ahead, which reads zeros there as at the end of an utterance. The
+encoder's output is trimmed back to the widest row, so the decoder sees what the eager encoder
+gives it.
 
 ``EncoderGraphs(..., graphs=False)`` runs the same program eagerly on the same static
 buffers: the CPU tests (tests/engine/cosyvoice2/serving/test_encoder_graphs.py) prove that
@@ -39,7 +41,7 @@ import torch
 from torch import Tensor
 
 from tts_gateway.engine.cosyvoice2.model.flow_encoder import Parts, encode_joined, join_rows, token_encoder_part
-from tts_gateway.engine.cosyvoice2.serving.buckets import holding_capture_lock, pad_rows
+from tts_gateway.engine.cosyvoice2.serving.buckets import CAPTURE_LOCK, holding_capture_lock, pad_rows
 from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
 
 log = logging.getLogger(__name__)
@@ -164,6 +166,7 @@ class EncoderGraphs:
         program.lengths.copy_(pad_rows(lengths, key.batch))
         program.encoded.copy_(pad_rows(to_device(counts, torch.long, self.device), key.batch))
         program.embedding.copy_(pad_rows(embedding.to(self.dtype), key.batch))
-        mu, mel_len, spk = program.replay()
-        rows = len(counts)
-        return mu[:rows, :, : self.stride * max(counts)].clone(), mel_len[:rows].clone(), spk[:rows].clone()
+        with CAPTURE_LOCK:  # a replay while the other thread captures a graph would fail (buckets.py)
+            mu, mel_len, spk = program.replay()
+            rows = len(counts)
+            return mu[:rows, :, : self.stride * max(counts)].clone(), mel_len[:rows].clone(), spk[:rows].clone()

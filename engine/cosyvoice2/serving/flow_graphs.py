@@ -63,7 +63,7 @@ from torch import Tensor
 
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
 from tts_gateway.engine.cosyvoice2.serving.buckets import (
-    FlowBuckets, GraphKey, bucket_order, holding_capture_lock, pad_inputs, pad_rows,
+    CAPTURE_LOCK, FlowBuckets, GraphKey, bucket_order, holding_capture_lock, pad_inputs, pad_rows,
 )
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView, noise_after, solve_after_prefix
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
@@ -405,7 +405,8 @@ class FlowGraphs:
         padded = pad_inputs(*inputs[:4], key.batch, key.frames) + tuple(pad_rows(x, key.batch) for x in inputs[4:])
         if rows is not None:
             padded += pad_turn_rows(rows, self.pool, key.batch).as_tuple()
-        captured.replay(padded)
+        with CAPTURE_LOCK:  # a replay while the other thread captures a graph would fail (buckets.py)
+            captured.replay(padded)
         # The state buffer is shared by all graphs: copy it out before any other replay.
         return captured.x[:batch, :, :length].to(torch.float32, copy=True)
 

@@ -11,8 +11,8 @@ the copy of each turn's cache into the graph's inputs, and the commit of its com
 Keys: (batch bucket, new-token bucket, cached-token bucket). A call pads its rows to the
 batch bucket with copies of row 0, its new tokens to the next width (tokens past a row's
 length are zero and masked, as rows of different lengths already are), and its turns' caches to
-the next cache width (cached frames past a row's count are masked by its offset). Exact for the
-same reasons as the eager batch (tests/engine/cosyvoice2/serving/test_incremental_encoder_graphs.py
+the next cache width (cached frames past a row's count are masked by its offset). Exact, up to
+floating-point rounding (a padded shape sums in another order), for the same reasons as the eager batch (tests/engine/cosyvoice2/serving/test_incremental_encoder_graphs.py
 runs the programs eagerly against the eager step; start-up compares a replay with its program).
 A call no key holds (more rows or tokens than the largest) runs eagerly.
 
@@ -38,7 +38,7 @@ from tts_gateway.engine.cosyvoice2.model.flow_encoder import (
     EncoderCache, EncoderOutput, Parts, PositionTables, Upsample1D, UpsampleConformerEncoder, embed_tokens,
     project_frames, token_encoder_part,
 )
-from tts_gateway.engine.cosyvoice2.serving.buckets import batch_buckets, holding_capture_lock, pad_rows
+from tts_gateway.engine.cosyvoice2.serving.buckets import CAPTURE_LOCK, batch_buckets, holding_capture_lock, pad_rows
 from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState
 from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
 
@@ -64,62 +64,99 @@ class IncrementalKey:
     cached: int  # cached tokens, padded
 
 
-class _StaticInputs:
-    """The programs' shared inputs, sized for the largest key; ``for_key`` views them at a key."""
+class _StaticBuffers:
+    """The programs' shared inputs and outputs, sized for the largest keys, flat so that every
+    key's view of them is contiguous (``cache``, ``outputs``). Outputs are copied into these
+    inside the graph, so that nothing a capture allocated stays held in the pool after it."""
 
-    def __init__(self, encoder: UpsampleConformerEncoder, keys: Iterable[IncrementalKey], device, dtype) -> None:
-        keys = list(keys)
+    def __init__(
+        self, encoder: UpsampleConformerEncoder, output_size: int, keys: list[IncrementalKey], device, dtype
+    ) -> None:
         size, heads = encoder.config.output_size, encoder.config.attention_heads
-        rows = max(k.batch for k in keys)
-        width = max(k.width for k in keys) + encoder.pre_lookahead_len
-        row_tokens = max(k.batch * k.cached for k in keys)
+        self.size, self.output_size, self.heads, self.head_dim = size, output_size, heads, size // heads
         self.n_first, self.stride = len(encoder.encoders), encoder.stride
-        self.ids = torch.zeros(rows, width, dtype=torch.long, device=device)
-        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
-        self.encoded = torch.zeros(rows, dtype=torch.long, device=device)
-        self.offset = torch.zeros(rows, dtype=torch.long, device=device)
+        self.n_blocks = self.n_first + len(encoder.up_encoders)
+        rows = max(k.batch for k in keys)
+        cached = max(k.batch * k.cached for k in keys)  # rows x tokens
+        new = max(k.batch * k.width for k in keys)
+        self.ids = torch.zeros(rows, max(k.width for k in keys) + encoder.pre_lookahead_len, dtype=torch.long,
+                               device=device)
+        self.lengths, self.encoded, self.offset = (torch.zeros(rows, dtype=torch.long, device=device) for _ in range(3))
         self.lookahead = torch.zeros(rows, size, encoder.pre_lookahead_layer.history, device=device, dtype=dtype)
         self.upsample = torch.zeros(rows, Upsample1D.history, size, device=device, dtype=dtype)
-        n_blocks = self.n_first + len(encoder.up_encoders)
-        # Flat, so that every key's [batch, heads, cached, d_k] view is contiguous.
-        self.keys = [torch.zeros(row_tokens * self._scale(b) * size, device=device, dtype=dtype) for b in range(n_blocks)]
-        self.values = [torch.zeros_like(k) for k in self.keys]
-        self.heads, self.head_dim = heads, size // heads
+
+        def flat(tokens: int, block: int) -> Tensor:
+            return torch.zeros(tokens * self._scale(block) * size, device=device, dtype=dtype)
+
+        self.keys = [flat(cached, b) for b in range(self.n_blocks)]
+        self.values = [flat(cached, b) for b in range(self.n_blocks)]
+        self.new_keys = [flat(new, b) for b in range(self.n_blocks)]
+        self.new_values = [flat(new, b) for b in range(self.n_blocks)]
+        self.ys = torch.zeros(new * self.stride * size, device=device, dtype=dtype)
+        self.new_lookahead = torch.zeros(new * size, device=device, dtype=dtype)
+        self.new_upsample = torch.zeros(new * size, device=device, dtype=dtype)
+        self.mu = torch.zeros(new * self.stride * output_size, device=device, dtype=dtype)
 
     def _scale(self, block: int) -> int:
-        return 1 if block < self.n_first else self.stride  # the up blocks cache stride frames a token
+        return 1 if block < self.n_first else self.stride  # the up blocks keep stride frames a token
+
+    def _heads(self, flat: Tensor, batch: int, tokens: int, block: int) -> Tensor:
+        frames = tokens * self._scale(block)
+        return flat[: batch * self.size * frames].view(batch, self.heads, frames, self.head_dim)
 
     def cache(self, key: IncrementalKey) -> EncoderCache:
-        def view(flat: Tensor, block: int) -> Tensor:
-            frames = key.cached * self._scale(block)
-            return flat[: key.batch * self.heads * frames * self.head_dim].view(key.batch, self.heads, frames, self.head_dim)
-
         return EncoderCache(
             self.offset[: key.batch], self.lookahead[: key.batch], self.upsample[: key.batch],
-            [view(k, b) for b, k in enumerate(self.keys)], [view(v, b) for b, v in enumerate(self.values)],
+            [self._heads(k, key.batch, key.cached, b) for b, k in enumerate(self.keys)],
+            [self._heads(v, key.batch, key.cached, b) for b, v in enumerate(self.values)],
         )
+
+    def outputs(self, key: IncrementalKey) -> tuple[EncoderOutput, Tensor]:
+        b, w, size = key.batch, key.width, self.size
+        out = EncoderOutput(
+            self.ys[: b * self.stride * w * size].view(b, self.stride * w, size),
+            self.new_lookahead[: b * size * w].view(b, size, w),
+            self.new_upsample[: b * w * size].view(b, w, size),
+            [self._heads(k, b, w, block) for block, k in enumerate(self.new_keys)],
+            [self._heads(v, b, w, block) for block, v in enumerate(self.new_values)],
+        )
+        return out, self.mu[: b * self.output_size * self.stride * w].view(b, self.output_size, self.stride * w)
 
 
 class _Program:
+    """One key's views of the static buffers, what fills its outputs from its inputs, and its
+    graph once captured (without one, ``replay`` runs the same program eagerly)."""
+
     def __init__(self, graphs: IncrementalEncoderGraphs, key: IncrementalKey) -> None:
         self.graphs, self.key = graphs, key
-        inputs = graphs.inputs
-        lookahead = graphs.encoder.pre_lookahead_len
-        self.ids = inputs.ids[: key.batch, : key.width + lookahead]
-        self.lengths, self.encoded = inputs.lengths[: key.batch], inputs.encoded[: key.batch]
-        self.cache = inputs.cache(key)
+        buffers = graphs.buffers
+        self.ids = buffers.ids[: key.batch, : key.width + graphs.encoder.pre_lookahead_len]
+        self.lengths, self.encoded = buffers.lengths[: key.batch], buffers.encoded[: key.batch]
+        self.cache = buffers.cache(key)
+        self.outputs = buffers.outputs(key)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.outputs: tuple[EncoderOutput, Tensor] | None = None
 
-    def run(self) -> tuple[EncoderOutput, Tensor]:
+    def compute(self) -> tuple[EncoderOutput, Tensor]:
+        """The encoder pass on the inputs, into fresh tensors."""
         graphs = self.graphs
         frames = embed_tokens(graphs.parts, self.ids, self.lengths, self.ids.size(1))
         out = graphs.encoder.forward_frames(frames, self.encoded, True, cache=self.cache, positions=graphs.positions)
         return out, project_frames(graphs.parts, out.ys, self.encoded * graphs.encoder.stride)
 
+    def run(self) -> None:
+        """The encoder pass into the static outputs (what a graph holds)."""
+        out, mu = self.compute()
+        static, static_mu = self.outputs
+        static.ys.copy_(out.ys)
+        static.lookahead_activations.copy_(out.lookahead_activations)
+        static.upsample_input.copy_(out.upsample_input)
+        for ours, theirs in zip((*static.keys, *static.values), (*out.keys, *out.values), strict=True):
+            ours.copy_(theirs)
+        static_mu.copy_(mu)
+
     def replay(self) -> tuple[EncoderOutput, Tensor]:
         if self.graph is None:
-            self.outputs = self.run()
+            self.run()
         else:
             self.graph.replay()
         return self.outputs
@@ -149,7 +186,8 @@ class IncrementalEncoderGraphs:
         ]
         if not keys:
             raise ValueError("no incremental encoder shapes within max_row_tokens and max_row_new_tokens")
-        self.inputs = _StaticInputs(self.encoder, keys, self.device, self.dtype)
+        output_size = self.parts["encoder_proj"].out_features
+        self.buffers = _StaticBuffers(self.encoder, output_size, keys, self.device, self.dtype)
         self.positions = PositionTables(self.encoder)
         self._grow_positions(max(k.width for k in keys), max(k.cached for k in keys))
         self.programs = {key: _Program(self, key) for key in keys}
@@ -193,12 +231,12 @@ class IncrementalEncoderGraphs:
         self._fill_for_capture(program.key)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):  # the libraries' per-shape set-up, outside the graph
-            program.run()
+            program.compute()
         current.wait_stream(self._stream)
         tables = self._tables()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            program.outputs = program.run()
+            program.run()
         if self._tables() != tables:  # the graphs would read tables that are gone
             raise RuntimeError(f"the distance tables grew while {program.key} was captured")
         program.graph = graph
@@ -206,10 +244,10 @@ class IncrementalEncoderGraphs:
 
     def _fill_for_capture(self, key: IncrementalKey) -> None:
         """A valid call of the key's shape: full rows, full caches."""
-        inputs = self.inputs
-        inputs.lengths[: key.batch] = key.width + self.encoder.pre_lookahead_len
-        inputs.encoded[: key.batch] = key.width
-        inputs.offset[: key.batch] = key.cached
+        buffers = self.buffers
+        buffers.lengths[: key.batch] = key.width + self.encoder.pre_lookahead_len
+        buffers.encoded[: key.batch] = key.width
+        buffers.offset[: key.batch] = key.cached
 
     @torch.inference_mode()
     def replay_error(self, key: IncrementalKey) -> float:
@@ -217,7 +255,7 @@ class IncrementalEncoderGraphs:
         self._fill_for_capture(key)
         program = self.programs[key]
         replayed = program.replay()[1].clone()
-        return float((replayed - program.run()[1]).abs().max())
+        return float((replayed - program.compute()[1]).abs().max())
 
     @torch.inference_mode()
     def run(
@@ -236,7 +274,8 @@ class IncrementalEncoderGraphs:
         program.lengths.copy_(pad_rows(lengths, key.batch))
         program.encoded.copy_(pad_rows(encoded, key.batch))
         self._fill_caches(program.cache, states, key.batch)
-        out, mu = program.replay()
+        with CAPTURE_LOCK:  # a replay while the other thread captures a graph would fail (buckets.py)
+            out, mu = program.replay()
         return out, mu[:rows, :, : self.encoder.stride * max(counts)].clone()
 
     def _fill_caches(self, cache: EncoderCache, states: Sequence[EncoderStreamState], batch: int) -> None:

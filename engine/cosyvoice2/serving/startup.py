@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import torch
 
@@ -103,9 +104,9 @@ def capture_incremental_encoder_graphs(runner: Token2WavRunner, max_batch: int) 
         graphs = IncrementalEncoderGraphs(runner.flow, max_batch)
         graphs.capture()
         largest = max(graphs.programs, key=lambda key: (key.batch * (key.width + key.cached), key.batch))
-        error = graphs.replay_error(largest)
+        error = checked_replay(graphs.replay_error(largest))
     except Exception as exc:  # an optional speed-up: the paged calls still encode, eagerly
-        log.error("token encoder CUDA graphs of the paged calls could not be captured, they encode eagerly: %s", exc)
+        log.error("token encoder CUDA graphs of the paged calls could not be used, they encode eagerly: %s", exc)
         return
     runner.token_encoder.graphs = graphs
     log.info(
@@ -170,8 +171,22 @@ def first_chunk_lane(
         flow_graphs.capture_seconds + (hift_graphs.capture_seconds if hift_graphs else 0),
         flow_graphs.reserved_bytes / 2**30,
     )
-    encoder_graphs = lane_encoder_graphs(runner, buckets.batches, [width // schedule.mel_ratio for width in widths])
+    # Encoded tokens of the opening chunks, in whole 25-token chunks: a few widths for many voices.
+    chunk = runner.flow.encoder.static_chunk_size
+    tokens = {math.ceil(width / schedule.mel_ratio / chunk) * chunk for width in widths}
+    encoder_graphs = lane_encoder_graphs(runner, buckets.batches, sorted(tokens))
     return Lane(torch.cuda.Stream(device, priority=LANE_PRIORITY), flow_graphs, hift_graphs, encoder_graphs)
+
+
+# The most a token encoder graph's replay may differ from its program run eagerly on the same
+# inputs (the same kernels: 0 on an H100) before its graphs are left unused.
+ENCODER_REPLAY_TOLERANCE = 1e-2
+
+
+def checked_replay(error: float) -> float:
+    if not error <= ENCODER_REPLAY_TOLERANCE:  # NaN too
+        raise RuntimeError(f"a replay differs from its eager run by {error:.2e}")
+    return error
 
 
 def lane_encoder_graphs(runner: Token2WavRunner, batches: tuple[int, ...], widths: list[int]) -> EncoderGraphs | None:
@@ -182,9 +197,9 @@ def lane_encoder_graphs(runner: Token2WavRunner, batches: tuple[int, ...], width
         graphs = EncoderGraphs(runner.flow, batches, widths, priority=LANE_PRIORITY)
         graphs.capture()
         largest = max(graphs.programs, key=lambda key: (key.batch, key.width))
-        error = graphs.replay_error(largest)
+        error = checked_replay(graphs.replay_error(largest))
     except Exception as exc:  # an optional speed-up: the lane still encodes, eagerly
-        log.error("token encoder CUDA graphs of the first-chunk lane could not be captured, it encodes eagerly: %s", exc)
+        log.error("token encoder CUDA graphs of the first-chunk lane could not be used, it encodes eagerly: %s", exc)
         return None
     log.info(
         "first-chunk lane: %d token encoder CUDA graphs in %.1f s (%.2f GiB); |replay - eager| %s: %.2e",

@@ -108,3 +108,12 @@ def test_graphs_need_a_cuda_encoder_and_some_shapes(encoder):
         EncoderGraphs(encoder, batches=(1,), widths=(30,))
     with pytest.raises(ValueError, match="no encoder shapes"):
         EncoderGraphs(encoder, batches=(), widths=(30,), graphs=False)
+
+
+def test_graphs_whose_replay_differs_from_their_eager_run_are_left_unused():
+    from tts_gateway.engine.cosyvoice2.serving.startup import checked_replay
+
+    assert checked_replay(0.0) == 0.0 and checked_replay(1e-3) == 1e-3
+    for error in (0.5, float("nan")):
+        with pytest.raises(RuntimeError, match="differs from its eager run"):
+            checked_replay(error)
