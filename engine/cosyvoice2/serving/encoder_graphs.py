@@ -119,6 +119,9 @@ class EncoderGraphs:
         padded = next((w for w in self.widths if w >= width), None)
         return None if batch is None or padded is None else EncoderKey(batch, padded)
 
+    def largest_key(self) -> EncoderKey:
+        return max(self.programs, key=lambda key: (key.batch * key.width, key.batch))
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Every key's graph, largest first (smaller graphs then fit in the blocks a larger one's

@@ -218,6 +218,9 @@ class IncrementalEncoderGraphs:
         held = [k for k in keys if k in self.programs]
         return min(held, key=lambda k: (k.batch * (k.width + k.cached), k.batch, k.width)) if held else None
 
+    def largest_key(self) -> IncrementalKey:
+        return max(self.programs, key=lambda key: (key.batch * (key.width + key.cached), key.batch))
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Every key's graph, largest first (smaller ones then reuse the pool's blocks)."""

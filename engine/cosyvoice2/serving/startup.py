@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +29,8 @@ from tts_gateway.engine.cosyvoice2.serving.scheduler import FIRST_LANE_MAX_BATCH
 from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings
 
 log = logging.getLogger(__name__)
+
+Graphs = TypeVar("Graphs", EncoderGraphs, IncrementalEncoderGraphs)
 
 # Flow graphs of final chunks (full attention over the whole turn) up to this batch: a
 # batch holds few of them, since each turn has one.
@@ -99,21 +103,9 @@ def capture_flow_graphs(runner: Token2WavRunner, settings: CosyVoice2Settings, d
 def capture_incremental_encoder_graphs(runner: Token2WavRunner, max_batch: int) -> None:
     """CUDA graphs of the paged calls' incremental token encoder (``paged_encoder_graphs``); where
     capture fails the engine thread encodes eagerly."""
-    reserved = torch.cuda.memory_reserved()
-    try:
-        graphs = IncrementalEncoderGraphs(runner.flow, max_batch)
-        graphs.capture()
-        largest = max(graphs.programs, key=lambda key: (key.batch * (key.width + key.cached), key.batch))
-        error = checked_replay(graphs.replay_error(largest))
-    except Exception as exc:  # an optional speed-up: the paged calls still encode, eagerly
-        log.error("token encoder CUDA graphs of the paged calls could not be used, they encode eagerly: %s", exc)
-        return
-    runner.token_encoder.graphs = graphs
-    log.info(
-        "paged calls: %d token encoder CUDA graphs in %.1f s (%.2f GiB); |replay - eager| %s: %.2e",
-        len(graphs.programs), graphs.capture_seconds, (torch.cuda.memory_reserved() - reserved) / 2**30, largest,
-        error,
-    )
+    graphs = checked_encoder_graphs(lambda: IncrementalEncoderGraphs(runner.flow, max_batch), "paged calls")
+    if graphs is not None:
+        runner.token_encoder.graphs = graphs
 
 
 def check_memory(settings: CosyVoice2Settings, device: torch.device) -> None:
@@ -183,27 +175,31 @@ def first_chunk_lane(
 ENCODER_REPLAY_TOLERANCE = 1e-2
 
 
-def checked_replay(error: float) -> float:
-    if not error <= ENCODER_REPLAY_TOLERANCE:  # NaN too
-        raise RuntimeError(f"a replay differs from its eager run by {error:.2e}")
-    return error
-
-
 def lane_encoder_graphs(runner: Token2WavRunner, batches: tuple[int, ...], widths: list[int]) -> EncoderGraphs | None:
     """CUDA graphs of the token encoder for the lane's calls (``widths``: encoded tokens of the
     voices' opening chunks); None where capture fails (the lane then encodes eagerly)."""
+    return checked_encoder_graphs(
+        lambda: EncoderGraphs(runner.flow, batches, widths, priority=LANE_PRIORITY), "first-chunk lane"
+    )
+
+
+def checked_encoder_graphs(make: Callable[[], Graphs], user: str) -> Graphs | None:
+    """Token encoder graphs made and captured, their largest key's replay checked against its
+    eager run; None, logged, where that fails (an optional speed-up: ``user`` encodes eagerly)."""
     reserved = torch.cuda.memory_reserved()
     try:
-        graphs = EncoderGraphs(runner.flow, batches, widths, priority=LANE_PRIORITY)
+        graphs = make()
         graphs.capture()
-        largest = max(graphs.programs, key=lambda key: (key.batch, key.width))
-        error = checked_replay(graphs.replay_error(largest))
-    except Exception as exc:  # an optional speed-up: the lane still encodes, eagerly
-        log.error("token encoder CUDA graphs of the first-chunk lane could not be used, it encodes eagerly: %s", exc)
+        largest = graphs.largest_key()
+        error = graphs.replay_error(largest)
+        if not error <= ENCODER_REPLAY_TOLERANCE:  # NaN too
+            raise RuntimeError(f"a replay differs from its eager run by {error:.2e}")
+    except Exception as exc:
+        log.error("token encoder CUDA graphs of the %s could not be used, it encodes eagerly: %s", user, exc)
         return None
     log.info(
-        "first-chunk lane: %d token encoder CUDA graphs in %.1f s (%.2f GiB); |replay - eager| %s: %.2e",
-        len(graphs.programs), graphs.capture_seconds, (torch.cuda.memory_reserved() - reserved) / 2**30, largest,
-        error,
+        "%s: %d token encoder CUDA graphs in %.1f s (%.2f GiB); |replay - eager| %s: %.2e",
+        user, len(graphs.programs), graphs.capture_seconds, (torch.cuda.memory_reserved() - reserved) / 2**30,
+        largest, error,
     )
     return graphs

@@ -110,10 +110,28 @@ def test_graphs_need_a_cuda_encoder_and_some_shapes(encoder):
         EncoderGraphs(encoder, batches=(), widths=(30,), graphs=False)
 
 
-def test_graphs_whose_replay_differs_from_their_eager_run_are_left_unused():
-    from tts_gateway.engine.cosyvoice2.serving.startup import checked_replay
+def test_graphs_whose_replay_differs_from_their_eager_run_are_left_unused(encoder, caplog):
+    """Start-up checks the largest key's replay against its eager run: graphs whose replay
+    differs (here, a stand-in for a broken capture) or fails are not used, and the log says so."""
+    from tts_gateway.engine.cosyvoice2.serving import startup
 
-    assert checked_replay(0.0) == 0.0 and checked_replay(1e-3) == 1e-3
+    class Checked(EncoderGraphs):
+        error = 0.0
+
+        def capture(self):  # on a CPU: the programs run eagerly
+            pass
+
+        def replay_error(self, key):
+            assert key == EncoderKey(4, 45)  # the largest
+            return self.error
+
+    def make(error):
+        Checked.error = error
+        return lambda: Checked(encoder, batches=(1, 2, 4), widths=(30, 45), graphs=False)
+
+    assert isinstance(startup.checked_encoder_graphs(make(0.0), "first-chunk lane"), Checked)
     for error in (0.5, float("nan")):
-        with pytest.raises(RuntimeError, match="differs from its eager run"):
-            checked_replay(error)
+        assert startup.checked_encoder_graphs(make(error), "first-chunk lane") is None
+    assert "differs from its eager run" in caplog.text
+    assert startup.checked_encoder_graphs(lambda: EncoderGraphs(encoder, (1,), (30,)), "first-chunk lane") is None
+    assert "need the token encoder on a CUDA device" in caplog.text
