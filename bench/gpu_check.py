@@ -641,28 +641,31 @@ def stall_free_capacity(levels: list[dict], by_spread: bool) -> dict:
     """The largest stall-free level of each workload (and start spread, ``by_spread``) that kept
     within the memory budget if there is one, or None. A level run more than once (``--sessions
     64,64``) counts only if every run of it does."""
-    counted: dict[tuple[str, int, float], bool] = {}  # a level (and its runs): whether it counts
+    counted: dict[tuple[str, int, float, bool], bool] = {}  # a level (and its runs): whether it counts
     for level in levels:
         key = f"{level['workload']}@{level['start_spread_s']:g}s" if by_spread else level["workload"]
         counts = bool(level["stall_free"]) and level.get("within_memory_budget") is not False
-        run = key, level["sessions"], level["start_spread_s"]
+        run = key, level["sessions"], level["start_spread_s"], level.get("word_timings", True)
         counted[run] = counted.get(run, True) and counts
     capacity: dict[str, int | None] = {}
-    for (key, sessions, _), counts in counted.items():
+    for (key, sessions, _, _), counts in counted.items():
         best = capacity.get(key)
         capacity[key] = max(best or 0, sessions) if counts else best
     return capacity
 
 
 def repeat_spread(levels: list[dict]) -> dict:
-    """For each level run more than once (same workload, sessions and start spread; the same
+    """For each level run more than once (same workload, sessions, start spread and word timings; the same
     seeds, so the runs differ by timing alone): how far its runs lie apart, as the smallest,
     median and largest stall-free share, TTFA p50 and p95, and stalls. At 64 sessions on one
     H100 three runs of one configuration spanned 70-95% stall-free (docs/benchmarks.md): a
     setting is told apart from the defaults by ranges like these, not by one level."""
     runs: dict[str, list[dict]] = {}
     for level in levels:
-        runs.setdefault(f"{level['workload']}@{level['sessions']}@{level['start_spread_s']:g}s", []).append(level)
+        key = f"{level['workload']}@{level['sessions']}@{level['start_spread_s']:g}s"
+        if not level.get("word_timings", True):
+            key += "@no-word-timings"
+        runs.setdefault(key, []).append(level)
 
     def spread(values: list[float | None]) -> dict | None:
         ordered = sorted(value for value in values if value is not None)  # None: a run without audio

@@ -298,6 +298,11 @@ def test_levels_run_more_than_once_report_how_far_their_runs_lie_apart():
     }
     no_audio = [level(8, 0.0, None, None, 0), level(8, 0.0, None, None, 0)]
     assert gpu_check.repeat_spread(no_audio)["llm@8@0.5s"]["ttfa_p50_ms"] is None
+    # A level without word timings is another level, not a repeat (nor does it hold back capacity).
+    untimed = {**level(1, 0.0, 90, 95, 2), "word_timings": False, "stall_free": False}
+    assert list(gpu_check.repeat_spread([{**level(1, 1.0, 113, 122, 0)}, untimed])) == []
+    assert gpu_check.stall_free_capacity([{**level(1, 1.0, 113, 122, 0), "stall_free": True}, untimed],
+                                         by_spread=False) == {"llm": 1}
 
 
 def test_levels_over_the_memory_budget_do_not_count_towards_capacity():

@@ -16,10 +16,12 @@ floating-point rounding (a padded shape sums in another order), for the same rea
 runs the programs eagerly against the eager step; start-up compares a replay with its program).
 A call no key holds (more rows or tokens than the largest) runs eagerly.
 
-Memory: the programs share their static inputs, one buffer per kind sized for the largest key
-(the caches: ~28 KB per cached token and row at full size in bf16, bounded by ``MAX_ROW_TOKENS``),
-and one graph pool: calls of one thread never overlap, and a step copies what it keeps out of
-the outputs before the next call. The graphs' distance tables (``PositionTables``) are their own,
+Memory: the programs share their static inputs and outputs, one buffer per kind sized for the
+largest key (the caches: ~28 KB per cached token and row at full size in bf16, bounded by
+``MAX_ROW_TOKENS``; 0.68 GiB in all at full size in bf16 with the defaults), and one graph pool
+(its peak is the largest pass's intermediates; not yet measured): calls of one thread never
+overlap, and a step copies what it keeps out of the outputs before the next call. With
+``max_batch`` 64 there are 236 graphs. The graphs' distance tables (``PositionTables``) are their own,
 grown to the largest key before capture and never after (a replay reads their memory).
 """
 
@@ -197,6 +199,7 @@ class IncrementalEncoderGraphs:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
 
+    @torch.inference_mode()
     def _grow_positions(self, width: int, cached: int) -> None:
         """Every layer's distance table at the span of the widest keys (``AttentionFrames.build``:
         up to cached + width - 1 frames back, width - 1 ahead; the up blocks at stride frames a token)."""
@@ -282,18 +285,23 @@ class IncrementalEncoderGraphs:
         return out, mu[:rows, :, : self.encoder.stride * max(counts)].clone()
 
     def _fill_caches(self, cache: EncoderCache, states: Sequence[EncoderStreamState], batch: int) -> None:
-        """Each row's cached keys, values and convolution context into the static cache (zeros
-        for the context of a row at its start, as ``empty_cache``). Padding rows cache nothing:
-        their output is cut off, and whatever their context holds is finite (earlier rows')."""
+        """Each row's cached keys, values and convolution context into the static cache, in two
+        launches: everything zeroed first, as the eager path pads (a row at its start has zero
+        context, as ``empty_cache``; the slots past a row's cache are masked, but an attention
+        weight of 0 times a non-finite value left there by another turn would be NaN), then
+        every row's tensors copied. Padding rows cache nothing: their output is cut off."""
         committed = [s.committed for s in states]
         cache.offset.copy_(to_device(committed + [0] * (batch - len(states)), torch.long, self.device))
+        torch._foreach_zero_([cache.lookahead_activations, cache.upsample_input, *cache.keys, *cache.values])
+        ours: list[Tensor] = []
+        theirs: list[Tensor] = []
         for row, state in enumerate(states):
             if not state.committed:
-                cache.lookahead_activations[row].zero_()
-                cache.upsample_input[row].zero_()
                 continue
-            cache.lookahead_activations[row].copy_(state.lookahead_activations)
-            cache.upsample_input[row].copy_(state.upsample_input)
-            for ours, theirs in ((cache.keys, state.keys), (cache.values, state.values)):
-                for block, stored in enumerate(theirs):
-                    ours[block][row, :, : stored.size(1)].copy_(stored)
+            ours += [cache.lookahead_activations[row], cache.upsample_input[row]]
+            theirs += [state.lookahead_activations, state.upsample_input]
+            for static, stored in zip((*cache.keys, *cache.values), (*state.keys, *state.values), strict=True):
+                ours.append(static[row, :, : stored.size(1)])
+                theirs.append(stored)
+        if ours:
+            torch._foreach_copy_(ours, theirs)

@@ -100,6 +100,44 @@ def test_the_smallest_key_that_holds_a_call_is_chosen(encoder):
     assert graphs.key(4, 60, 0) is None  # 4 x 100 new tokens > 200
 
 
+def test_the_distance_tables_are_grown_for_every_program_before_any_runs(encoder, monkeypatch):
+    """A replay reads the tables' memory: no program may grow (reallocate) them. Every key at one
+    row, each at its full width and cache, reads only what the constructor grew."""
+    from tts_gateway.engine.cosyvoice2.model.flow_encoder import PositionTables
+
+    graphs = graphs_of(encoder)
+    tables = [table.data_ptr() for table in graphs.positions.tables]
+    lookup = PositionTables.lookup
+
+    def no_growth(self, layer, top, count):
+        table = lookup(self, layer, top, count)
+        assert self.tables[layer].data_ptr() == tables[layer], (layer, top, count)
+        return table
+
+    monkeypatch.setattr(PositionTables, "lookup", no_growth)
+    with torch.inference_mode():
+        for key in graphs.programs:
+            if key.batch == 1:
+                graphs._fill_for_capture(key)
+                graphs.programs[key].run()
+
+
+def test_a_stale_non_finite_cache_slot_of_another_turn_does_not_reach_a_row(encoder):
+    """Slots past a row's cache are masked, and zeroed before each call: a value left there that
+    is not finite (a turn before, in another dtype, or corrupt) cannot become 0 x inf = NaN."""
+    graphs = graphs_of(encoder)
+    ie = IncrementalEncoder(encoder)
+    ie.graphs = graphs
+    generator = torch.Generator().manual_seed(9)
+    state = EncoderStreamState()
+    with torch.inference_mode():
+        ie.step([state], [torch.randint(0, VOCAB, (40,), generator=generator)])
+        for flat in (*graphs.buffers.keys, *graphs.buffers.values):
+            flat.fill_(float("inf"))
+        out = ie.step([state], [torch.randint(0, VOCAB, (25,), generator=generator)])
+    assert state.committed == 50 and torch.isfinite(out.mu).all()
+
+
 def test_graphs_need_a_cuda_encoder(encoder):
     with pytest.raises(ValueError, match="CUDA"):
         IncrementalEncoderGraphs(encoder, 4)
