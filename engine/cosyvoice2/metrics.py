@@ -61,6 +61,8 @@ TOTALS = {
     **{f"token2wav_call_seconds_{kind}": f"Time of token2wav calls of {what} (mean = / token2wav_calls_{kind})."
        for kind, what in CALL_KINDS.items()},
     "token2wav_flow_eager_calls": "Flow calls with no CUDA graph for their shape (run eagerly).",
+    "token2wav_flow_encoder_graph_calls": "Flow calls whose token encoder ran as a CUDA graph's replay (the "
+    "first-chunk lane's, and paged calls' with paged_encoder_graphs).",
     "token2wav_flow_row_frames_first": "Mel frames the flow computed in calls of first chunks (rows x each row's "
     "width).",
     "token2wav_flow_row_frames_later": "Mel frames the flow computed in calls of later chunks (rows x widths; in "

@@ -80,6 +80,7 @@ class IncrementalOutput:
     mel_len: Tensor  # [B]
     mel_final: Tensor  # [B]
     mel_end: list[int]  # mel_start + mel_len, counted on the host
+    by_graph: bool = False  # the encoder pass was a CUDA graph's replay (``IncrementalEncoder.graphs``)
 
 
 class IncrementalEncoder:
@@ -150,7 +151,7 @@ class IncrementalEncoder:
             self._commit(state, row, out, rows[row], counts[row], final)
         committed = to_device([s.committed * stride for s in states], torch.long, device)
         mel_final = torch.where(to_device(finals, torch.bool, device), mel_start + mel_len, committed)
-        return IncrementalOutput(mu, mel_start, mel_len, mel_final, mel_end)
+        return IncrementalOutput(mu, mel_start, mel_len, mel_final, mel_end, by_graph=replayed is not None)
 
     def step_joined(
         self, states: Sequence[EncoderStreamState], joined: Sequence[Tensor], finalize: bool | Sequence[bool] = False

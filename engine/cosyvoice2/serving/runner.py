@@ -510,6 +510,8 @@ class Token2WavRunner:
             turn_tokens = to_device(job.request.tokens[: job.end], torch.long, device)
             joined.append(torch.cat([prompt.speech_tokens[0].long(), turn_tokens]))
         out = self.token_encoder.step_joined(states, joined, [job.finalize for job in jobs])
+        if out.by_graph:
+            self._count_encoder_graph_call()
         speaker = project_speaker(self.flow, embedding)
         return EncodedTokens(out.mu, out.mel_start, out.mel_start + out.mel_len, speaker), out.mel_end
 
@@ -599,6 +601,8 @@ class Token2WavRunner:
             graphs_of_encoder, totals = encoder
             token, token_len, prompt_token, prompt_token_len, _, _, embedding = args
             encoding = graphs_of_encoder.run(token, token_len, prompt_token, prompt_token_len, embedding, totals, finalize)
+            if encoding is not None:
+                self._count_encoder_graph_call()
         inputs = self.flow.decoder_inputs(*args, streaming, finalize, encoding=encoding)
         self._lap("encoder")
         return self.flow.new_frames(self._decode(inputs, streaming, graphs), inputs), inputs.new_len
@@ -684,7 +688,8 @@ class Token2WavRunner:
     def work_totals(self) -> dict[str, float]:
         """The flow's work so far, as running totals (recompute mode; exported as
         tts_token2wav_<name>_total): ``flow_calls``, of which ``flow_eager_calls`` had no CUDA
-        graph; ``flow_row_frames_{first,later,final}``, the mel frames the decoder had to
+        graph, and ``flow_encoder_graph_calls``, those whose token encoder was a CUDA graph's
+        replay; ``flow_row_frames_{first,later,final}``, the mel frames the decoder had to
         compute for each kind of chunk (rows x their own widths: what the work grows with);
         ``flow_padded_row_frames``, what it computed (rows and frames padded to the call's
         widest row, or to its graph's bucket). Padded / needed is the share spent on padding.
@@ -697,6 +702,10 @@ class Token2WavRunner:
         if self.turn_pool is not None:
             totals |= {f"turn_state_{name}": float(value) for name, value in self.turn_pool.totals().items()}
         return totals
+
+    def _count_encoder_graph_call(self) -> None:
+        with self._work_lock:
+            self._work["encoder_graph_calls"] += 1
 
     def _count_call(self, jobs: list[ChunkJob], widths: list[int], after_prefix: bool, graphs: FlowGraphs | None) -> None:
         """Book one flow call of these jobs, whose rows need ``widths`` decoder frames each."""

@@ -171,8 +171,9 @@ def our_stream(
         else:  # the turn fell back to recompute when it outgrew what the prefix left
             assert 0 < pool.peak_pages <= turn_state_pages - prefix_pages and pool.fallbacks > 0
         assert encoded[-1] == 0 and state.stream.encoder is None
-    if encoder_programs:  # every paged call's encode by them
+    if encoder_programs:  # every paged call's encode by them, and counted
         assert served and None not in served and len(served) == len(fed)
+        assert token2wav.work_totals()["flow_encoder_graph_calls"] == len(served)
     return chunks
 
 
@@ -423,6 +424,7 @@ def test_a_lanes_token_encoder_programs_give_its_chunks_the_eager_mel(models, vo
         for a, b in zip(plain, together):
             assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
     assert served and None not in served  # every call by the programs
+    assert token2wav.work_totals()["flow_encoder_graph_calls"] == len(served)
 
 
 def test_graphs_set_on_a_cpu_runner_are_never_consulted(models, voice, tokens):
