@@ -9,11 +9,12 @@ the turns' cached keys and values, the projection) is one replay; what stays on 
 the copy of each turn's cache into the graph's inputs, and the commit of its complete chunks.
 
 Keys: (batch bucket, new-token bucket, cached-token bucket). A call pads its rows to the
-batch bucket with copies of row 0, its new tokens to the next width (tokens past a row's
+batch bucket with row 0's tokens and no cache (their output is cut off), its new tokens to the next width (tokens past a row's
 length are zero and masked, as rows of different lengths already are), and its turns' caches to
 the next cache width (cached frames past a row's count are masked by its offset). Exact, up to
-floating-point rounding (a padded shape sums in another order), for the same reasons as the eager batch (tests/engine/cosyvoice2/serving/test_incremental_encoder_graphs.py
-runs the programs eagerly against the eager step; start-up compares a replay with its program).
+floating-point rounding (a padded shape sums in another order), for the same reasons as the
+eager batch (tests/engine/cosyvoice2/serving/test_incremental_encoder_graphs.py runs the
+programs eagerly against the eager step; start-up compares a replay with its program).
 A call no key holds (more rows or tokens than the largest) runs eagerly.
 
 Memory: the programs share their static inputs and outputs, one buffer per kind sized for the

@@ -598,9 +598,9 @@ class Token2WavRunner:
         self._lap("flow_other")
         encoding = None
         if encoder is not None and streaming:
-            graphs_of_encoder, totals = encoder
+            encoder_graphs, totals = encoder
             token, token_len, prompt_token, prompt_token_len, _, _, embedding = args
-            encoding = graphs_of_encoder.run(token, token_len, prompt_token, prompt_token_len, embedding, totals, finalize)
+            encoding = encoder_graphs.run(token, token_len, prompt_token, prompt_token_len, embedding, totals, finalize)
             if encoding is not None:
                 self._count_encoder_graph_call()
         inputs = self.flow.decoder_inputs(*args, streaming, finalize, encoding=encoding)
