@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from bench import encoder_graphs as bench_encoder_graphs
 from bench import flow_graphs as bench_flow_graphs
 from bench import flow_profile as bench_flow_profile
 from bench import gpu_sharing as bench_gpu_sharing
@@ -35,6 +36,26 @@ def test_bench_flow_graphs_smoke_cpu(tmp_path, capsys) -> None:
         assert 0 < row["eager_vs_fp32_rel"] < 0.1  # bf16 rounding, not a broken solve
         # padding changes matmul shapes, hence bf16 rounding: small, but not necessarily 0
         assert row["padded_eager_vs_eager_max_abs"] < 0.1 * row["fp32_max_abs"]
+
+
+def test_bench_encoder_graphs_smoke_cpu(tmp_path, capsys) -> None:
+    """bench/encoder_graphs.py runs on CPU (tiny model, float32): the graphs' programs, run
+    eagerly on their padded buffers, give the eager encoders' mu, the lane's and every paged
+    step's (all of them served by a program)."""
+    out = tmp_path / "encoder_graphs.json"
+    report = bench_encoder_graphs.main(
+        ["--size", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1,3", "--turns", "3",
+         "--feeds", "103,25,50", "--repeats", "1", "--json", str(out)]
+    )
+    assert bench_encoder_graphs.NO_CUDA_NOTE in capsys.readouterr().out
+    assert json.loads(out.read_text()) == report
+    assert report["lane"]["widths"] == [100, 125] and report["lane"]["graphs"] == 8
+    assert [row["batch"] for row in report["lane"]["batches"]] == [1, 3]
+    assert [step["cached_tokens"] for step in report["paged"]["steps"]] == [0, 100, 125]
+    for row in (*report["lane"]["batches"], *report["paged"]["steps"]):
+        assert row["graph_vs_eager_max_abs"] <= 1e-5 * row["mu_max_abs"] and row["mu_max_abs"] > 0.1
+        assert row["eager_ms"] > 0 and row["graph_ms"] > 0
+    assert all(step["by_graph"] for step in report["paged"]["steps"])
 
 
 def test_bench_launch_waits_smoke_cpu(tmp_path) -> None:
