@@ -14,8 +14,9 @@ import bisect
 import functools
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -28,6 +29,8 @@ from torch import Tensor
 # draws noise, eagerly or by replay), so captures, vocoder calls and replays take this lock.
 CAPTURE_LOCK = threading.RLock()
 
+T = TypeVar("T")
+
 
 def holding_capture_lock(capture):
     """A graph-capturing method that runs under ``CAPTURE_LOCK``."""
@@ -38,6 +41,25 @@ def holding_capture_lock(capture):
             return capture(*args, **kwargs)
 
     return locked
+
+
+def capture_after_warm_up(
+    call: Callable[[], T], stream: torch.cuda.Stream, pool, warm_up: Callable[[], object] | None = None
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """A CUDA graph of ``call`` captured on ``stream`` into the memory ``pool``, and what the
+    capture returned (the graph's outputs). ``warm_up`` (default: ``call``) runs eagerly on that
+    stream first, so that each library's lazy per-shape set-up (cuBLAS workspaces, kernel
+    choice) happens outside the graph. ``thread_local``: other threads (the LM stage, the other
+    token2wav thread) may use CUDA meanwhile; only this thread's calls must be capture-safe."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        (warm_up or call)()
+    current.wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        outputs = call()
+    return graph, outputs
 
 
 @dataclass(frozen=True)

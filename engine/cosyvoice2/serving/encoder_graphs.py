@@ -41,7 +41,9 @@ import torch
 from torch import Tensor
 
 from tts_gateway.engine.cosyvoice2.model.flow_encoder import Parts, encode_joined, join_rows, token_encoder_part
-from tts_gateway.engine.cosyvoice2.serving.buckets import CAPTURE_LOCK, holding_capture_lock, pad_rows
+from tts_gateway.engine.cosyvoice2.serving.buckets import (
+    CAPTURE_LOCK, capture_after_warm_up, holding_capture_lock, pad_rows,
+)
 from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
 
 log = logging.getLogger(__name__)
@@ -132,16 +134,7 @@ class EncoderGraphs:
     @holding_capture_lock
     def _capture(self, program: _Program) -> None:
         started = time.perf_counter()
-        current = torch.cuda.current_stream(self.device)
-        # Warm-up on the capture stream sets up each library's per-shape state outside the graph.
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            program.run()
-        current.wait_stream(self._stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            program.outputs = program.run()
-        program.graph = graph
+        program.graph, program.outputs = capture_after_warm_up(program.run, self._stream, self._pool)
         self.capture_seconds += time.perf_counter() - started
 
     @torch.inference_mode()

@@ -63,7 +63,8 @@ from torch import Tensor
 
 from tts_gateway.engine.cosyvoice2.model.cfm import CFM, N_TIMESTEPS
 from tts_gateway.engine.cosyvoice2.serving.buckets import (
-    CAPTURE_LOCK, FlowBuckets, GraphKey, bucket_order, holding_capture_lock, pad_inputs, pad_rows,
+    CAPTURE_LOCK, FlowBuckets, GraphKey, bucket_order, capture_after_warm_up, holding_capture_lock, pad_inputs,
+    pad_rows,
 )
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, PrefixView, noise_after, solve_after_prefix
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
@@ -289,17 +290,13 @@ class FlowGraphs:
             inputs[7].fill_(self.pool.slot_scratch)
 
         start, euler_step = step_program(self.cfm, key, inputs, x, self._step, self._times, self.bank, self.pool)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
+
+        def warm_up() -> None:
             for _ in range(WARMUP_RUNS):
                 start()
                 euler_step()
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads (the LM stage) may use CUDA while a graph is
-        # captured lazily; only this thread's calls must be capture-safe.
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            euler_step()
+
+        graph, _ = capture_after_warm_up(euler_step, self._stream, self._pool, warm_up)
         return _CapturedSolve(graph, inputs, x, start, self.steps)
 
     @torch.inference_mode()

@@ -48,7 +48,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tts_gateway.engine.cosyvoice2.serving.buckets import batch_buckets, holding_capture_lock, pad_rows
+from tts_gateway.engine.cosyvoice2.serving.buckets import (
+    batch_buckets, capture_after_warm_up, holding_capture_lock, pad_rows,
+)
 from tts_gateway.engine.cosyvoice2.model.hift import HiFT
 
 log = logging.getLogger(__name__)
@@ -137,14 +139,7 @@ class HiftGraphs:
         started = time.perf_counter()
         mel = torch.randn(key.batch, self.hift.config.in_channels, key.frames, device=self.device, dtype=self.dtype)
         cache = 0.1 * torch.randn(key.batch, 1, key.cached, device=self.device, dtype=self.dtype)
-        # Warm-up on the capture stream sets up each library's per-shape state outside the graph.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            self.hift(mel, cache)
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            wav, source = self.hift(mel, cache)
+        graph, (wav, source) = capture_after_warm_up(lambda: self.hift(mel, cache), self._stream, self._pool)
         captured = _CapturedVocoder(graph, mel, cache, wav, source)
         try:
             self._check(captured)

@@ -41,7 +41,9 @@ from tts_gateway.engine.cosyvoice2.model.flow_encoder import (
     EncoderCache, EncoderOutput, Parts, PositionTables, Upsample1D, UpsampleConformerEncoder, embed_tokens,
     project_frames, token_encoder_part,
 )
-from tts_gateway.engine.cosyvoice2.serving.buckets import CAPTURE_LOCK, batch_buckets, holding_capture_lock, pad_rows
+from tts_gateway.engine.cosyvoice2.serving.buckets import (
+    CAPTURE_LOCK, batch_buckets, capture_after_warm_up, holding_capture_lock, pad_rows,
+)
 from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState
 from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
 
@@ -234,16 +236,9 @@ class IncrementalEncoderGraphs:
     @holding_capture_lock
     def _capture(self, program: _Program) -> None:
         started = time.perf_counter()
-        current = torch.cuda.current_stream(self.device)
         self._fill_for_capture(program.key)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):  # the libraries' per-shape set-up, outside the graph
-            program.compute()
-        current.wait_stream(self._stream)
         tables = self._tables()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            program.run()
+        graph, _ = capture_after_warm_up(program.run, self._stream, self._pool, warm_up=program.compute)
         if self._tables() != tables:  # the graphs would read tables that are gone
             raise RuntimeError(f"the distance tables grew while {program.key} was captured")
         program.graph = graph
