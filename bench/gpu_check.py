@@ -161,6 +161,7 @@ max_speech_per_text_token = {args.speech_per_text_token}
 prefix_voices = {args.prefix_voices}
 hift_graphs = {str(not args.no_hift_graphs).lower()}
 first_chunk_lane = {str(not args.no_first_chunk_lane).lower()}
+first_chunk_lane_after_prefix = {str(args.lane_after_prefix).lower()}
 first_chunk_by_load = {str(args.first_chunk_by_load).lower()}
 second_chunk_on_lane = {str(args.second_chunk_on_lane).lower()}
 flow_cudnn_attention = {str(not args.no_flow_cudnn_attention).lower()}
@@ -747,6 +748,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="the paged calls' token encoder by CUDA graphs (paged_encoder_graphs)")
     parser.add_argument("--no-first-chunk-lane", action="store_true",
                         help="first chunks wait for the main token2wav thread (first_chunk_lane = false)")
+    parser.add_argument("--lane-after-prefix", action="store_true",
+                        help="the lane's calls of several rows after voice prefixes (first_chunk_lane_after_prefix)")
     parser.add_argument("--first-chunk-by-load", action="store_true",
                         help="the short first chunk only when the next can follow in time (first_chunk_by_load = true)")
     parser.add_argument("--second-chunk-on-lane", action="store_true",

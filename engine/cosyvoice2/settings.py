@@ -166,6 +166,11 @@ class CosyVoice2Settings:
     # for the flow call in flight (engine/cosyvoice2/serving/scheduler.py). Without it, at 64
     # sessions on an H100, TTFA p95 rose by 0.1-0.25 s (docs/benchmarks.md, 2026-12-07 ninth).
     first_chunk_lane: bool = True
+    # ... and its calls of several rows start the decoder after their voices' prefixes when the
+    # bank holds them (~100 instead of ~250 decoder frames a row with a 3.6 s prompt), reading
+    # the bank while the main thread serves (their slots pinned meanwhile). Exact; not yet
+    # measured on a GPU.
+    first_chunk_lane_after_prefix: bool = False
     # ... and with a short first chunk, the chunk after it too (its listener holds a fraction
     # of a second). Fewer and shorter stalls after the first chunk, but under load first
     # chunks then wait behind those calls on the lane (H200: docs/benchmarks.md).

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -292,17 +292,19 @@ def flow_after_prefix(
     streaming: bool = True,
     finalize: bool = False,
     solve: SolveAfterPrefix | None = None,
+    encoding: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``Flow.inference_batch`` of streaming rows, the decoder started after each row's voice
     prefix (row b's in ``bank`` slot ``slots[b]``): the same mel for less work.
 
     ``solve`` runs the decoder after the prefixes (default: :func:`solve_after_prefix`, eager;
-    the runner passes a CUDA graph's replay). Returns mel ``[B, 80, max new frames]`` and the
-    new frame counts ``[B]``.
+    the runner passes a CUDA graph's replay); ``encoding``: the token encoder's output where
+    the caller computed it (``Flow.decoder_inputs``). Returns mel ``[B, 80, max new frames]``
+    and the new frame counts ``[B]``.
     """
     inputs = flow.decoder_inputs(
         token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding, streaming,
-        finalize, start=bank.start[slots],
+        finalize, start=bank.start[slots], encoding=encoding,
     )
     if solve is None:
         def solve(slots, mu, mask, spks, cond):
@@ -320,6 +322,13 @@ class VoicePrefixCache:
     never rebuilt; a voice whose prefix is wider then runs without one. Prefixes and bank
     are laid out for solves of ``steps`` Euler steps; ``keep_inputs``: with their attention
     layers' inputs (for a turn-state pool).
+
+    One thread (the engine thread) takes slots, building prefixes. A second thread (the
+    first-chunk lane) may read voices the bank holds already: it :meth:`pin`\ s them for a
+    call, and a pinned slot is given to no other voice until :meth:`unpin`, which the lane
+    calls once the call's GPU work is done. A slot's prefix is written on the building
+    thread's CUDA stream; a pin makes the reading stream wait for that write (an event, not a
+    host wait).
     """
 
     def __init__(self, flow: Flow, capacity: int, steps: int = N_TIMESTEPS, keep_inputs: bool = False) -> None:
@@ -333,6 +342,9 @@ class VoicePrefixCache:
         self._fixed = False
         # Voice -> its slot, most recently used last (the prompt too: its id stays its own while held).
         self._slots: OrderedDict[int, tuple[VoicePrompt, int]] = OrderedDict()
+        self._pins: Counter[int] = Counter()  # slot -> calls of the other thread reading it
+        self._written: dict[int, torch.cuda.Event] = {}  # slot -> its prefix's write, on the building stream
+        self._lock = threading.Lock()
 
     def prepare(self, prompts: list[VoicePrompt], widest_prompt_tokens: int) -> PrefixBank:
         """At start-up: a bank as wide as the prefix of a prompt of ``widest_prompt_tokens``
@@ -340,36 +352,81 @@ class VoicePrefixCache:
         width is fixed from here on."""
         self.make_room(self.flow.voice_prefix_frames(widest_prompt_tokens), next(self.flow.parameters()))
         self._fixed = True
-        for prompt in prompts[: self.capacity]:
-            self.slot(prompt)
+        self.slots(prompts[: self.capacity])
         return self.bank
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the bank's width is fixed (``prepare``): it is never replaced."""
+        return self._fixed
 
     def make_room(self, frames: int, like: Tensor) -> None:
         """A bank at least ``frames`` wide, unless its width is fixed (``prepare``)."""
-        if self.bank is None or (frames > self.bank.frames and not self._fixed):
-            self.bank = PrefixBank(self.flow.decoder, self.capacity, frames, like, self.steps, self.keep_inputs)
-            self._slots.clear()
+        with self._lock:
+            if self.bank is None or (frames > self.bank.frames and not self._fixed):
+                if self._pins:
+                    raise RuntimeError("the voice-prefix bank cannot be replaced while another thread reads it")
+                self.bank = PrefixBank(self.flow.decoder, self.capacity, frames, like, self.steps, self.keep_inputs)
+                self._slots.clear()
+                self._written.clear()
 
     def slot(self, prompt: VoicePrompt) -> int | None:
-        """The voice's slot in the bank, its prefix built on first use in place of the least
-        recently used voice's; None when its prefix is wider than the bank."""
-        key = id(prompt)
-        if key in self._slots:
-            self._slots.move_to_end(key)
-            return self._slots[key][1]
-        if self.flow.voice_prefix_frames(prompt.tokens) > self.bank.frames:
-            return None
-        if len(self._slots) < self.capacity:
-            slot = len(self._slots)
-        else:
-            _, (_, slot) = self._slots.popitem(last=False)
-        prompt_state = prompt.speech_tokens, prompt.speech_feat, prompt.embedding
-        prefix = voice_prefix(self.flow, *prompt_state, self.steps, self.keep_inputs)
-        self.bank.put(slot, prefix)
-        self._slots[key] = (prompt, slot)
-        return slot
+        """The voice's slot in the bank (``slots`` of one voice)."""
+        taken = self.slots([prompt])
+        return None if taken is None else taken[0]
+
+    def slots(self, prompts: list[VoicePrompt]) -> list[int] | None:
+        """Each voice's slot in the bank, a new voice's prefix built on first use in place of the
+        least recently used voice's that is neither one of these nor pinned; None, taking no
+        slot, when a prefix is wider than the bank or too few slots are free to take."""
+        with self._lock:
+            wanted = {id(prompt): prompt for prompt in prompts}
+            new = [prompt for key, prompt in wanted.items() if key not in self._slots]
+            if any(self.flow.voice_prefix_frames(prompt.tokens) > self.bank.frames for prompt in new):
+                return None
+            held = {slot for _, slot in self._slots.values()}
+            unused = [slot for slot in range(self.capacity) if slot not in held]
+            evictable = [
+                key for key, (_, slot) in self._slots.items() if key not in wanted and not self._pins[slot]
+            ]
+            if len(new) > len(unused) + len(evictable):
+                return None
+            for key in wanted.keys() - {id(prompt) for prompt in new}:
+                self._slots.move_to_end(key)
+            for prompt in new:
+                slot = unused.pop(0) if unused else self._slots.pop(evictable.pop(0))[1]
+                prompt_state = prompt.speech_tokens, prompt.speech_feat, prompt.embedding
+                self.bank.put(slot, voice_prefix(self.flow, *prompt_state, self.steps, self.keep_inputs))
+                if self.bank.start.is_cuda:
+                    self._written[slot] = torch.cuda.Event()
+                    self._written[slot].record()
+                self._slots[id(prompt)] = (prompt, slot)
+            return [self._slots[id(prompt)][1] for prompt in prompts]
+
+    def pin(self, prompts: list[VoicePrompt]) -> list[int] | None:
+        """For a call of the other thread on its current CUDA stream: these voices' slots,
+        pinned, the stream waiting for their prefixes' writes; None, pinning nothing, unless
+        the bank holds every voice already (no prefix is built here) and its width is fixed."""
+        with self._lock:
+            held = [self._slots.get(id(prompt)) for prompt in prompts]
+            if not self._fixed or None in held:
+                return None
+            slots = [slot for _, slot in held]
+            for slot in set(slots):
+                written = self._written.get(slot)
+                if written is not None:
+                    torch.cuda.current_stream(self.bank.start.device).wait_event(written)
+            self._pins.update(slots)
+            return slots
+
+    def unpin(self, slots: list[int]) -> None:
+        """Slots ``pin`` gave a call whose GPU work is done."""
+        with self._lock:
+            self._pins.subtract(slots)
+            self._pins = +self._pins  # drops the slots no call pins any more
 
     def shortest(self) -> int | None:
         """The shortest prefix the bank holds, in frames: what a call after the prefixes saves
         at least (None while it holds none)."""
-        return min((self.flow.voice_prefix_frames(p.tokens) for p, _ in self._slots.values()), default=None)
+        with self._lock:
+            return min((self.flow.voice_prefix_frames(p.tokens) for p, _ in self._slots.values()), default=None)

@@ -29,7 +29,7 @@ import collections
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -78,12 +78,15 @@ class Lane:
     """What a second worker thread runs chunks on while the first runs others: its own CUDA
     stream (of high priority, so that its kernels go first on a busy GPU) and its own CUDA
     graphs (graphs that share a memory pool or static buffers must not replay at the same
-    time). It runs without voice prefixes: the bank's slots change on the first thread."""
+    time). Its calls run whole, or with ``after_prefix`` a call of several rows whose voices
+    the bank holds runs after their voice prefixes, pinning their slots meanwhile (the first
+    thread takes the bank's slots); it keeps nothing in the turn pool."""
 
     stream: torch.cuda.Stream | None = None
     flow_graphs: FlowGraphs | None = None
     hift_graphs: HiftGraphs | None = None
     encoder_graphs: EncoderGraphs | None = None
+    after_prefix: bool = False
 
 
 @dataclass
@@ -91,7 +94,8 @@ class LaunchedCall:
     """A call whose work is enqueued (``Token2WavRunner.launch``): its chunks' audio, one after
     another in ``host`` (pinned host memory on a GPU, filled once ``done`` has passed), their
     ``lengths``, and the phase clock it ran on (``infix``: its thread's, in the totals' names).
-    ``finish`` sets ``gpu_seconds``: the call's time on its stream (None off a GPU)."""
+    ``finish`` sets ``gpu_seconds``: the call's time on its stream (None off a GPU), and
+    unpins the voice-prefix slots the call read (``pinned``: a lane's call after prefixes)."""
 
     host: torch.Tensor
     lengths: list[int]
@@ -99,6 +103,7 @@ class LaunchedCall:
     clock: PhaseClock
     infix: str
     gpu_seconds: float | None = None
+    pinned: list[int] = field(default_factory=list)
 
 
 def paged_kernel(flow: Flow) -> PagedAttention:
@@ -266,6 +271,7 @@ class Token2WavRunner:
             stream = torch.cuda.current_stream(self.flow.decoder.noise.device) if self.planner.on_gpu else None
             clock = PhaseClock(stream)
             self._phases.clock = clock
+            self._phases.pinned = pinned = []  # voice-prefix slots the call reads on the lane (_pin)
             try:
                 audio = self._run(jobs, lane)
                 # One copy to the host for the whole call, which finish waits for.
@@ -274,13 +280,20 @@ class Token2WavRunner:
                 host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=stream is not None)
                 host.copy_(joined, non_blocking=stream is not None)
                 self._lap("output")
+            except BaseException:
+                if pinned:  # nothing more of the call is launched, but what was may still read them
+                    if stream is not None:
+                        stream.synchronize()
+                    self.prefixes.unpin(pinned)
+                raise
             finally:
-                self._phases.clock = None
+                self._phases.clock = self._phases.pinned = None
             done = None
             if stream is not None:
                 done = torch.cuda.Event()
                 done.record(stream)
-            return LaunchedCall(host, lengths, done, clock, "" if lane is None else "lane_")  # metrics.PHASE_THREADS
+            infix = "" if lane is None else "lane_"  # metrics.PHASE_THREADS
+            return LaunchedCall(host, lengths, done, clock, infix, pinned=pinned)
 
     @staticmethod
     def done(call: LaunchedCall | None) -> bool:
@@ -290,6 +303,9 @@ class Token2WavRunner:
     def finish(self, call: LaunchedCall) -> list[np.ndarray]:
         """A launched call's audio on the host, once its GPU work is done (waits for it)."""
         call.clock.wait(call.done)
+        if call.pinned:
+            self.prefixes.unpin(call.pinned)
+            call.pinned = []
         totals = call.clock.close()
         if call.done is not None:
             call.gpu_seconds = sum(value for name, value in totals.items() if name.startswith("gpu_seconds_"))
@@ -367,33 +383,49 @@ class Token2WavRunner:
         device = prompts[0].speech_feat.device
         args = self._batch_args(jobs)
         streaming = self._streaming(finalize)
-        slots = None
-        prefixes = self.prefixes
-        # More voices than the cache holds would rebuild prefixes batch after batch. Asked
-        # first whether a prefix serves: taking a slot may build a voice's prefix.
-        if (
-            lane is None and streaming and prefixes is not None
-            and 0 < len({id(p) for p in prompts}) <= prefixes.capacity and self._prefix_serves(jobs)
-        ):
-            prefixes.make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), prompts[0].speech_feat)
-            taken = [prefixes.slot(p) for p in prompts]
-            if None not in taken:
-                slots = to_device(taken, torch.long, device)
+        taken = self._prefix_slots(jobs, lane) if streaming else None
+        slots = None if taken is None else to_device(taken, torch.long, device)
         widths = [self.planner.decoder_width(self.schedule.job_frames(job), finalize) for job in jobs]
         if slots is not None:
             widths = [w - self.flow.voice_prefix_frames(p.tokens) for w, p in zip(widths, prompts)]
         graphs = self._flow_graphs(lane)
         self._count_call(jobs, widths, slots is not None, graphs)
+        encoder = self._lane_encoder(jobs, lane)
         if slots is not None:
+            encoding = self._encoding(args, finalize, encoder)
+            solve = functools.partial(self._solve_after_prefix, graphs)
             mel, new_len = flow_after_prefix(
-                self.flow, prefixes.bank, slots, *args, finalize=finalize, solve=self._solve_after_prefix
+                self.flow, self.prefixes.bank, slots, *args, finalize=finalize, solve=solve, encoding=encoding
             )
         else:
-            mel, new_len = self._flow_call(args, streaming, finalize, graphs, self._lane_encoder(jobs, lane))
+            mel, new_len = self._flow_call(args, streaming, finalize, graphs, encoder)
         mel_ratio = self.schedule.mel_ratio
         return [
             mel[i : i + 1, :, job.request.stream.offset * mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
         ]
+
+    def _prefix_slots(self, jobs: list[ChunkJob], lane: Lane | None) -> list[int] | None:
+        """The bank slots of these streaming jobs' voices where their call starts after the
+        voice prefixes, else None. More voices than the cache holds would rebuild prefixes
+        batch after batch. On the engine thread, asked first whether a prefix serves: taking a
+        slot may build a voice's prefix. On the lane (``Lane.after_prefix``), calls of several
+        rows (one row replays its whole graph faster) whose voices the bank holds already,
+        their slots pinned until the call's GPU work is done (``finish``)."""
+        prefixes = self.prefixes
+        prompts = [job.request.prompt for job in jobs]
+        if prefixes is None or not 0 < len({id(p) for p in prompts}) <= prefixes.capacity:
+            return None
+        if lane is not None:
+            if not lane.after_prefix or len(jobs) < 2:
+                return None
+            slots = prefixes.pin(prompts)
+            if slots is not None:
+                self._phases.pinned.extend(slots)
+            return slots
+        if not self._prefix_serves(jobs):
+            return None
+        prefixes.make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), prompts[0].speech_feat)
+        return prefixes.slots(prompts)
 
     # ------------------------------------------------------------------ turns' stored chunks
 
@@ -408,7 +440,7 @@ class Token2WavRunner:
             return False
         like = next(iter(prompts)).speech_feat
         self.prefixes.make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), like)
-        return all(self.prefixes.slot(p) is not None for p in prompts)
+        return self.prefixes.slots(list(prompts)) is not None
 
     @torch.inference_mode()
     def _flow_paged(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
@@ -596,16 +628,24 @@ class Token2WavRunner:
         phase of its own (the first-chunk lane's calls run here: what their first audio costs),
         by ``encoder``'s graphs (with the rows' token counts) where they hold a streaming call."""
         self._lap("flow_other")
-        encoding = None
-        if encoder is not None and streaming:
-            encoder_graphs, totals = encoder
-            token, token_len, prompt_token, prompt_token_len, _, _, embedding = args
-            encoding = encoder_graphs.run(token, token_len, prompt_token, prompt_token_len, embedding, totals, finalize)
-            if encoding is not None:
-                self._count_encoder_graph_call()
+        encoding = self._encoding(args, finalize, encoder) if streaming else None
         inputs = self.flow.decoder_inputs(*args, streaming, finalize, encoding=encoding)
         self._lap("encoder")
         return self.flow.new_frames(self._decode(inputs, streaming, graphs), inputs), inputs.new_len
+
+    def _encoding(
+        self, args: tuple, finalize: bool, encoder: tuple[EncoderGraphs, list[int]] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A streaming call's token encoding by ``encoder``'s graphs (with the rows' token
+        counts) where they hold the call, else None (``Flow.decoder_inputs`` encodes eagerly)."""
+        if encoder is None:
+            return None
+        encoder_graphs, totals = encoder
+        token, token_len, prompt_token, prompt_token_len, _, _, embedding = args
+        encoding = encoder_graphs.run(token, token_len, prompt_token, prompt_token_len, embedding, totals, finalize)
+        if encoding is not None:
+            self._count_encoder_graph_call()
+        return encoding
 
     def _decode(self, inputs: DecoderInputs, streaming: bool, graphs: FlowGraphs | None) -> torch.Tensor:
         """The decoder's mel for these inputs: a CUDA graph's replay when one exists for the
@@ -618,12 +658,13 @@ class Token2WavRunner:
         return decoder(inputs.mu, inputs.mask, inputs.spk, inputs.cond, streaming, n_timesteps=self.flow_steps)
 
     def _solve_after_prefix(
-        self, slots: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
+        self, graphs: FlowGraphs | None, slots: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
+        spks: torch.Tensor, cond: torch.Tensor,
     ) -> torch.Tensor:
-        """The decoder after the rows' voice prefixes: the engine thread's graph replay when one
-        exists for the shape, else the eager solve."""
-        if self.flow_graphs is not None and mu.is_cuda:
-            mel = self.flow_graphs.run_after_prefix(slots, mu, mask, spks, cond)
+        """The decoder after the rows' voice prefixes: the thread's graph replay (``graphs``)
+        when one exists for the shape, else the eager solve."""
+        if graphs is not None and mu.is_cuda:
+            mel = graphs.run_after_prefix(slots, mu, mask, spks, cond)
             if mel is not None:
                 return mel
         return solve_after_prefix(self.flow.decoder, self.prefixes.bank, slots, mu, mask, spks, cond)

@@ -144,12 +144,23 @@ def first_chunk_lane(
 ) -> Lane:
     """The first-chunk lane: a stream of the highest priority and its own graphs of every
     voice's opening chunks (``ChunkSchedule.opens_turn``: token encoder and flow run whole,
-    and the vocoder) up to FIRST_LANE_MAX_BATCH."""
+    and the vocoder) up to FIRST_LANE_MAX_BATCH. With ``first_chunk_lane_after_prefix`` (and a
+    voice-prefix bank), graphs of their frames after the voice prefix too, for calls of
+    several rows."""
     schedule = runner.schedule
     widths = sorted({width for tokens in voice_prompt_tokens for width in schedule.lane_widths(tokens)})
     buckets = FlowBuckets.up_to(FIRST_LANE_MAX_BATCH, widths[-1], settings.graph_frame_step)
-    flow_graphs = FlowGraphs(runner.flow.decoder, buckets, priority=LANE_PRIORITY, steps=runner.flow_steps)
+    prefixes = runner.prefixes
+    after_prefix = settings.first_chunk_lane_after_prefix and prefixes is not None and prefixes.fixed
+    bank = prefixes.bank if after_prefix else None
+    flow_graphs = FlowGraphs(runner.flow.decoder, buckets, bank=bank, priority=LANE_PRIORITY, steps=runner.flow_steps)
     flow_graphs.capture(buckets.batches, widths, [True])
+    if after_prefix:
+        after = {
+            width - runner.flow.voice_prefix_frames(tokens)
+            for tokens in voice_prompt_tokens for width in schedule.lane_widths(tokens)
+        }
+        flow_graphs.capture([b for b in buckets.batches if b > 1], sorted(after), [True], after_prefix=True)
     hift_graphs = None
     if settings.hift_graphs:
         hift_graphs = HiftGraphs(runner.hift, FIRST_LANE_MAX_BATCH, priority=LANE_PRIORITY)
@@ -167,7 +178,8 @@ def first_chunk_lane(
     chunk = runner.flow.encoder.static_chunk_size
     tokens = {math.ceil(width / schedule.mel_ratio / chunk) * chunk for width in widths}
     encoder_graphs = lane_encoder_graphs(runner, buckets.batches, sorted(tokens))
-    return Lane(torch.cuda.Stream(device, priority=LANE_PRIORITY), flow_graphs, hift_graphs, encoder_graphs)
+    stream = torch.cuda.Stream(device, priority=LANE_PRIORITY)
+    return Lane(stream, flow_graphs, hift_graphs, encoder_graphs, after_prefix=after_prefix)
 
 
 # The most a token encoder graph's replay may differ from its program run eagerly on the same

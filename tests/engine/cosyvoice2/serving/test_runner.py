@@ -384,9 +384,9 @@ def test_chunks_run_with_graphs_set_on_either_thread(models, voice, tokens, monk
         calls.append((False, graphs))
         return whole(args, streaming, finalize, graphs, *encoder)
 
-    def recording_after(*args):
-        calls.append((True, token2wav.flow_graphs))
-        return after(*args)
+    def recording_after(graphs, *args):
+        calls.append((True, graphs))
+        return after(graphs, *args)
 
     monkeypatch.setattr(token2wav, "_flow_call", recording_whole)
     monkeypatch.setattr(token2wav, "_solve_after_prefix", recording_after)
@@ -404,6 +404,78 @@ def test_chunks_run_with_graphs_set_on_either_thread(models, voice, tokens, monk
     assert token2wav.lane_serves(jobs[0], Lane())
     assert not token2wav.lane_serves(jobs[0], Lane(flow_graphs=lanes))
 
+
+
+def test_a_lane_after_prefixes_runs_calls_of_several_rows_there_and_unpins_their_slots_when_done(
+    models, voice, tokens, monkeypatch
+):
+    """With ``Lane.after_prefix``, a lane's call of several first chunks whose voice the bank
+    holds starts after the voice prefix, with the lane's graphs, each chunk's mel the one it
+    gets alone; the call pins the voice's slot until ``finish``. One row, or a voice the bank
+    does not hold, runs whole."""
+    token2wav = make_runner(models, scale=1, incremental=False, prefix_voices=1)
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    token2wav.prepare_voices([prompt], prompt.tokens)
+    stranger = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)  # another voice, same prompt
+    lanes = GraphsWithNoShapes()
+    lane = Lane(flow_graphs=lanes, after_prefix=True)
+    calls, mels, pins = [], [], []
+    whole, after, flows = token2wav._flow_call, token2wav._solve_after_prefix, token2wav._flows
+    monkeypatch.setattr(token2wav, "_flow_call", lambda args, *rest: calls.append("whole") or whole(args, *rest))
+    monkeypatch.setattr(
+        token2wav, "_solve_after_prefix", lambda graphs, *a: calls.append(("after", graphs)) or after(graphs, *a)
+    )
+
+    def recording_flows(jobs, lane=None):
+        mels.extend(flows(jobs, lane))
+        pins.append(dict(token2wav.prefixes._pins))
+        return mels[-len(jobs):]
+
+    monkeypatch.setattr(token2wav, "_flows", recording_flows)
+    for voices, expected in (([prompt] * 3, [("after", lanes)]), ([prompt], ["whole"]), ([prompt, stranger], ["whole"])):
+        jobs = [chunk_after(token2wav, p, tokens[i:] + tokens[:i], 0) for i, p in enumerate(voices)]
+        alone = [flows([job])[0] for job in jobs]
+        calls.clear(), mels.clear(), pins.clear()
+        call = token2wav.launch(jobs, lane)
+        assert calls == expected
+        for a, b in zip(alone, mels, strict=True):
+            assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
+        assert pins == [{0: 3} if expected != ["whole"] else {}] and call.pinned == ([0] * 3 if pins[0] else [])
+        token2wav.finish(call)
+        assert not token2wav.prefixes._pins and not call.pinned
+    # A call that fails unpins what it pinned.
+    assert token2wav.prefixes.slots([prompt]) == [0]  # the stranger's call alone took its slot
+    monkeypatch.setattr(token2wav, "_vocode", lambda *_: (_ for _ in ()).throw(RuntimeError("vocoder failed")))
+    pins.clear()
+    with pytest.raises(RuntimeError, match="vocoder failed"):
+        token2wav.launch([chunk_after(token2wav, prompt, tokens, 0) for _ in range(2)], lane)
+    assert pins == [{0: 2}] and not token2wav.prefixes._pins
+
+
+def test_the_prefix_cache_gives_no_pinned_slot_away_and_takes_a_calls_slots_at_once(models, voice):
+    """A voice new to the bank takes the least recently used slot that is neither pinned nor
+    one of its call's voices; a call that would need more slots than that is refused whole.
+    ``pin`` serves only voices the bank holds, of a bank of fixed width, which is then never
+    replaced."""
+    token2wav = make_runner(models, scale=1, incremental=False, prefix_voices=2)
+    a, b, c, d = (VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding) for _ in range(4))
+    cache = token2wav.prefixes
+    cache.make_room(token2wav.flow.voice_prefix_frames(a.tokens), voice.speech_feat)
+    assert cache.slots([a, b]) == [0, 1] and cache.pin([a]) is None  # width not fixed yet
+    token2wav.prepare_voices([a, b], a.tokens)
+    assert cache.slots([a, b]) == [0, 1]  # a is now the least recently used
+    assert cache.pin([c]) is None and cache.pin([a, a]) == [0, 0]
+    assert cache.slots([c]) == [1]  # b's slot: a's is pinned
+    assert cache.slots([b, d]) is None and cache.slots([c, b]) is None  # one slot free to take, two wanted
+    assert cache.slots([b]) == [1]  # c's slot
+    cache.unpin([0])
+    assert cache.slots([c, d]) is None  # a is still pinned once: one slot to take, two wanted
+    cache.unpin([0])
+    assert sorted(cache.slots([c, d])) == [0, 1]
+    assert cache.pin([c]) is not None
+    with pytest.raises(RuntimeError, match="while another thread reads it"):
+        cache._fixed = False
+        cache.make_room(cache.bank.frames + 50, voice.speech_feat)
 
 
 def test_a_lanes_token_encoder_programs_give_its_chunks_the_eager_mel(models, voice, tokens, monkeypatch):
