@@ -323,12 +323,11 @@ class VoicePrefixCache:
     are laid out for solves of ``steps`` Euler steps; ``keep_inputs``: with their attention
     layers' inputs (for a turn-state pool).
 
-    One thread (the engine thread) takes slots, building prefixes. A second thread (the
-    first-chunk lane) may read voices the bank holds already: it :meth:`pin`\ s them for a
-    call, and a pinned slot is given to no other voice until :meth:`unpin`, which the lane
-    calls once the call's GPU work is done. A slot's prefix is written on the building
-    thread's CUDA stream; a pin makes the reading stream wait for that write (an event, not a
-    host wait).
+    One thread (the engine thread) takes slots and builds prefixes. A second thread (the
+    first-chunk lane) may read voices whose prefixes are written already: it :meth:`pin`\ s
+    them for a call, and a pinned slot goes to no other voice until :meth:`unpin` (once the
+    call's GPU work is done). A prefix is built outside the lock, so a pin never waits for a
+    build; a voice enters the cache once its prefix is written.
     """
 
     def __init__(self, flow: Flow, capacity: int, steps: int = N_TIMESTEPS, keep_inputs: bool = False) -> None:
@@ -345,6 +344,8 @@ class VoicePrefixCache:
         self._pins: Counter[int] = Counter()  # slot -> calls of the other thread reading it
         self._written: dict[int, torch.cuda.Event] = {}  # slot -> its prefix's write, on the building stream
         self._lock = threading.Lock()
+        self._unpinned = threading.Condition(self._lock)
+        self._waiting = False  # the engine thread waits for pins to go: no new ones meanwhile
 
     def prepare(self, prompts: list[VoicePrompt], widest_prompt_tokens: int) -> PrefixBank:
         """At start-up: a bank as wide as the prefix of a prompt of ``widest_prompt_tokens``
@@ -377,45 +378,63 @@ class VoicePrefixCache:
 
     def slots(self, prompts: list[VoicePrompt]) -> list[int] | None:
         """Each voice's slot in the bank, a new voice's prefix built on first use in place of the
-        least recently used voice's that is neither one of these nor pinned; None, taking no
-        slot, when a prefix is wider than the bank or too few slots are free to take."""
+        least recently used voice's that is not one of these; None, taking no slot, when a
+        prefix is wider than the bank or the call has more voices than slots. A pinned slot is
+        waited for where only pins stand in the way (the other thread's calls are short and
+        launched: their pins go when their GPU work is done)."""
+        wanted = list({id(prompt): prompt for prompt in prompts}.values())
+        if len(wanted) > self.capacity:
+            return None
         with self._lock:
-            wanted = {id(prompt): prompt for prompt in prompts}
-            new = [prompt for key, prompt in wanted.items() if key not in self._slots]
+            new = [prompt for prompt in wanted if id(prompt) not in self._slots]
             if any(self.flow.voice_prefix_frames(prompt.tokens) > self.bank.frames for prompt in new):
                 return None
-            held = {slot for _, slot in self._slots.values()}
-            unused = [slot for slot in range(self.capacity) if slot not in held]
-            evictable = [
-                key for key, (_, slot) in self._slots.items() if key not in wanted and not self._pins[slot]
-            ]
-            if len(new) > len(unused) + len(evictable):
-                return None
-            for key in wanted.keys() - {id(prompt) for prompt in new}:
-                self._slots.move_to_end(key)
-            for prompt in new:
-                slot = unused.pop(0) if unused else self._slots.pop(evictable.pop(0))[1]
-                prompt_state = prompt.speech_tokens, prompt.speech_feat, prompt.embedding
-                self.bank.put(slot, voice_prefix(self.flow, *prompt_state, self.steps, self.keep_inputs))
-                if self.bank.start.is_cuda:
-                    self._written[slot] = torch.cuda.Event()
-                    self._written[slot].record()
+            for prompt in wanted:
+                if id(prompt) in self._slots:
+                    self._slots.move_to_end(id(prompt))
+            free = self._free_slots(wanted)
+            while len(free) < len(new):
+                self._waiting = True
+                self._unpinned.wait()
+                free = self._free_slots(wanted)
+            self._waiting = False
+            chosen = free[: len(new)]
+            for key in [key for key, (_, slot) in self._slots.items() if slot in chosen]:
+                del self._slots[key]  # the voice is gone before its slot is written: the lane cannot pin it
+            bank = self.bank
+        for prompt, slot in zip(new, chosen):  # the engine thread alone builds: outside the lock
+            prompt_state = prompt.speech_tokens, prompt.speech_feat, prompt.embedding
+            bank.put(slot, voice_prefix(self.flow, *prompt_state, self.steps, self.keep_inputs))
+            written = None
+            if bank.start.is_cuda:
+                written = torch.cuda.Event()
+                written.record(torch.cuda.current_stream(bank.start.device))
+            with self._lock:
+                self._written[slot] = written
                 self._slots[id(prompt)] = (prompt, slot)
+        with self._lock:
             return [self._slots[id(prompt)][1] for prompt in prompts]
 
+    def _free_slots(self, wanted: list[VoicePrompt]) -> list[int]:
+        """Slots a new voice of this call may take, unused ones first, then least recently used:
+        none of the call's own voices', none pinned (under the lock)."""
+        held = {slot for _, slot in self._slots.values()}
+        wanted_keys = {id(prompt) for prompt in wanted}
+        unused = [slot for slot in range(self.capacity) if slot not in held]
+        evictable = [slot for key, (_, slot) in self._slots.items() if key not in wanted_keys and not self._pins[slot]]
+        return unused + evictable
+
     def pin(self, prompts: list[VoicePrompt]) -> list[int] | None:
-        """For a call of the other thread on its current CUDA stream: these voices' slots,
-        pinned, the stream waiting for their prefixes' writes; None, pinning nothing, unless
-        the bank holds every voice already (no prefix is built here) and its width is fixed."""
+        """For a call of the other thread: these voices' slots, pinned; None, pinning nothing,
+        unless the bank (of fixed width) holds every voice with its prefix's write done on the
+        GPU, and the engine thread is not waiting for pins to go."""
         with self._lock:
             held = [self._slots.get(id(prompt)) for prompt in prompts]
-            if not self._fixed or None in held:
+            if not self._fixed or self._waiting or None in held:
                 return None
             slots = [slot for _, slot in held]
-            for slot in set(slots):
-                written = self._written.get(slot)
-                if written is not None:
-                    torch.cuda.current_stream(self.bank.start.device).wait_event(written)
+            if any(self._written[slot] is not None and not self._written[slot].query() for slot in set(slots)):
+                return None  # waiting for it would put the lane behind the engine thread's queued work
             self._pins.update(slots)
             return slots
 
@@ -424,6 +443,7 @@ class VoicePrefixCache:
         with self._lock:
             self._pins.subtract(slots)
             self._pins = +self._pins  # drops the slots no call pins any more
+            self._unpinned.notify_all()
 
     def shortest(self) -> int | None:
         """The shortest prefix the bank holds, in frames: what a call after the prefixes saves

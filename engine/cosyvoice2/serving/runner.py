@@ -226,7 +226,8 @@ class Token2WavRunner:
 
     def plan(self, jobs: list[ChunkJob], lane: Lane | None = None) -> list[list[int]]:
         """Indices of ``jobs`` in flow calls, in the order to run them (``CallPlanner.plan``);
-        ``lane``: the calls run there (its graphs, no voice prefixes)."""
+        ``lane``: the calls run there (its graphs; planned as whole calls, which a call of
+        several rows after voice prefixes only makes cheaper, ``Lane.after_prefix``)."""
         on_engine_thread = self.prefixes is not None and lane is None
         prefix = self.prefixes.shortest() if on_engine_thread else None
         stored = self.stored_frames if on_engine_thread and self.turn_pool is not None else None
@@ -282,9 +283,11 @@ class Token2WavRunner:
                 self._lap("output")
             except BaseException:
                 if pinned:  # nothing more of the call is launched, but what was may still read them
-                    if stream is not None:
-                        stream.synchronize()
-                    self.prefixes.unpin(pinned)
+                    try:
+                        if stream is not None:
+                            stream.synchronize()
+                    finally:
+                        self.prefixes.unpin(pinned)
                 raise
             finally:
                 self._phases.clock = self._phases.pinned = None
@@ -392,8 +395,13 @@ class Token2WavRunner:
         self._count_call(jobs, widths, slots is not None, graphs)
         encoder = self._lane_encoder(jobs, lane)
         if slots is not None:
+            self._lap("flow_other")
             encoding = self._encoding(args, finalize, encoder)
-            solve = functools.partial(self._solve_after_prefix, graphs)
+
+            def solve(*inputs: torch.Tensor) -> torch.Tensor:
+                self._lap("encoder")  # the inputs are made: the token encoder's part ends here
+                return self._solve_after_prefix(graphs, *inputs)
+
             mel, new_len = flow_after_prefix(
                 self.flow, self.prefixes.bank, slots, *args, finalize=finalize, solve=solve, encoding=encoding
             )
@@ -416,16 +424,31 @@ class Token2WavRunner:
         if prefixes is None or not 0 < len({id(p) for p in prompts}) <= prefixes.capacity:
             return None
         if lane is not None:
-            if not lane.after_prefix or len(jobs) < 2:
-                return None
-            slots = prefixes.pin(prompts)
-            if slots is not None:
-                self._phases.pinned.extend(slots)
-            return slots
+            return self._pin(jobs, lane) if lane.after_prefix and len(jobs) > 1 else None
         if not self._prefix_serves(jobs):
             return None
         prefixes.make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), prompts[0].speech_feat)
         return prefixes.slots(prompts)
+
+    def _pin(self, jobs: list[ChunkJob], lane: Lane) -> list[int] | None:
+        """The lane's call after its voices' prefixes: their slots, pinned for the call in flight
+        (``launch`` unpins them once its GPU work is done), where every voice has a prefix and
+        the lane has a graph of the call after them (else None: it runs whole, as fast)."""
+        pinned = getattr(self._phases, "pinned", None)
+        if pinned is None:
+            raise RuntimeError("a lane's call after voice prefixes runs inside launch, which unpins its slots")
+        prefixes = [self.flow.voice_prefix_frames(job.request.prompt.tokens) for job in jobs]
+        width = max(
+            self.planner.decoder_width(self.schedule.job_frames(job), job.finalize) - prefix
+            for job, prefix in zip(jobs, prefixes)
+        )
+        graphs = lane.flow_graphs
+        if min(prefixes) == 0 or (graphs is not None and not graphs.has(len(jobs), width, True, after_prefix=True)):
+            return None
+        slots = self.prefixes.pin([job.request.prompt for job in jobs])
+        if slots is not None:
+            pinned.extend(slots)
+        return slots
 
     # ------------------------------------------------------------------ turns' stored chunks
 

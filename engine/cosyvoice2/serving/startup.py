@@ -161,6 +161,9 @@ def first_chunk_lane(
             for tokens in voice_prompt_tokens for width in schedule.lane_widths(tokens)
         }
         flow_graphs.capture([b for b in buckets.batches if b > 1], sorted(after), [True], after_prefix=True)
+        checked = min((key for key in flow_graphs.graphs if key.after_prefix), key=lambda key: key.row_frames)
+        log.info("first-chunk lane after voice prefixes: |replay - eager| %s: %.2e",
+                 checked, flow_graphs.replay_error(checked))
     hift_graphs = None
     if settings.hift_graphs:
         hift_graphs = HiftGraphs(runner.hift, FIRST_LANE_MAX_BATCH, priority=LANE_PRIORITY)

@@ -9,6 +9,8 @@ fixed token list, so both sides vocode exactly the same tokens.
 from __future__ import annotations
 
 import functools
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import create_autospec
@@ -406,19 +408,32 @@ def test_chunks_run_with_graphs_set_on_either_thread(models, voice, tokens, monk
 
 
 
+class GraphsAfterPrefixes(GraphsWithNoShapes):
+    """Stands in for a lane's graphs that hold its calls after voice prefixes (never replayed
+    on a CPU: the solve runs eagerly)."""
+
+    def has(self, rows, frames, streaming, after_prefix=False):
+        return after_prefix
+
+
 def test_a_lane_after_prefixes_runs_calls_of_several_rows_there_and_unpins_their_slots_when_done(
     models, voice, tokens, monkeypatch
 ):
-    """With ``Lane.after_prefix``, a lane's call of several first chunks whose voice the bank
-    holds starts after the voice prefix, with the lane's graphs, each chunk's mel the one it
-    gets alone; the call pins the voice's slot until ``finish``. One row, or a voice the bank
-    does not hold, runs whole."""
-    token2wav = make_runner(models, scale=1, incremental=False, prefix_voices=1)
-    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
-    token2wav.prepare_voices([prompt], prompt.tokens)
-    stranger = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)  # another voice, same prompt
-    lanes = GraphsWithNoShapes()
-    lane = Lane(flow_graphs=lanes, after_prefix=True)
+    """With ``Lane.after_prefix``, a lane's call of several first chunks whose voices the bank
+    holds, and which its graphs hold after the prefixes, starts after the voice prefixes, each
+    chunk's mel the one it gets alone; the call pins the voices' slots until ``finish``, or
+    until it fails. One row, a voice the bank does not hold, or a call no graph of the lane
+    holds after the prefixes runs whole."""
+    def runner_with_voice() -> tuple[Token2WavRunner, VoicePrompt]:
+        runner = make_runner(models, scale=1, incremental=False, prefix_voices=2)
+        prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+        runner.prepare_voices([prompt], prompt.tokens)
+        return runner, prompt
+
+    token2wav, prompt = runner_with_voice()
+    apart, apart_prompt = runner_with_voice()  # each chunk alone, without touching token2wav's slots
+    stranger = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)  # a voice it does not hold
+    lanes = GraphsAfterPrefixes()
     calls, mels, pins = [], [], []
     whole, after, flows = token2wav._flow_call, token2wav._solve_after_prefix, token2wav._flows
     monkeypatch.setattr(token2wav, "_flow_call", lambda args, *rest: calls.append("whole") or whole(args, *rest))
@@ -432,47 +447,66 @@ def test_a_lane_after_prefixes_runs_calls_of_several_rows_there_and_unpins_their
         return mels[-len(jobs):]
 
     monkeypatch.setattr(token2wav, "_flows", recording_flows)
-    for voices, expected in (([prompt] * 3, [("after", lanes)]), ([prompt], ["whole"]), ([prompt, stranger], ["whole"])):
-        jobs = [chunk_after(token2wav, p, tokens[i:] + tokens[:i], 0) for i, p in enumerate(voices)]
-        alone = [flows([job])[0] for job in jobs]
+    cases = [
+        (Lane(flow_graphs=lanes, after_prefix=True), [prompt] * 3, [("after", lanes)]),
+        (Lane(after_prefix=True), [prompt] * 2, [("after", None)]),  # a lane without graphs (a CPU)
+        (Lane(flow_graphs=lanes, after_prefix=True), [prompt], ["whole"]),
+        (Lane(flow_graphs=lanes, after_prefix=True), [prompt, stranger], ["whole"]),
+        (Lane(flow_graphs=GraphsWithNoShapes(), after_prefix=True), [prompt] * 2, ["whole"]),
+        (Lane(flow_graphs=lanes), [prompt] * 2, ["whole"]),
+    ]
+    for lane, voices, expected in cases:
+        orders = [tokens[i:] + tokens[:i] for i in range(len(voices))]
+        jobs = [chunk_after(token2wav, p, order, 0) for p, order in zip(voices, orders)]
+        alone = [apart._flows([chunk_after(apart, apart_prompt, order, 0)])[0] for order in orders]
         calls.clear(), mels.clear(), pins.clear()
         call = token2wav.launch(jobs, lane)
         assert calls == expected
         for a, b in zip(alone, mels, strict=True):
             assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-4
-        assert pins == [{0: 3} if expected != ["whole"] else {}] and call.pinned == ([0] * 3 if pins[0] else [])
+        pinned = len(voices) if expected != ["whole"] else 0
+        assert pins == [{0: pinned} if pinned else {}] and call.pinned == [0] * pinned
         token2wav.finish(call)
         assert not token2wav.prefixes._pins and not call.pinned
+    assert list(token2wav.prefixes._slots) == [id(prompt)]  # the lane took no slot
     # A call that fails unpins what it pinned.
-    assert token2wav.prefixes.slots([prompt]) == [0]  # the stranger's call alone took its slot
     monkeypatch.setattr(token2wav, "_vocode", lambda *_: (_ for _ in ()).throw(RuntimeError("vocoder failed")))
     pins.clear()
     with pytest.raises(RuntimeError, match="vocoder failed"):
-        token2wav.launch([chunk_after(token2wav, prompt, tokens, 0) for _ in range(2)], lane)
+        token2wav.launch([chunk_after(token2wav, prompt, tokens, 0) for _ in range(2)], cases[0][0])
     assert pins == [{0: 2}] and not token2wav.prefixes._pins
+    with pytest.raises(RuntimeError, match="inside launch"):  # pinned outside launch, nothing would unpin them
+        token2wav._flows([chunk_after(token2wav, prompt, tokens, 0) for _ in range(2)], cases[0][0])
 
 
 def test_the_prefix_cache_gives_no_pinned_slot_away_and_takes_a_calls_slots_at_once(models, voice):
     """A voice new to the bank takes the least recently used slot that is neither pinned nor
-    one of its call's voices; a call that would need more slots than that is refused whole.
-    ``pin`` serves only voices the bank holds, of a bank of fixed width, which is then never
-    replaced."""
+    one of its call's voices; where only pins stand in the way the call waits for them to go
+    (and no new pin is given meanwhile). ``pin`` serves only voices the bank holds, of a bank
+    of fixed width, which is then never replaced."""
     token2wav = make_runner(models, scale=1, incremental=False, prefix_voices=2)
     a, b, c, d = (VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding) for _ in range(4))
     cache = token2wav.prefixes
     cache.make_room(token2wav.flow.voice_prefix_frames(a.tokens), voice.speech_feat)
     assert cache.slots([a, b]) == [0, 1] and cache.pin([a]) is None  # width not fixed yet
     token2wav.prepare_voices([a, b], a.tokens)
-    assert cache.slots([a, b]) == [0, 1]  # a is now the least recently used
+    assert cache.slots([a, b, c]) is None  # more voices than slots
+    assert cache.slots([a, b]) == [0, 1]  # touched in the call's order: a is the least recently used
     assert cache.pin([c]) is None and cache.pin([a, a]) == [0, 0]
     assert cache.slots([c]) == [1]  # b's slot: a's is pinned
-    assert cache.slots([b, d]) is None and cache.slots([c, b]) is None  # one slot free to take, two wanted
-    assert cache.slots([b]) == [1]  # c's slot
+    taken = []
+    waiting = threading.Thread(target=lambda: taken.append(cache.slots([b, d])))  # two new voices, one slot free
+    waiting.start()
+    while not cache._waiting:
+        time.sleep(0.01)
+    assert cache.pin([c]) is None  # no new pin while the engine waits
     cache.unpin([0])
-    assert cache.slots([c, d]) is None  # a is still pinned once: one slot to take, two wanted
+    time.sleep(0.05)
+    assert waiting.is_alive()  # a is still pinned once
     cache.unpin([0])
-    assert sorted(cache.slots([c, d])) == [0, 1]
-    assert cache.pin([c]) is not None
+    waiting.join(timeout=10)
+    assert taken and sorted(taken[0]) == [0, 1] and not cache._waiting
+    assert cache.pin([d]) is not None
     with pytest.raises(RuntimeError, match="while another thread reads it"):
         cache._fixed = False
         cache.make_room(cache.bank.frames + 50, voice.speech_feat)
