@@ -160,6 +160,7 @@ token_max_hop_len = {args.max_hop}
 max_speech_per_text_token = {args.speech_per_text_token}
 prefix_voices = {args.prefix_voices}
 hift_graphs = {str(not args.no_hift_graphs).lower()}
+hift_graphs_all_lengths = {str(args.hift_graphs_all_lengths).lower()}
 first_chunk_lane = {str(not args.no_first_chunk_lane).lower()}
 first_chunk_lane_after_prefix = {str(args.lane_after_prefix).lower()}
 first_chunk_by_load = {str(args.first_chunk_by_load).lower()}
@@ -744,6 +745,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         "are marked and do not count towards the stall-free capacity")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-hift-graphs", action="store_true", help="the vocoder eager (hift_graphs = false)")
+    parser.add_argument("--hift-graphs-all-lengths", action="store_true",
+                        help="one-row vocoder graphs of last and early chunks' lengths (hift_graphs_all_lengths)")
     parser.add_argument("--paged-encoder-graphs", action="store_true",
                         help="the paged calls' token encoder by CUDA graphs (paged_encoder_graphs)")
     parser.add_argument("--no-first-chunk-lane", action="store_true",

@@ -137,7 +137,9 @@ class CosyVoice2Engine(Engine):
         if device.type == "cuda" and settings.graph_max_batch > 0:
             await asyncio.to_thread(startup.capture_flow_graphs, runner, settings, device)
         if device.type == "cuda" and settings.hift_graphs:
-            await asyncio.to_thread(startup.capture_hift_graphs, runner, settings.max_batch, prompt_tokens)
+            await asyncio.to_thread(
+                startup.capture_hift_graphs, runner, settings.max_batch, prompt_tokens, settings.hift_graphs_all_lengths
+            )
         if device.type == "cuda" and settings.paged_encoder_graphs and runner.token_encoder is not None:
             await asyncio.to_thread(startup.capture_incremental_encoder_graphs, runner, settings.max_batch)
         lane = None

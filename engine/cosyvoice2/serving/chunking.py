@@ -210,6 +210,17 @@ class ChunkSchedule:
                 return shapes
             hop = self._grown(hop)
 
+    def tail_shapes(self, prompt_tokens: int) -> list[tuple[int, int]]:
+        """The vocoder input shapes of a voice's chunks whose length the token stream decides, less
+        ``chunk_shapes``: last chunks (fewer tokens than a hop and its look-ahead, behind the
+        cached frames; a turn's only chunk without them) and early chunks (fewer than a hop)."""
+        behind = {
+            (MEL_CACHE_FRAMES + self.mel_ratio * tokens, self.cache_samples)
+            for tokens in range(self.max_hop_len + self.lookahead)
+        }
+        alone = {(self.mel_ratio * tokens, 0) for tokens in range(1, max(self.first_hops(prompt_tokens)) + self.lookahead)}
+        return sorted((behind | alone) - set(self.chunk_shapes(prompt_tokens)))
+
     def lane_widths(self, prompt_tokens: int) -> list[int]:
         """The decoder's widths of a voice's opening chunks (``opens_turn``), run whole:
         prompt + tokens to the chunk's end, in mel frames."""

@@ -12,7 +12,15 @@ Streaming repeats very few HiFT shapes: every chunk after the first is the cache
 frames plus one hop (58 frames with the official 25-token hop) with 8 frames of cached
 excitation, and every first chunk of a voice has the same length without a cache. A
 graph is keyed by (batch bucket, frames, cached samples); final chunks, whose length
-varies, run eagerly.
+varies, run eagerly, unless their shapes are allowed row by row (``allow_row_by_row``,
+``hift_graphs_all_lengths``): then one graph of one row per length, replayed for each row.
+
+Why: in the H100 thread profile at 64 sessions the engine thread spent ~80 ms of each
+~200 ms call in eager vocoder calls, against ~50 ms of all vocoder work on the GPU. Likely
+because an eager call of a shape new to the process first builds its cuDNN convolution and
+cuFFT plans, and the lengths of last chunks (and early ones: every token count below a hop
+and its look-ahead) times a call's rows are many shapes. Graphs of one row keep their count
+at the number of lengths (~230 with 200-token hops).
 
 Padding: batches are padded up to their bucket with copies of row 0 and cut back after
 the replay. HiFT's rows are independent (convolutions, STFTs and the excitation are per
@@ -97,7 +105,8 @@ class HiftGraphs:
     ``capture_allowed`` captures them at every batch bucket ahead of serving. ``run``
     replays the graph of a call's bucket (capturing it on first use for a shape allowed
     later, e.g. a new voice's first chunk) and returns None for every other shape, which
-    the caller runs eagerly (final chunks, batches over the largest bucket).
+    the caller runs eagerly (final chunks, batches over the largest bucket). Shapes registered
+    with ``allow_row_by_row`` get a graph of one row each, replayed once per row.
     """
 
     def __init__(self, hift: HiFT, max_batch: int, *, priority: int = 0) -> None:
@@ -109,6 +118,7 @@ class HiftGraphs:
         self.dtype = weight.dtype
         self.batches = batch_buckets(max_batch)
         self.shapes: set[tuple[int, int]] = set()
+        self.row_shapes: set[tuple[int, int]] = set()  # graphs of one row, replayed row by row
         self.graphs: dict[HiftKey, _CapturedVocoder] = {}
         self.capture_seconds = 0.0
         self.max_error = 0.0  # largest |replay - eager| seen when checking a capture
@@ -121,6 +131,12 @@ class HiftGraphs:
             raise ValueError(f"not a chunk shape: {frames} frames, {cached} cached samples")
         self.shapes.add((frames, cached))
 
+    def allow_row_by_row(self, frames: int, cached: int) -> None:
+        """A shape whose calls replay a graph of one row for each row (one graph per length)."""
+        if frames < 1 or cached < 0:
+            raise ValueError(f"not a chunk shape: {frames} frames, {cached} cached samples")
+        self.row_shapes.add((frames, cached))
+
     @torch.inference_mode()
     def capture_allowed(self) -> None:
         """Graphs of every allowed shape at every batch bucket up to its ``rows_per_replay``
@@ -129,7 +145,7 @@ class HiftGraphs:
         keys = [
             HiftKey(batch, frames, cached) for frames, cached in self.shapes
             for batch in self.batches[: self.batches.index(rows_per_replay(self.batches, frames)) + 1]
-        ]
+        ] + [HiftKey(1, frames, cached) for frames, cached in self.row_shapes - self.shapes]
         for key in sorted(keys, key=lambda k: (k.batch * k.frames, k.batch, k.frames, k.cached), reverse=True):
             if key not in self.graphs:
                 self._capture(key)
@@ -164,6 +180,9 @@ class HiftGraphs:
         """``hift(mel, cache_source)`` by graph replay (fresh tensors), or None: run it eagerly.
         Rows beyond the shape's ``rows_per_replay`` go in further replays."""
         rows, _, frames = mel.shape
+        shape = (frames, cache_source.shape[2])
+        if shape in self.row_shapes and shape not in self.shapes:
+            return self._run_row_by_row(mel, cache_source)
         part = rows_per_replay(self.batches, frames)
         if rows > part:
             parts = []
@@ -189,3 +208,18 @@ class HiftGraphs:
         captured.cache.copy_(pad_rows(cache_source, key.batch))
         captured.graph.replay()
         return captured.wav[:rows].clone(), captured.source[:rows].clone()
+
+    def _run_row_by_row(self, mel: Tensor, cache_source: Tensor) -> tuple[Tensor, Tensor] | None:
+        """A row-by-row shape's call: its one-row graph replayed for each row (None where it has
+        none, or another dtype: eager)."""
+        captured = self.graphs.get(HiftKey(1, mel.shape[2], cache_source.shape[2]))
+        if captured is None or mel.dtype != self.dtype:
+            return None
+        wavs, sources = [], []
+        for row in range(mel.shape[0]):  # one after another on this stream: each copies its outputs out first
+            captured.mel.copy_(mel[row : row + 1])
+            captured.cache.copy_(cache_source[row : row + 1])
+            captured.graph.replay()
+            wavs.append(captured.wav.clone())
+            sources.append(captured.source.clone())
+        return torch.cat(wavs), torch.cat(sources)

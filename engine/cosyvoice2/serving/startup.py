@@ -117,14 +117,20 @@ def check_memory(settings: CosyVoice2Settings, device: torch.device) -> None:
         log.warning("token2wav holds more GPU memory than token2wav_memory_gb; raise it or lower max_batch")
 
 
-def capture_hift_graphs(runner: Token2WavRunner, max_batch: int, voice_prompt_tokens: list[int]) -> None:
+def capture_hift_graphs(
+    runner: Token2WavRunner, max_batch: int, voice_prompt_tokens: list[int], all_lengths: bool = False
+) -> None:
     """CUDA graphs of the vocoder for every voice's chunk shapes at every batch bucket (a voice
-    registered later: its shapes are allowed when it is first used, see the engine)."""
+    registered later: its shapes are allowed when it is first used, see the engine); with
+    ``all_lengths`` (``hift_graphs_all_lengths``), one-row graphs of its last and early chunks'
+    lengths too."""
     graphs = HiftGraphs(runner.hift, max_batch)
     runner.hift_graphs = graphs
     for prompt_tokens in voice_prompt_tokens:
         for shape in runner.schedule.chunk_shapes(prompt_tokens):
             graphs.allow(*shape)
+        for shape in runner.schedule.tail_shapes(prompt_tokens) if all_lengths else ():
+            graphs.allow_row_by_row(*shape)
     reserved = torch.cuda.memory_reserved(graphs.device)
     try:
         graphs.capture_allowed()

@@ -765,6 +765,32 @@ def test_chunk_shapes_are_what_streaming_gives_the_vocoder(models, voice, tokens
     assert final[1] == 8 * 480  # the final chunk comes behind the cache (its length varies: eager)
 
 
+@pytest.mark.parametrize("first_hop_len, scale", [(25, 1), (5, 2)])
+def test_every_chunk_the_vocoder_gets_has_a_shape_its_graphs_may_be_captured_for(
+    models, voice, tokens, first_hop_len, scale
+):
+    """chunk_shapes and tail_shapes (hift_graphs_all_lengths) together hold every shape streams
+    give the vocoder: regular, early and last chunks of turns of every length, a turn's only
+    chunk too; tail_shapes holds none of chunk_shapes."""
+    token2wav = make_runner(models, scale=scale, max_hop_len=50, first_hop_len=first_hop_len)
+    token2wav.hift_graphs = recorder = RecordingGraphs()
+    prompt = VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding)
+    for length in (1, 3, 7, 30, 61, 137, 200):
+        state = stream(token2wav, prompt, [], done=False)
+        for count in range(1, length + 1):
+            state.tokens = (list(tokens) * 2)[:count]
+            if count % 9 == 0 and (job := token2wav.schedule.next_job(state, early=True)) is not None:
+                token2wav.run([job])
+        state.status = RequestStatus.TOKENS_DONE
+        while (job := token2wav.schedule.next_job(state)) is not None:
+            token2wav.run([job])
+    regular, tail = token2wav.schedule.chunk_shapes(prompt.tokens), token2wav.schedule.tail_shapes(prompt.tokens)
+    assert not set(regular) & set(tail)
+    assert set(recorder.calls) <= set(regular) | set(tail), set(recorder.calls) - set(regular) - set(tail)
+    assert len(set(recorder.calls) & set(tail)) >= 5  # last and early chunks of several lengths were made
+    assert any(cached == 0 for _, cached in set(recorder.calls) & set(tail))  # a turn's only chunk
+
+
 def test_hift_graph_keys():
     from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftKey, batch_buckets, graph_key
 
