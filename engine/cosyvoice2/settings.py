@@ -209,9 +209,9 @@ class CosyVoice2Settings:
     # GPU: CUDA graphs of the HiFT vocoder for the streamed chunk shapes at every batch
     # bucket up to max_batch (engine/cosyvoice2/serving/hift_graphs.py); final chunks run eagerly.
     hift_graphs: bool = True
-    # ... and one-row graphs of every other chunk length (last chunks, early chunks: ~230
-    # lengths with 200-token hops), replayed row by row, instead of eager calls that build
-    # cuDNN and cuFFT plans for each new shape (serving/hift_graphs.py). Not yet measured.
+    # ... and one-row graphs of every other chunk length (last chunks, early chunks: ~60
+    # lengths with 25-token hops, ~230 with 200), replayed row by row, instead of eager calls
+    # of ~500 small kernels each (serving/hift_graphs.py). Not yet measured.
     hift_graphs_all_lengths: bool = False
     # GPU, paged flow: the engine thread's token encoder (a paged call's incremental encode,
     # ~600 ops launched one by one: 26-45 ms of a ~200 ms call on an H100 at 64 sessions) by

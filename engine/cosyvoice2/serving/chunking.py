@@ -202,23 +202,28 @@ class ChunkSchedule:
     def chunk_shapes(self, prompt_tokens: int) -> list[tuple[int, int]]:
         """The vocoder input shapes (mel frames, cached excitation samples) of a voice's
         non-final chunks: its first chunks, then each hop of the schedule behind the cached frames."""
-        shapes = self.first_chunk_shapes(prompt_tokens)
-        hop = self.hop_len
-        while True:
-            shapes.append((MEL_CACHE_FRAMES + self.mel_ratio * hop, self.cache_samples))
-            if self._grown(hop) == hop:
-                return shapes
-            hop = self._grown(hop)
+        behind = [(MEL_CACHE_FRAMES + self.mel_ratio * hop, self.cache_samples) for hop in self._hops()]
+        return self.first_chunk_shapes(prompt_tokens) + behind
+
+    def _hops(self) -> list[int]:
+        """The regular hops after the first chunk, as they grow (upstream's rule) to their last."""
+        hops = [self.hop_len]
+        while self._grown(hops[-1]) != hops[-1]:
+            hops.append(self._grown(hops[-1]))
+        return hops
 
     def tail_shapes(self, prompt_tokens: int) -> list[tuple[int, int]]:
         """The vocoder input shapes of a voice's chunks whose length the token stream decides, less
         ``chunk_shapes``: last chunks (fewer tokens than a hop and its look-ahead, behind the
-        cached frames; a turn's only chunk without them) and early chunks (fewer than a hop)."""
+        cached frames; a turn's only chunk without them), early chunks and the rest of the hop
+        after one (fewer than a hop). A non-final chunk leaves its look-ahead tokens, so a last
+        chunk has at least one token while there is a look-ahead."""
         behind = {
             (MEL_CACHE_FRAMES + self.mel_ratio * tokens, self.cache_samples)
-            for tokens in range(self.max_hop_len + self.lookahead)
+            for tokens in range(1, self._hops()[-1] + self.lookahead)
         }
-        alone = {(self.mel_ratio * tokens, 0) for tokens in range(1, max(self.first_hops(prompt_tokens)) + self.lookahead)}
+        longest_alone = max(self.first_hops(prompt_tokens)) + self.lookahead - 1
+        alone = {(self.mel_ratio * tokens, 0) for tokens in range(1, longest_alone + 1)}
         return sorted((behind | alone) - set(self.chunk_shapes(prompt_tokens)))
 
     def lane_widths(self, prompt_tokens: int) -> list[int]:

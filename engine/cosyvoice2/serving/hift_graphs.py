@@ -15,12 +15,15 @@ graph is keyed by (batch bucket, frames, cached samples); final chunks, whose le
 varies, run eagerly, unless their shapes are allowed row by row (``allow_row_by_row``,
 ``hift_graphs_all_lengths``): then one graph of one row per length, replayed for each row.
 
-Why: in the H100 thread profile at 64 sessions the engine thread spent ~80 ms of each
-~200 ms call in eager vocoder calls, against ~50 ms of all vocoder work on the GPU. Likely
-because an eager call of a shape new to the process first builds its cuDNN convolution and
-cuFFT plans, and the lengths of last chunks (and early ones: every token count below a hop
-and its look-ahead) times a call's rows are many shapes. Graphs of one row keep their count
-at the number of lengths (~230 with 200-token hops).
+Why: at 64 sessions on an H100 (eleventh round) the engine thread's vocoder phase took
+~83 ms of thread time a call, most of it inside eager vocoder calls, against ~53 ms of
+vocoder work on the GPU. Whether that thread time is the host launching ~500 small kernels
+a call (and building cuDNN and cuFFT plans for each shape new to the process: last chunks'
+lengths times a call's rows are many shapes) or waiting behind the decoder's queued work is
+not known; what the graphs can shorten is the vocoder's GPU phase, where the GPU waits for
+launches. Graphs of one row keep their count at the number of lengths (the last hop and its
+look-ahead: ~230 with 200-token hops, ~60 with the default 25). A group of several rows of
+one such length replays its graph once per row.
 
 Padding: batches are padded up to their bucket with copies of row 0 and cut back after
 the replay. HiFT's rows are independent (convolutions, STFTs and the excitation are per
@@ -106,7 +109,8 @@ class HiftGraphs:
     replays the graph of a call's bucket (capturing it on first use for a shape allowed
     later, e.g. a new voice's first chunk) and returns None for every other shape, which
     the caller runs eagerly (final chunks, batches over the largest bucket). Shapes registered
-    with ``allow_row_by_row`` get a graph of one row each, replayed once per row.
+    with ``allow_row_by_row`` get a graph of one row each (``capture_rows``, at start-up only),
+    replayed once per row.
     """
 
     def __init__(self, hift: HiFT, max_batch: int, *, priority: int = 0) -> None:
@@ -145,10 +149,27 @@ class HiftGraphs:
         keys = [
             HiftKey(batch, frames, cached) for frames, cached in self.shapes
             for batch in self.batches[: self.batches.index(rows_per_replay(self.batches, frames)) + 1]
-        ] + [HiftKey(1, frames, cached) for frames, cached in self.row_shapes - self.shapes]
+        ]
         for key in sorted(keys, key=lambda k: (k.batch * k.frames, k.batch, k.frames, k.cached), reverse=True):
             if key not in self.graphs:
                 self._capture(key)
+
+    @torch.inference_mode()
+    def capture_rows(self) -> int:
+        """The one-row graphs of the shapes allowed row by row (after ``capture_allowed``); a
+        shape whose capture fails is logged and stays eager. Returns how many were captured."""
+        captured = 0
+        for frames, cached in sorted(self.row_shapes - self.shapes, reverse=True):
+            key = HiftKey(1, frames, cached)
+            if key in self.graphs:
+                continue
+            try:
+                self._capture(key)
+                captured += 1
+            except Exception as exc:  # an optional speed-up: this length runs eagerly
+                log.error("HiFT CUDA graph %s could not be captured, that length runs eagerly: %s", key, exc)
+                self.row_shapes.discard((frames, cached))
+        return captured
 
     @holding_capture_lock
     def _capture(self, key: HiftKey) -> _CapturedVocoder:

@@ -129,8 +129,9 @@ def capture_hift_graphs(
     for prompt_tokens in voice_prompt_tokens:
         for shape in runner.schedule.chunk_shapes(prompt_tokens):
             graphs.allow(*shape)
-        for shape in runner.schedule.tail_shapes(prompt_tokens) if all_lengths else ():
-            graphs.allow_row_by_row(*shape)
+        if all_lengths:
+            for shape in runner.schedule.tail_shapes(prompt_tokens):
+                graphs.allow_row_by_row(*shape)
     reserved = torch.cuda.memory_reserved(graphs.device)
     try:
         graphs.capture_allowed()
@@ -143,6 +144,21 @@ def capture_hift_graphs(
         len(graphs.graphs), graphs.capture_seconds, (torch.cuda.memory_reserved(graphs.device) - reserved) / 2**30,
         graphs.max_error,
     )
+    if graphs.row_shapes:
+        device, lengths = graphs.device, len(graphs.row_shapes - graphs.shapes)
+        reserved, seconds, free = torch.cuda.memory_reserved(device), graphs.capture_seconds, _free_bytes(device)
+        count = graphs.capture_rows()
+        log.info(
+            "HiFT CUDA graphs of one row for last and early chunks: %d of %d lengths in %.1f s (%.2f GiB reserved, "
+            "%.2f GiB of the card); largest |replay - eager| %.2e", count, lengths,
+            graphs.capture_seconds - seconds, (torch.cuda.memory_reserved(device) - reserved) / 2**30,
+            (free - _free_bytes(device)) / 2**30, graphs.max_error,
+        )
+
+
+def _free_bytes(device: torch.device) -> int:
+    """The card's free memory: what graphs hold beyond the allocator's pools shows here too."""
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def first_chunk_lane(

@@ -791,6 +791,40 @@ def test_every_chunk_the_vocoder_gets_has_a_shape_its_graphs_may_be_captured_for
     assert any(cached == 0 for _, cached in set(recorder.calls) & set(tail))  # a turn's only chunk
 
 
+def test_a_vocoder_call_of_a_length_allowed_row_by_row_replays_its_one_row_graph_for_each_row(models):
+    """``HiftGraphs.run`` for a shape allowed row by row: its one-row graph replayed once per row
+    (a stand-in replays the vocoder eagerly on the graph's static tensors: no CUDA here), each
+    row the audio it gets alone with the same random draws; without that graph, eager (None)."""
+    from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs, HiftKey, _CapturedVocoder
+
+    hift = models.hift
+    graphs = object.__new__(HiftGraphs)  # its constructor needs a CUDA device
+    graphs.hift, graphs.dtype, graphs.shapes, graphs.row_shapes, graphs.graphs = hift, torch.float32, set(), set(), {}
+    graphs.allow_row_by_row(20, 3840)
+    mel, cache = torch.randn(3, 80, 20), 0.1 * torch.randn(3, 1, 3840)
+    assert graphs.run(mel, cache) is None  # no graph captured for it: eager
+    replays = []
+
+    class Replay:  # the graph's program on its static tensors, as a replay runs it
+        def replay(self):
+            replays.append(1)
+            wav, source = hift(captured.mel, captured.cache)
+            captured.wav.copy_(wav), captured.source.copy_(source)
+
+    torch.manual_seed(3)
+    wav, source = hift(mel[:1], cache[:1])
+    captured = _CapturedVocoder(Replay(), mel[:1].clone(), cache[:1].clone(), wav, source)
+    graphs.graphs[HiftKey(1, 20, 3840)] = captured
+    torch.manual_seed(5)
+    with torch.inference_mode():
+        replayed, replayed_source = graphs.run(mel, cache)
+    torch.manual_seed(5)
+    alone = [hift(mel[i : i + 1], cache[i : i + 1]) for i in range(3)]
+    assert len(replays) == 3 and replayed.shape[0] == replayed_source.shape[0] == 3
+    assert torch.equal(replayed, torch.cat([w for w, _ in alone]))
+    assert torch.equal(replayed_source, torch.cat([s for _, s in alone]))
+
+
 def test_hift_graph_keys():
     from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftKey, batch_buckets, graph_key
 
