@@ -1016,8 +1016,8 @@ def test_without_look_ahead_the_held_back_tail_is_still_flushed():
 @pytest.mark.parametrize("paged", [True, False])
 def test_engine_thread_calls_are_timed_phase_by_phase(models, voice, tokens, monkeypatch, paged):
     """Each call of the engine thread books its phases (phase_clock.py; exported as metrics):
-    a paged call its token encoder and decoder, a recompute call its flow outside the pool (a
-    whole one its token encoder apart), both
+    a paged call its token encoder and decoder, a recompute call its token encoder and its flow
+    outside the pool, both
     their vocoder and output; the first-chunk lane's calls are booked apart. Each reading of the clock here
     is one second later than the last, so a phase's seconds count its laps."""
     ticks = iter(range(10**6))
@@ -1038,9 +1038,9 @@ def test_engine_thread_calls_are_timed_phase_by_phase(models, voice, tokens, mon
     work = token2wav.work_totals()
     booked = {name.removeprefix("flow_phase_thread_seconds_"): value
               for name, value in work.items() if name.startswith("flow_phase_thread_seconds_")}
-    # Recompute: the last chunk (full attention) is a whole call, its token encoder booked apart.
+    # Recompute: every call's token encoder is booked apart, after the voice prefix or whole (the last chunk).
     flow = {"encoder": calls, "decoder": calls, "flow_other": 2 * calls} if paged else {
-        "encoder": 1, "unpaged": calls, "flow_other": 2 * calls + 1}
+        "encoder": calls, "unpaged": calls, "flow_other": 3 * calls}
     assert calls >= 3 and work["flow_phase_calls"] == calls
     assert booked == {**flow, "vocoder": calls, "output": calls, "wait": calls}
     assert not any("_gpu_seconds_" in name for name in work)  # no GPU timeline on a CPU
