@@ -290,6 +290,7 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "token2wav_first_lane_chunks", "token2wav_first_lane_busy_seconds", "late_chunks_llm_bound",
         "late_chunks_token2wav_bound", "token2wav_early_chunks", "token2wav_first_chunks_lengthened",
         "token2wav_flow_calls", "token2wav_flow_eager_calls", "token2wav_flow_encoder_graph_calls",
+        "token2wav_flow_lane_calls_after_prefix", "token2wav_flow_vocoder_eager_calls",
         "token2wav_flow_padded_row_frames",
         *(f"token2wav_{total}_{kind}" for total in ("flow_row_frames", "calls", "call_seconds") for kind in CALL_KINDS))}
     needed = sum(totals[f"token2wav_flow_row_frames_{kind}"] for kind in CALL_KINDS)

@@ -63,6 +63,9 @@ TOTALS = {
     "token2wav_flow_eager_calls": "Flow calls with no CUDA graph for their shape (run eagerly).",
     "token2wav_flow_encoder_graph_calls": "Flow calls whose token encoder ran as a CUDA graph's replay (the "
     "first-chunk lane's, and paged calls' with paged_encoder_graphs).",
+    "token2wav_flow_lane_calls_after_prefix": "Flow calls of the first-chunk lane that started after their voices' "
+    "prefixes (first_chunk_lane_after_prefix).",
+    "token2wav_flow_vocoder_eager_calls": "Vocoder calls no CUDA graph held (run eagerly), both threads.",
     "token2wav_flow_row_frames_first": "Mel frames the flow computed in calls of first chunks (rows x each row's "
     "width).",
     "token2wav_flow_row_frames_later": "Mel frames the flow computed in calls of later chunks (rows x widths; in "

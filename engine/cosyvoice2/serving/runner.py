@@ -448,6 +448,7 @@ class Token2WavRunner:
         slots = self.prefixes.pin([job.request.prompt for job in jobs])
         if slots is not None:
             pinned.extend(slots)
+            self._count("lane_calls_after_prefix")
         return slots
 
     # ------------------------------------------------------------------ turns' stored chunks
@@ -566,7 +567,7 @@ class Token2WavRunner:
             joined.append(torch.cat([prompt.speech_tokens[0].long(), turn_tokens]))
         out = self.token_encoder.step_joined(states, joined, [job.finalize for job in jobs])
         if out.by_graph:
-            self._count_encoder_graph_call()
+            self._count("encoder_graph_calls")
         speaker = project_speaker(self.flow, embedding)
         return EncodedTokens(out.mu, out.mel_start, out.mel_start + out.mel_len, speaker), out.mel_end
 
@@ -667,7 +668,7 @@ class Token2WavRunner:
         token, token_len, prompt_token, prompt_token_len, _, _, embedding = args
         encoding = encoder_graphs.run(token, token_len, prompt_token, prompt_token_len, embedding, totals, finalize)
         if encoding is not None:
-            self._count_encoder_graph_call()
+            self._count("encoder_graph_calls")
         return encoding
 
     def _decode(self, inputs: DecoderInputs, streaming: bool, graphs: FlowGraphs | None) -> torch.Tensor:
@@ -703,6 +704,7 @@ class Token2WavRunner:
                 replayed = graphs.run(mel, cache_source)
                 if replayed is not None:
                     return replayed
+            self._count("vocoder_eager_calls")
             return self.hift(mel, cache_source)
 
     def _hift_input(self, job: ChunkJob, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -753,7 +755,9 @@ class Token2WavRunner:
         """The flow's work so far, as running totals (recompute mode; exported as
         tts_token2wav_<name>_total): ``flow_calls``, of which ``flow_eager_calls`` had no CUDA
         graph, and ``flow_encoder_graph_calls``, those whose token encoder was a CUDA graph's
-        replay; ``flow_row_frames_{first,later,final}``, the mel frames the decoder had to
+        replay, ``flow_lane_calls_after_prefix``, the first-chunk lane's calls after voice
+        prefixes; ``flow_vocoder_eager_calls``, vocoder calls no graph held;
+        ``flow_row_frames_{first,later,final}``, the mel frames the decoder had to
         compute for each kind of chunk (rows x their own widths: what the work grows with);
         ``flow_padded_row_frames``, what it computed (rows and frames padded to the call's
         widest row, or to its graph's bucket). Padded / needed is the share spent on padding.
@@ -767,9 +771,9 @@ class Token2WavRunner:
             totals |= {f"turn_state_{name}": float(value) for name, value in self.turn_pool.totals().items()}
         return totals
 
-    def _count_encoder_graph_call(self) -> None:
+    def _count(self, total: str) -> None:
         with self._work_lock:
-            self._work["encoder_graph_calls"] += 1
+            self._work[total] += 1
 
     def _count_call(self, jobs: list[ChunkJob], widths: list[int], after_prefix: bool, graphs: FlowGraphs | None) -> None:
         """Book one flow call of these jobs, whose rows need ``widths`` decoder frames each."""

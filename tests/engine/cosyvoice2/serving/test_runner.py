@@ -469,6 +469,7 @@ def test_a_lane_after_prefixes_runs_calls_of_several_rows_there_and_unpins_their
         token2wav.finish(call)
         assert not token2wav.prefixes._pins and not call.pinned
     assert list(token2wav.prefixes._slots) == [id(prompt)]  # the lane took no slot
+    assert token2wav.work_totals()["flow_lane_calls_after_prefix"] == 2
     # A call that fails unpins what it pinned.
     monkeypatch.setattr(token2wav, "_vocode", lambda *_: (_ for _ in ()).throw(RuntimeError("vocoder failed")))
     pins.clear()
@@ -763,6 +764,7 @@ def test_chunk_shapes_are_what_streaming_gives_the_vocoder(models, voice, tokens
     assert set(streamed) <= set(shapes), (streamed, shapes)
     assert streamed[0] == shapes[0] and streamed[0][1] == 0  # the first chunk has no cached excitation
     assert final[1] == 8 * 480  # the final chunk comes behind the cache (its length varies: eager)
+    assert token2wav.work_totals()["flow_vocoder_eager_calls"] == len(recorder.calls)  # no graph held any
 
 
 @pytest.mark.parametrize("first_hop_len, scale", [(25, 1), (5, 2)])
