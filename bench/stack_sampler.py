@@ -42,6 +42,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 INTERVAL_S = 0.01
 TOP = 30
+# Threads a report holds at most, most sampled first. Every thread alive through a span has
+# the same count, so the cut falls among them arbitrarily: it must hold all the gateway's (a
+# dozen or so) and those a test process has left running.
+THREADS = 64
 # Calls and chunks a trace keeps between two dumps (the most recent): a level of 256
 # sessions delivers a few thousand chunks.
 TRACE_LIMIT = 20000
@@ -191,7 +195,7 @@ class Sampler:
                         "self": [[where, n] for where, n in self.self_time[name].most_common(TOP)],
                         "inclusive": [[where, n] for where, n in self.inclusive[name].most_common(TOP)],
                     }
-                    for name, count in self.samples.most_common(8)
+                    for name, count in self.samples.most_common(THREADS)
                 },
             }
             if self.trace is not None:

@@ -133,6 +133,13 @@ def test_stack_sampler_reports_where_each_thread_is(tmp_path):
     sampling = threading.Thread(target=sampler.run, daemon=True)
     sampling.start()
     stop = threading.Event()
+    # Idle threads alive before and after the worker (as a test run leaves them): each is
+    # sampled more often than it, and the report must still name it.
+    release = threading.Event()
+    idle = [threading.Thread(target=release.wait, name=f"idle-{i}") for i in range(12)]
+    for thread in idle:
+        thread.start()
+    time.sleep(0.1)
     worker = threading.Thread(target=spin_here, args=(stop,), name="busy-worker")
     worker.start()
     time.sleep(0.5)
@@ -144,7 +151,12 @@ def test_stack_sampler_reports_where_each_thread_is(tmp_path):
     while not out.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not stack_sampler.request_path(out).exists()  # taken: one request, one profile
+    release.set()
+    for thread in idle:
+        thread.join()
     report = json.loads(out.read_text())
+    busy = report["threads"]["busy-worker"]["samples"]
+    assert all(report["threads"][thread.name]["samples"] > busy for thread in idle)
     thread = report["threads"]["busy-worker"]
     assert thread["samples"] >= 10
     assert any(where.startswith("spin_here (tests/bench/test_gpu_check.py") for where, _ in thread["inclusive"])
