@@ -20,10 +20,10 @@ FIRST_AUDIO_STAGES = {
 # and what each holds.
 PHASES = {
     "flow_other": "the flow's work around its calls (batch arguments, voice prefixes, the vocoder's inputs)",
-    "encoder": "the token encoder (a paged call's, or that of a whole flow call outside the pool)",
+    "encoder": "the token encoder (of paged calls, calls after voice prefixes and whole flow calls)",
     "decoder": "the paged call's decoder, with the pool's reads and writes",
     "unpaged": "flow calls outside the pool (recompute, incremental, last chunks of full attention) "
-    "but a whole call's token encoder",
+    "but their token encoder (an incremental call's stays here)",
     "vocoder": "the vocoder",
     "output": "cross-fades and the audio's copy to the host",
     "wait": "the wait for the call's audio on the host (the thread's time only)",

@@ -209,8 +209,8 @@ class CosyVoice2Settings:
     # GPU: CUDA graphs of the HiFT vocoder for the streamed chunk shapes at every batch
     # bucket up to max_batch (engine/cosyvoice2/serving/hift_graphs.py); final chunks run eagerly.
     hift_graphs: bool = True
-    # ... and one-row graphs of every other chunk length (last chunks, early chunks: ~60
-    # lengths with 25-token hops, ~230 with 200), replayed row by row, instead of eager calls
+    # ... and one-row graphs of every other chunk length (last chunks, early chunks: 52-76
+    # lengths a voice with 25-token hops, 224-247 with 200), replayed row by row, instead of eager calls
     # of ~500 small kernels each (serving/hift_graphs.py). Not yet measured.
     hift_graphs_all_lengths: bool = False
     # GPU, paged flow: the engine thread's token encoder (a paged call's incremental encode,

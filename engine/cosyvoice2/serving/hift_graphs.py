@@ -22,7 +22,7 @@ a call (and building cuDNN and cuFFT plans for each shape new to the process: la
 lengths times a call's rows are many shapes) or waiting behind the decoder's queued work is
 not known; what the graphs can shorten is the vocoder's GPU phase, where the GPU waits for
 launches. Graphs of one row keep their count at the number of lengths (the last hop and its
-look-ahead: ~230 with 200-token hops, ~60 with the default 25). A group of several rows of
+look-ahead: 224-247 a voice with 200-token hops, 52-76 with the default 25). A group of several rows of
 one such length replays its graph once per row.
 
 Padding: batches are padded up to their bucket with copies of row 0 and cut back after

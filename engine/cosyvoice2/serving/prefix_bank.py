@@ -324,8 +324,8 @@ class VoicePrefixCache:
     layers' inputs (for a turn-state pool).
 
     One thread (the engine thread) takes slots and builds prefixes. A second thread (the
-    first-chunk lane) may read voices whose prefixes are written already: it :meth:`pin`\ s
-    them for a call, and a pinned slot goes to no other voice until :meth:`unpin` (once the
+    first-chunk lane) may read voices whose prefixes are written already: it pins them for a
+    call (:meth:`pin`), and a pinned slot goes to no other voice until :meth:`unpin` (once the
     call's GPU work is done). A prefix is built outside the lock, so a pin never waits for a
     build; a voice enters the cache once its prefix is written.
     """

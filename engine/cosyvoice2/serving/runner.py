@@ -187,7 +187,7 @@ class Token2WavRunner:
         # The flow's work as running totals (see work_totals); two worker threads add to them.
         self._work: collections.Counter[str] = collections.Counter()
         self._work_lock = threading.Lock()
-        self._phases = threading.local()  # .clock: the PhaseClock of this thread's call in flight
+        self._phases = threading.local()  # this thread's call in flight: .clock (PhaseClock), .pinned (_pin)
 
     @classmethod
     def build(
@@ -305,10 +305,12 @@ class Token2WavRunner:
 
     def finish(self, call: LaunchedCall) -> list[np.ndarray]:
         """A launched call's audio on the host, once its GPU work is done (waits for it)."""
-        call.clock.wait(call.done)
-        if call.pinned:
-            self.prefixes.unpin(call.pinned)
-            call.pinned = []
+        try:
+            call.clock.wait(call.done)
+        finally:  # the engine thread may be waiting for these slots
+            if call.pinned:
+                self.prefixes.unpin(call.pinned)
+                call.pinned = []
         totals = call.clock.close()
         if call.done is not None:
             call.gpu_seconds = sum(value for name, value in totals.items() if name.startswith("gpu_seconds_"))
@@ -432,8 +434,9 @@ class Token2WavRunner:
 
     def _pin(self, jobs: list[ChunkJob], lane: Lane) -> list[int] | None:
         """The lane's call after its voices' prefixes: their slots, pinned for the call in flight
-        (``launch`` unpins them once its GPU work is done), where every voice has a prefix and
-        the lane has a graph of the call after them (else None: it runs whole, as fast)."""
+        (``finish`` unpins them once its GPU work is done, ``launch`` if the call fails), where
+        every voice has a prefix and the lane has a graph of the call after them; else None and
+        the call runs whole (no slower than without the setting)."""
         pinned = getattr(self._phases, "pinned", None)
         if pinned is None:
             raise RuntimeError("a lane's call after voice prefixes runs inside launch, which unpins its slots")
@@ -752,11 +755,11 @@ class Token2WavRunner:
     # ------------------------------------------------------------------ work totals
 
     def work_totals(self) -> dict[str, float]:
-        """The flow's work so far, as running totals (recompute mode; exported as
+        """The token2wav work so far, as running totals (exported as
         tts_token2wav_<name>_total): ``flow_calls``, of which ``flow_eager_calls`` had no CUDA
-        graph, and ``flow_encoder_graph_calls``, those whose token encoder was a CUDA graph's
-        replay, ``flow_lane_calls_after_prefix``, the first-chunk lane's calls after voice
-        prefixes; ``flow_vocoder_eager_calls``, vocoder calls no graph held;
+        graph, ``flow_encoder_graph_calls`` had their token encoder replayed from one, and
+        ``flow_lane_calls_after_prefix`` were the first-chunk lane's calls after voice prefixes;
+        ``flow_vocoder_eager_calls``, vocoder calls no graph held;
         ``flow_row_frames_{first,later,final}``, the mel frames the decoder had to
         compute for each kind of chunk (rows x their own widths: what the work grows with);
         ``flow_padded_row_frames``, what it computed (rows and frames padded to the call's

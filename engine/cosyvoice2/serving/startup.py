@@ -147,12 +147,14 @@ def capture_hift_graphs(
     if graphs.row_shapes:
         device, lengths = graphs.device, len(graphs.row_shapes - graphs.shapes)
         reserved, seconds, free = torch.cuda.memory_reserved(device), graphs.capture_seconds, _free_bytes(device)
+        batched_error, graphs.max_error = graphs.max_error, 0.0  # the one-row graphs' own, logged apart
         count = graphs.capture_rows()
+        rows_error, graphs.max_error = graphs.max_error, max(batched_error, graphs.max_error)
         log.info(
             "HiFT CUDA graphs of one row for last and early chunks: %d of %d lengths in %.1f s (%.2f GiB reserved, "
             "%.2f GiB of the card); largest |replay - eager| %.2e", count, lengths,
             graphs.capture_seconds - seconds, (torch.cuda.memory_reserved(device) - reserved) / 2**30,
-            (free - _free_bytes(device)) / 2**30, graphs.max_error,
+            (free - _free_bytes(device)) / 2**30, rows_error,
         )
 
 
@@ -174,6 +176,8 @@ def first_chunk_lane(
     buckets = FlowBuckets.up_to(FIRST_LANE_MAX_BATCH, widths[-1], settings.graph_frame_step)
     prefixes = runner.prefixes
     after_prefix = settings.first_chunk_lane_after_prefix and prefixes is not None and prefixes.fixed
+    if settings.first_chunk_lane_after_prefix and not after_prefix:
+        log.warning("first_chunk_lane_after_prefix needs a voice-prefix bank (prefix_voices): the lane runs whole")
     bank = prefixes.bank if after_prefix else None
     flow_graphs = FlowGraphs(runner.flow.decoder, buckets, bank=bank, priority=LANE_PRIORITY, steps=runner.flow_steps)
     flow_graphs.capture(buckets.batches, widths, [True])

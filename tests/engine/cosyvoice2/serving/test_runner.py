@@ -496,10 +496,13 @@ def test_the_prefix_cache_gives_no_pinned_slot_away_and_takes_a_calls_slots_at_o
     assert cache.pin([c]) is None and cache.pin([a, a]) == [0, 0]
     assert cache.slots([c]) == [1]  # b's slot: a's is pinned
     taken = []
-    waiting = threading.Thread(target=lambda: taken.append(cache.slots([b, d])))  # two new voices, one slot free
+    # two new voices, one slot free
+    waiting = threading.Thread(target=lambda: taken.append(cache.slots([b, d])), daemon=True)
     waiting.start()
-    while not cache._waiting:
+    deadline = time.monotonic() + 10
+    while not cache._waiting and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert cache._waiting
     assert cache.pin([c]) is None  # no new pin while the engine waits
     cache.unpin([0])
     time.sleep(0.05)
@@ -508,8 +511,8 @@ def test_the_prefix_cache_gives_no_pinned_slot_away_and_takes_a_calls_slots_at_o
     waiting.join(timeout=10)
     assert taken and sorted(taken[0]) == [0, 1] and not cache._waiting
     assert cache.pin([d]) is not None
+    cache._fixed = False  # (only an unfixed bank is ever replaced)
     with pytest.raises(RuntimeError, match="while another thread reads it"):
-        cache._fixed = False
         cache.make_room(cache.bank.frames + 50, voice.speech_feat)
 
 
