@@ -56,6 +56,11 @@ class EncoderKey:
     batch: int  # padded rows
     width: int  # encoded tokens (the look-ahead's follow them)
 
+    @property
+    def size(self) -> tuple[int, int]:
+        """How large its graph is (rows x tokens, then rows): the order of capture and choice."""
+        return self.batch * self.width, self.batch
+
 
 class _Program:
     """One key's static inputs, what computes its outputs from them, and its graph once captured."""
@@ -122,13 +127,13 @@ class EncoderGraphs:
         return None if batch is None or padded is None else EncoderKey(batch, padded)
 
     def largest_key(self) -> EncoderKey:
-        return max(self.programs, key=lambda key: (key.batch * key.width, key.batch))
+        return max(self.programs, key=lambda key: key.size)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Every key's graph, largest first (smaller graphs then fit in the blocks a larger one's
         capture left in the shared pool)."""
-        for key in sorted(self.programs, key=lambda k: (k.batch * k.width, k.batch), reverse=True):
+        for key in sorted(self.programs, key=lambda k: k.size, reverse=True):
             self._capture(self.programs[key])
 
     @holding_capture_lock

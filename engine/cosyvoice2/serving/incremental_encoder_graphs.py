@@ -68,6 +68,11 @@ class IncrementalKey:
     width: int  # new tokens encoded (their look-ahead follows)
     cached: int  # cached tokens, padded
 
+    @property
+    def size(self) -> tuple[int, int]:
+        """How large its graph is (rows x tokens, then rows): the order of capture and choice."""
+        return self.batch * (self.width + self.cached), self.batch
+
 
 class _StaticBuffers:
     """The programs' shared inputs and outputs, sized for the largest keys, flat so that every
@@ -222,15 +227,15 @@ class IncrementalEncoderGraphs:
             for b in self.batches if b >= rows for w in self.widths if w >= width for c in self.cached if c >= cached
         ]
         held = [k for k in keys if k in self.programs]
-        return min(held, key=lambda k: (k.batch * (k.width + k.cached), k.batch, k.width)) if held else None
+        return min(held, key=lambda k: (*k.size, k.width)) if held else None
 
     def largest_key(self) -> IncrementalKey:
-        return max(self.programs, key=lambda key: (key.batch * (key.width + key.cached), key.batch))
+        return max(self.programs, key=lambda key: key.size)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Every key's graph, largest first (smaller ones then reuse the pool's blocks)."""
-        for key in sorted(self.programs, key=lambda k: (k.batch * (k.width + k.cached), k.batch), reverse=True):
+        for key in sorted(self.programs, key=lambda k: k.size, reverse=True):
             self._capture(self.programs[key])
 
     @holding_capture_lock
