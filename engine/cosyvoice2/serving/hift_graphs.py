@@ -155,10 +155,11 @@ class HiftGraphs:
                 self._capture(key)
 
     @torch.inference_mode()
-    def capture_rows(self) -> int:
+    def capture_rows(self) -> tuple[int, float]:
         """The one-row graphs of the shapes allowed row by row (after ``capture_allowed``); a
-        shape whose capture fails is logged and stays eager. Returns how many were captured."""
-        captured = 0
+        shape whose capture fails is logged and stays eager. Returns how many were captured and
+        their own largest |replay - eager| (``max_error`` covers every graph)."""
+        captured, before, self.max_error = 0, self.max_error, 0.0
         for frames, cached in sorted(self.row_shapes - self.shapes, reverse=True):
             key = HiftKey(1, frames, cached)
             if key in self.graphs:
@@ -169,7 +170,8 @@ class HiftGraphs:
             except Exception as exc:  # an optional speed-up: this length runs eagerly
                 log.error("HiFT CUDA graph %s could not be captured, that length runs eagerly: %s", key, exc)
                 self.row_shapes.discard((frames, cached))
-        return captured
+        rows_error, self.max_error = self.max_error, max(before, self.max_error)
+        return captured, rows_error
 
     @holding_capture_lock
     def _capture(self, key: HiftKey) -> _CapturedVocoder:

@@ -388,11 +388,13 @@ class Token2WavRunner:
         device = prompts[0].speech_feat.device
         args = self._batch_args(jobs)
         streaming = self._streaming(finalize)
-        taken = self._prefix_slots(jobs, lane) if streaming else None
-        slots = None if taken is None else to_device(taken, torch.long, device)
         widths = [self.planner.decoder_width(self.schedule.job_frames(job), finalize) for job in jobs]
+        prefix_frames = [self.flow.voice_prefix_frames(p.tokens) for p in prompts]
+        after = [w - p for w, p in zip(widths, prefix_frames)]  # each row's frames after its voice prefix
+        taken = self._prefix_slots(jobs, lane, prefix_frames, max(after)) if streaming else None
+        slots = None if taken is None else to_device(taken, torch.long, device)
         if slots is not None:
-            widths = [w - self.flow.voice_prefix_frames(p.tokens) for w, p in zip(widths, prompts)]
+            widths = after
         graphs = self._flow_graphs(lane)
         self._count_call(jobs, widths, slots is not None, graphs)
         encoder = self._lane_encoder(jobs, lane)
@@ -414,25 +416,30 @@ class Token2WavRunner:
             mel[i : i + 1, :, job.request.stream.offset * mel_ratio : int(new_len[i])] for i, job in enumerate(jobs)
         ]
 
-    def _prefix_slots(self, jobs: list[ChunkJob], lane: Lane | None) -> list[int] | None:
-        """The bank slots of these streaming jobs' voices where their call starts after the
-        voice prefixes, else None. More voices than the cache holds would rebuild prefixes
-        batch after batch. On the engine thread, asked first whether a prefix serves: taking a
-        slot may build a voice's prefix. On the lane (``Lane.after_prefix``), calls of several
-        rows (one row replays its whole graph faster) whose voices the bank holds already,
-        their slots pinned until the call's GPU work is done (``finish``)."""
+    def _prefix_slots(
+        self, jobs: list[ChunkJob], lane: Lane | None, prefix_frames: list[int], width_after: int
+    ) -> list[int] | None:
+        """The bank slots of these streaming jobs' voices (``prefix_frames`` each) where their
+        call starts after the voice prefixes (``width_after`` frames at most a row), else None.
+        More voices than the cache holds would rebuild prefixes batch after batch. On the
+        engine thread, asked first whether a prefix serves: taking a slot may build a voice's
+        prefix. On the lane (``Lane.after_prefix``), calls of several rows (one row replays its
+        whole graph faster) whose voices the bank holds already, their slots pinned until the
+        call's GPU work is done (``finish``)."""
         prefixes = self.prefixes
         prompts = [job.request.prompt for job in jobs]
         if prefixes is None or not 0 < len({id(p) for p in prompts}) <= prefixes.capacity:
             return None
         if lane is not None:
-            return self._pin(jobs, lane) if lane.after_prefix and len(jobs) > 1 else None
+            if not lane.after_prefix or len(jobs) < 2:
+                return None
+            return self._pin(jobs, lane, min(prefix_frames), width_after)
         if not self._prefix_serves(jobs):
             return None
-        prefixes.make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), prompts[0].speech_feat)
+        prefixes.make_room(max(prefix_frames), prompts[0].speech_feat)
         return prefixes.slots(prompts)
 
-    def _pin(self, jobs: list[ChunkJob], lane: Lane) -> list[int] | None:
+    def _pin(self, jobs: list[ChunkJob], lane: Lane, shortest_prefix: int, width_after: int) -> list[int] | None:
         """The lane's call after its voices' prefixes: their slots, pinned for the call in flight
         (``finish`` unpins them once its GPU work is done, ``launch`` if the call fails), where
         every voice has a prefix and the lane has a graph of the call after them; else None and
@@ -440,13 +447,10 @@ class Token2WavRunner:
         pinned = getattr(self._phases, "pinned", None)
         if pinned is None:
             raise RuntimeError("a lane's call after voice prefixes runs inside launch, which unpins its slots")
-        prefixes = [self.flow.voice_prefix_frames(job.request.prompt.tokens) for job in jobs]
-        width = max(
-            self.planner.decoder_width(self.schedule.job_frames(job), job.finalize) - prefix
-            for job, prefix in zip(jobs, prefixes)
-        )
         graphs = lane.flow_graphs
-        if min(prefixes) == 0 or (graphs is not None and not graphs.has(len(jobs), width, True, after_prefix=True)):
+        if shortest_prefix == 0 or (
+            graphs is not None and not graphs.has(len(jobs), width_after, True, after_prefix=True)
+        ):
             return None
         slots = self.prefixes.pin([job.request.prompt for job in jobs])
         if slots is not None:

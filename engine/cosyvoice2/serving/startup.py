@@ -147,9 +147,7 @@ def capture_hift_graphs(
     if graphs.row_shapes:
         device, lengths = graphs.device, len(graphs.row_shapes - graphs.shapes)
         reserved, seconds, free = torch.cuda.memory_reserved(device), graphs.capture_seconds, _free_bytes(device)
-        batched_error, graphs.max_error = graphs.max_error, 0.0  # the one-row graphs' own, logged apart
-        count = graphs.capture_rows()
-        rows_error, graphs.max_error = graphs.max_error, max(batched_error, graphs.max_error)
+        count, rows_error = graphs.capture_rows()
         log.info(
             "HiFT CUDA graphs of one row for last and early chunks: %d of %d lengths in %.1f s (%.2f GiB reserved, "
             "%.2f GiB of the card); largest |replay - eager| %.2e", count, lengths,
