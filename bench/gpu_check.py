@@ -746,9 +746,9 @@ def argument_parser() -> argparse.ArgumentParser:
                         "are marked and do not count towards the stall-free capacity")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-hift-graphs", action="store_true", help="the vocoder eager (hift_graphs = false)")
-    parser.add_argument("--hift-graphs-all-lengths", action="store_true",
+    parser.add_argument("--hift-graphs-all-lengths", action=argparse.BooleanOptionalAction, default=True,
                         help="one-row vocoder graphs of last and early chunks' lengths (hift_graphs_all_lengths)")
-    parser.add_argument("--paged-encoder-graphs", action="store_true",
+    parser.add_argument("--paged-encoder-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="the paged calls' token encoder by CUDA graphs (paged_encoder_graphs)")
     parser.add_argument("--no-first-chunk-lane", action="store_true",
                         help="first chunks wait for the main token2wav thread (first_chunk_lane = false)")

@@ -168,8 +168,9 @@ class CosyVoice2Settings:
     first_chunk_lane: bool = True
     # ... and its calls of several rows start the decoder after their voices' prefixes when the
     # bank holds them (~100 instead of ~250 decoder frames a row with a 3.6 s prompt), reading
-    # the bank while the main thread serves (their slots pinned meanwhile). Exact; not yet
-    # measured on a GPU.
+    # the bank while the main thread serves (their slots pinned meanwhile). Exact. Off: at 64
+    # sessions on an H100 it served 4-15 of 52-93 lane calls (the burst's first chunks reach the
+    # lane a row or two at a time), too few to tell (docs/benchmarks.md, 2026-12-07 thirteenth).
     first_chunk_lane_after_prefix: bool = False
     # ... and with a short first chunk, the chunk after it too (its listener holds a fraction
     # of a second). Fewer and shorter stalls after the first chunk, but under load first
@@ -211,13 +212,16 @@ class CosyVoice2Settings:
     hift_graphs: bool = True
     # ... and one-row graphs of every other chunk length (last chunks, early chunks: 52-76
     # lengths a voice with 25-token hops, 224-247 with 200), replayed row by row, instead of eager calls
-    # of ~500 small kernels each (serving/hift_graphs.py). Not yet measured.
-    hift_graphs_all_lengths: bool = False
+    # of ~500 small kernels each (serving/hift_graphs.py). With the next setting, on an H100 at 64
+    # sessions: the engine thread's vocoder 22-25 instead of 29-50 ms of GPU time a call, its
+    # thread time 5 instead of 59-78 ms (235 graphs, 21 s of start-up, 0.17 GiB).
+    hift_graphs_all_lengths: bool = True
     # GPU, paged flow: the engine thread's token encoder (a paged call's incremental encode,
     # ~600 ops launched one by one: 26-45 ms of a ~200 ms call on an H100 at 64 sessions) by
     # CUDA graphs of its encoder pass, with the turns' caches copied into their inputs
-    # (engine/cosyvoice2/serving/incremental_encoder_graphs.py; exact). Not yet measured on a GPU.
-    paged_encoder_graphs: bool = False
+    # (engine/cosyvoice2/serving/incremental_encoder_graphs.py; exact). On an H100 at 64
+    # sessions: 10-11 instead of 19-25 ms of GPU time a call (236 graphs, 7 s, 4.45 GiB).
+    paged_encoder_graphs: bool = True
     # The flow decoder's attention (an additive chunk mask, which SDPA's flash kernel does not
     # take) runs on cuDNN's kernel or else the memory-efficient one. Importing vLLM turns
     # cuDNN's SDPA off for the whole process (vllm/platforms/cuda.py, for other models' sake);
