@@ -164,6 +164,7 @@ hift_graphs_all_lengths = {str(args.hift_graphs_all_lengths).lower()}
 first_chunk_lane = {str(not args.no_first_chunk_lane).lower()}
 first_chunk_lane_after_prefix = {str(args.lane_after_prefix).lower()}
 first_chunk_by_load = {str(args.first_chunk_by_load).lower()}
+first_chunk_waits_round = {str(args.first_chunk_waits_round).lower()}
 second_chunk_on_lane = {str(args.second_chunk_on_lane).lower()}
 flow_cudnn_attention = {str(not args.no_flow_cudnn_attention).lower()}
 flow_fused_kernels = {str(args.flow_fused_kernels).lower()}
@@ -756,6 +757,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="the lane's calls of several rows after voice prefixes (first_chunk_lane_after_prefix)")
     parser.add_argument("--first-chunk-by-load", action="store_true",
                         help="the short first chunk only when the next can follow in time (first_chunk_by_load = true)")
+    parser.add_argument("--first-chunk-waits-round", action="store_true",
+                        help="... judging the next chunk to wait for the engine thread's round in flight (first_chunk_waits_round)")
     parser.add_argument("--second-chunk-on-lane", action="store_true",
                         help="the lane also runs the chunk after a short first chunk (second_chunk_on_lane = true)")
     parser.add_argument("--no-flow-cudnn-attention", action="store_true",

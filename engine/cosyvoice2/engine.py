@@ -155,6 +155,7 @@ class CosyVoice2Engine(Engine):
             min_call_rows=min(settings.min_call_rows, settings.max_batch) if device.type == "cuda" else 1,
             playing_first=settings.playing_listeners_first,
             urgent_between_calls=settings.urgent_chunks_between_calls,
+            first_chunk_waits_round=settings.first_chunk_waits_round,
         )
         await self._warm_up()
         self._watchdog = asyncio.create_task(self._watch())

@@ -112,6 +112,13 @@ class CosyVoice2Settings:
     # (scheduler.LOAD_RISE_FACTOR); else start with the official first chunk. Trades first
     # audio for no stall under load (H200: docs/benchmarks.md). Off: always the short one.
     first_chunk_by_load: bool = False
+    # ... judging that the chunk after it, if the token2wav engine thread is busy, waits for the
+    # rest of the thread's round of calls in flight (its recent length), not for one call: with
+    # the first-chunk lane (and urgent_chunks_between_calls off) no chunk goes between a
+    # round's calls. On an H100 at 64 sessions 23 of 26 stalls were the chunk after a kept short
+    # first chunk (docs/benchmarks.md, thirteenth round). More first chunks are lengthened:
+    # fewer stalls, later first audio. Not yet measured: off.
+    first_chunk_waits_round: bool = False
     # The token2wav engine thread launches its next call before it waits for the one in flight,
     # so that the GPU has the next call's work queued while the host finishes the last one.
     # Off: on an H100 at 64 sessions it did not stand out of the spread of repeated runs, and

@@ -92,13 +92,13 @@ def _call_failed(exc: Exception) -> EngineError:
     return EngineError(f"audio generation failed: {exc}")
 
 
-def short_first_chunk_fits(playable_s: float, next_tokens: int, token_s: float, call_s: float, busy: bool) -> bool:
+def short_first_chunk_fits(playable_s: float, next_tokens: int, token_s: float, call_s: float, busy_s: float) -> bool:
     """Whether the chunk after a short first chunk can be out before that one has played.
 
     Either chunk takes about one flow call (``call_s``) once it runs; the next one also waits
-    for the ``next_tokens`` it needs, one every ``token_s`` from now, and for the call in
-    flight when the worker is ``busy``. The first chunk's listener plays ``playable_s``."""
-    next_out = max(next_tokens * token_s, call_s) + (call_s if busy else 0.0) + call_s
+    for the ``next_tokens`` it needs, one every ``token_s`` from now, and ``busy_s`` for the
+    work its worker has in hand (0 when idle). The first chunk's listener plays ``playable_s``."""
+    next_out = max(next_tokens * token_s, call_s) + busy_s + call_s
     return next_out <= call_s + playable_s
 
 
@@ -115,6 +115,7 @@ class Scheduler:
         self, runner, max_batch: int, loop: asyncio.AbstractEventLoop, *, early_chunks: bool = True,
         first_chunk_lane: Lane | None = None, first_chunk_by_load: bool = False, launch_ahead: bool = False,
         min_call_rows: int = 1, playing_first: bool = False, urgent_between_calls: bool = False,
+        first_chunk_waits_round: bool = False,
     ) -> None:
         self.runner = runner
         self.schedule = runner.schedule
@@ -127,6 +128,7 @@ class Scheduler:
         self.min_call_rows = min_call_rows
         self.playing_first = playing_first
         self.urgent_between_calls = urgent_between_calls
+        self.first_chunk_waits_round = first_chunk_waits_round
         self._lane_busy = False
         self._recent_batch_s = 0.0  # moving average of a batch's run time, all its groups
         # Moving average of one flow call of the main thread: its share of the thread (from its
@@ -331,17 +333,29 @@ class Scheduler:
         playable_s = schedule.first_chunk_playable_s(request)
         # The lane may run the chunk after a short first chunk (ChunkSchedule.opens_turn).
         if self.first_chunk_lane is not None and schedule.second_on_lane:
-            call_s, busy = self._recent_lane_call_s, self._lane_busy
+            call_s = self._recent_lane_call_s
+            busy_s = call_s if self._lane_busy else 0.0
         else:
-            call_s, busy = self._recent_call_s, self.running > 0
+            call_s = self._recent_call_s
+            busy_s = self._engine_thread_wait_s() if self.running > 0 else 0.0
         rising = len(self.requests) > LOAD_RISE_FACTOR * self._recent_call_requests + LOAD_RISE_SLACK
-        if not rising and short_first_chunk_fits(playable_s, next_tokens, token_s, call_s, busy):
+        if not rising and short_first_chunk_fits(playable_s, next_tokens, token_s, call_s, busy_s):
             return job
         if not schedule.lengthen_first_chunk(request):
             return job
         self.latency.count("token2wav_first_chunks_lengthened")
         request.ready_at = None  # its chunk is ready once the longer chunk's tokens are there
         return schedule.next_job(request)
+
+    def _engine_thread_wait_s(self) -> float:
+        """How long a chunk that becomes ready while the engine thread is busy waits for it: one
+        call, or with ``first_chunk_waits_round`` the round in flight (its recent length) where
+        no chunk goes between a round's calls (with the first-chunk lane, unless
+        ``urgent_between_calls``): there, a second chunk waits for the round's end."""
+        takes_arrivals = self.first_chunk_lane is None or self.urgent_between_calls
+        if self.first_chunk_waits_round and not takes_arrivals:
+            return max(self._recent_batch_s, self._recent_call_s)
+        return self._recent_call_s
 
     def _next_batch(self) -> list[tuple[Request, ChunkJob]]:
         now = time.monotonic()

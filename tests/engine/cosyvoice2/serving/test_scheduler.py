@@ -653,13 +653,17 @@ async def test_a_listener_about_to_run_dry_gets_the_tokens_there_are():
 
 def test_a_short_first_chunk_fits_when_the_next_can_follow_before_it_has_played():
     # 0.24 s to play. Idle: 25 tokens at 3.5 ms and an 80 ms call are out in 0.17 s of 0.32.
-    assert short_first_chunk_fits(0.24, 25, 0.0035, 0.08, busy=False)
+    assert short_first_chunk_fits(0.24, 25, 0.0035, 0.08, busy_s=0.0)
     # Under load: 6.5 ms a token, 0.3 s calls, one in flight: 0.9 s against 0.54.
-    assert not short_first_chunk_fits(0.24, 25, 0.0065, 0.3, busy=True)
+    assert not short_first_chunk_fits(0.24, 25, 0.0065, 0.3, busy_s=0.3)
     # The tokens alone can be too slow (11 ms each at 128 sessions), even with the scheduler idle...
-    assert not short_first_chunk_fits(0.24, 25, 0.011, 0.08, busy=False)
+    assert not short_first_chunk_fits(0.24, 25, 0.011, 0.08, busy_s=0.0)
     # ...unless an early chunk can follow with 5 of them.
-    assert short_first_chunk_fits(0.24, 5, 0.011, 0.08, busy=False)
+    assert short_first_chunk_fits(0.24, 5, 0.011, 0.08, busy_s=0.0)
+    # 50 ms calls and 4 ms a token fit behind one call in flight (0.2 s against 0.29), not
+    # behind a round of 0.4 s (0.55 s).
+    assert short_first_chunk_fits(0.24, 25, 0.004, 0.05, busy_s=0.05)
+    assert not short_first_chunk_fits(0.24, 25, 0.004, 0.05, busy_s=0.4)
 
 
 class FirstChunkToken2Wav(FakeToken2Wav):
@@ -667,6 +671,7 @@ class FirstChunkToken2Wav(FakeToken2Wav):
     its test says the longer chunk's tokens are there."""
 
     hop_len, first_hop_len = 25, 5
+    second_on_lane = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -735,6 +740,39 @@ async def test_by_load_first_chunks_wait_for_the_official_length_while_the_load_
             scheduler.wake.notify_all()
         await until(alone.get())
         assert len(fake.lengthened) == 5 and fake.batches[0] == ["alone"]
+    finally:
+        await asyncio.to_thread(scheduler.stop)
+
+
+@pytest.mark.parametrize("waits_round, lane, between_calls, lengthened", [
+    (False, Lane(), False, False),  # one call counted: the short chunk is kept
+    (True, Lane(), False, True),  # the round in flight counted: it is not
+    (True, Lane(), True, False),  # chunks go between a round's calls: one call, as without the setting
+    (True, None, False, False),  # no lane: the engine thread takes chunks between its calls
+])
+async def test_by_load_the_next_chunk_waits_for_the_round_in_flight_where_none_goes_between_calls(
+    waits_round, lane, between_calls, lengthened
+):
+    """The engine thread is busy with a round of 0.4 s in calls of 50 ms, and tokens come every
+    4 ms: 25 more follow the short first chunk within its 0.24 s behind one call, not behind
+    the round."""
+    fake = FirstChunkToken2Wav()
+    scheduler = Scheduler(
+        fake, max_batch=4, loop=asyncio.get_running_loop(), first_chunk_by_load=True, first_chunk_lane=lane,
+        urgent_between_calls=between_calls, first_chunk_waits_round=waits_round,
+    )
+    try:
+        now = time.monotonic()
+        request = Request(prompt=None, stream=FakeState("a", 2, first=True, tokens=[1] * 13), output=asyncio.Queue(),
+                          status=RequestStatus.INPUT_ENDED)
+        request.first_token_at = now - 12 * 0.004
+        with scheduler.lock:
+            scheduler._recent_call_s, scheduler._recent_batch_s, scheduler._recent_call_requests = 0.05, 0.4, 1.0
+            scheduler.running = 1
+            job = scheduler._job(request, now)
+            scheduler.running = 0
+        assert fake.lengthened == (["a"] if lengthened else [])
+        assert (job is None) == lengthened
     finally:
         await asyncio.to_thread(scheduler.stop)
 
