@@ -112,8 +112,8 @@ class CosyVoice2Settings:
     # (scheduler.LOAD_RISE_FACTOR); else start with the official first chunk. Trades first
     # audio for no stall under load (H200: docs/benchmarks.md). Off: always the short one.
     first_chunk_by_load: bool = False
-    # ... judging that the chunk after it, if the token2wav engine thread is busy, waits for the
-    # rest of the thread's round of calls in flight (its recent length), not for one call: with
+    # ... judging that the chunk after it, while the token2wav engine thread runs a round of
+    # calls, waits for a whole recent round (a bound on what is left of it), not one call: with
     # the first-chunk lane (and urgent_chunks_between_calls off) no chunk goes between a
     # round's calls. On an H100 at 64 sessions 23 of 26 stalls were the chunk after a kept short
     # first chunk (docs/benchmarks.md, thirteenth round). More first chunks are lengthened:
@@ -175,9 +175,9 @@ class CosyVoice2Settings:
     first_chunk_lane: bool = True
     # ... and its calls of several rows start the decoder after their voices' prefixes when the
     # bank holds them (~100 instead of ~250 decoder frames a row with a 3.6 s prompt), reading
-    # the bank while the main thread serves (their slots pinned meanwhile). Exact. Off: at 64
-    # sessions on an H100 it served 4-15 of 52-93 lane calls (the burst's first chunks reach the
-    # lane a row or two at a time), too few to tell (docs/benchmarks.md, 2026-12-07 thirteenth).
+    # the bank while the main thread serves (their slots pinned meanwhile). Exact. Off: on an
+    # H100 it served 4-5 of 52-56 lane calls at 64 sessions and 15 of 93 at 128 (the burst's
+    # first chunks reach the lane a row or two at a time), too few to tell (docs/benchmarks.md).
     first_chunk_lane_after_prefix: bool = False
     # ... and with a short first chunk, the chunk after it too (its listener holds a fraction
     # of a second). Fewer and shorter stalls after the first chunk, but under load first
@@ -221,7 +221,7 @@ class CosyVoice2Settings:
     # lengths a voice with 25-token hops, 224-247 with 200), replayed row by row, instead of eager calls
     # of ~500 small kernels each (serving/hift_graphs.py). With the next setting, on an H100 at 64
     # sessions: the engine thread's vocoder 22-25 instead of 29-50 ms of GPU time a call, its
-    # thread time 5 instead of 59-78 ms (235 graphs, 21 s of start-up, 0.17 GiB).
+    # thread time 5-6 instead of 59-78 ms (235 graphs, 21 s of start-up, 0.17 GiB).
     hift_graphs_all_lengths: bool = True
     # GPU, paged flow: the engine thread's token encoder (a paged call's incremental encode,
     # ~600 ops launched one by one: 26-45 ms of a ~200 ms call on an H100 at 64 sessions) by

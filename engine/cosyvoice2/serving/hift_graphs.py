@@ -13,7 +13,8 @@ frames plus one hop (58 frames with the official 25-token hop) with 8 frames of 
 excitation, and every first chunk of a voice has the same length without a cache. A
 graph is keyed by (batch bucket, frames, cached samples); final chunks, whose length
 varies, run eagerly, unless their shapes are allowed row by row (``allow_row_by_row``,
-``hift_graphs_all_lengths``): then one graph of one row per length, replayed for each row.
+``hift_graphs_all_lengths``, on by default): then one graph of one row per length, replayed
+for each row.
 
 Why: at 64 sessions on an H100 (eleventh round) the engine thread's vocoder phase took
 ~83 ms of thread time a call, most of it inside eager vocoder calls, against ~53 ms of

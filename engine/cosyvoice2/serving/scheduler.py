@@ -144,6 +144,7 @@ class Scheduler:
         self.wake = threading.Condition(self.lock)
         self.requests: set[Request] = set()
         self.running = 0
+        self._engine_round = False  # the engine thread is running a round of calls
         self.latency = LatencyBook()
         self._stopping = False
         # Why the scheduler can serve no more (a worker thread died, the watchdog saw a stall).
@@ -337,7 +338,7 @@ class Scheduler:
             busy_s = call_s if self._lane_busy else 0.0
         else:
             call_s = self._recent_call_s
-            busy_s = self._engine_thread_wait_s() if self.running > 0 else 0.0
+            busy_s = self._engine_thread_wait_s()
         rising = len(self.requests) > LOAD_RISE_FACTOR * self._recent_call_requests + LOAD_RISE_SLACK
         if not rising and short_first_chunk_fits(playable_s, next_tokens, token_s, call_s, busy_s):
             return job
@@ -348,14 +349,16 @@ class Scheduler:
         return schedule.next_job(request)
 
     def _engine_thread_wait_s(self) -> float:
-        """How long a chunk that becomes ready while the engine thread is busy waits for it: one
-        call, or with ``first_chunk_waits_round`` the round in flight (its recent length) where
-        no chunk goes between a round's calls (with the first-chunk lane, unless
-        ``urgent_between_calls``): there, a second chunk waits for the round's end."""
+        """How long a chunk that becomes ready now may wait for the engine thread's work in hand:
+        one call while a chunk runs (on either thread, as first counted), or with
+        ``first_chunk_waits_round``, while the engine thread runs a round, a whole recent round
+        (an upper bound on what is left of it) where no chunk goes between a round's calls (with
+        the first-chunk lane, unless ``urgent_between_calls``): there a second chunk waits for
+        the round's end."""
         takes_arrivals = self.first_chunk_lane is None or self.urgent_between_calls
         if self.first_chunk_waits_round and not takes_arrivals:
-            return max(self._recent_batch_s, self._recent_call_s)
-        return self._recent_call_s
+            return max(self._recent_batch_s, self._recent_call_s) if self._engine_round else 0.0
+        return self._recent_call_s if self.running > 0 else 0.0
 
     def _next_batch(self) -> list[tuple[Request, ChunkJob]]:
         now = time.monotonic()
@@ -549,12 +552,15 @@ class Scheduler:
                 if self._stopping:
                     break
                 self._take(batch)
+                self._engine_round = bool(batch) or in_flight is not None
             if not batch:  # nothing to launch behind the call in flight: deliver it, then look again
                 self._deliver(in_flight)
                 in_flight = None
                 continue
             started = time.monotonic()
             in_flight = self._run_calls(batch, in_flight=in_flight)
+            with self.lock:
+                self._engine_round = in_flight is not None  # launched ahead: still running
             # The whole round of calls: how long until the worker looks at the queue again.
             self._recent_batch_s += 0.2 * (time.monotonic() - started - self._recent_batch_s)
         self._deliver(in_flight)

@@ -744,14 +744,15 @@ async def test_by_load_first_chunks_wait_for_the_official_length_while_the_load_
         await asyncio.to_thread(scheduler.stop)
 
 
-@pytest.mark.parametrize("waits_round, lane, between_calls, lengthened", [
-    (False, Lane(), False, False),  # one call counted: the short chunk is kept
-    (True, Lane(), False, True),  # the round in flight counted: it is not
-    (True, Lane(), True, False),  # chunks go between a round's calls: one call, as without the setting
-    (True, None, False, False),  # no lane: the engine thread takes chunks between its calls
+@pytest.mark.parametrize("waits_round, lane, between_calls, engine_round, lengthened", [
+    (False, Lane(), False, True, False),  # one call counted: the short chunk is kept
+    (True, Lane(), False, True, True),  # the round in flight counted: it is not
+    (True, Lane(), True, True, False),  # chunks go between a round's calls: one call, as without the setting
+    (True, None, False, True, False),  # no lane: the engine thread takes chunks between its calls
+    (True, Lane(), False, False, False),  # only the lane is busy: no round to wait for
 ])
 async def test_by_load_the_next_chunk_waits_for_the_round_in_flight_where_none_goes_between_calls(
-    waits_round, lane, between_calls, lengthened
+    waits_round, lane, between_calls, engine_round, lengthened
 ):
     """The engine thread is busy with a round of 0.4 s in calls of 50 ms, and tokens come every
     4 ms: 25 more follow the short first chunk within its 0.24 s behind one call, not behind
@@ -768,11 +769,35 @@ async def test_by_load_the_next_chunk_waits_for_the_round_in_flight_where_none_g
         request.first_token_at = now - 12 * 0.004
         with scheduler.lock:
             scheduler._recent_call_s, scheduler._recent_batch_s, scheduler._recent_call_requests = 0.05, 0.4, 1.0
-            scheduler.running = 1
+            scheduler.running, scheduler._engine_round = 1, engine_round
             job = scheduler._job(request, now)
-            scheduler.running = 0
+            scheduler.running, scheduler._engine_round = 0, False
         assert fake.lengthened == (["a"] if lengthened else [])
         assert (job is None) == lengthened
+    finally:
+        await asyncio.to_thread(scheduler.stop)
+
+
+async def test_the_engine_thread_s_round_is_marked_while_it_runs_and_only_then():
+    fake, seen = FakeToken2Wav(), []
+    scheduler = Scheduler(fake, max_batch=1, loop=asyncio.get_running_loop())
+    launch = fake.launch
+
+    def launch_seeing_the_round(jobs, lane=None):
+        seen.append(scheduler._engine_round)  # the worker holds no lock here; the flag is its own
+        return launch(jobs, lane)
+
+    fake.launch = launch_seeing_the_round
+    try:
+        assert not scheduler._engine_round
+        queue = asyncio.Queue()
+        add(scheduler, FakeState("a", 2), queue)
+        with scheduler.lock:
+            scheduler.wake.notify_all()
+        for _ in range(2):
+            await until(queue.get())
+        await eventually(lambda: not scheduler._engine_round)
+        assert seen == [True, True]
     finally:
         await asyncio.to_thread(scheduler.stop)
 
