@@ -349,12 +349,12 @@ class Scheduler:
         return schedule.next_job(request)
 
     def _engine_thread_wait_s(self) -> float:
-        """How long a chunk that becomes ready now may wait for the engine thread's work in hand:
-        one call while a chunk runs (on either thread, as first counted), or with
-        ``first_chunk_waits_round``, while the engine thread runs a round, a whole recent round
-        (an upper bound on what is left of it) where no chunk goes between a round's calls (with
-        the first-chunk lane, unless ``urgent_between_calls``): there a second chunk waits for
-        the round's end."""
+        """How long a chunk that becomes ready now may wait for the engine thread's work in hand.
+        By default one call while any chunk runs (on either thread). With
+        ``first_chunk_waits_round``, where no chunk goes between a round's calls (with the
+        first-chunk lane, unless ``urgent_between_calls``), a whole recent round while the engine
+        thread runs one (a bound on what is left of it): there a second chunk waits for the
+        round's end."""
         takes_arrivals = self.first_chunk_lane is None or self.urgent_between_calls
         if self.first_chunk_waits_round and not takes_arrivals:
             return max(self._recent_batch_s, self._recent_call_s) if self._engine_round else 0.0
