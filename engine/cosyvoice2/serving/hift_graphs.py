@@ -54,7 +54,9 @@ still fills the GPU.
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +102,26 @@ class _CapturedVocoder:
         self.graph = graph
         self.mel, self.cache = mel, cache  # static inputs
         self.wav, self.source = wav, source  # static outputs
+        self.error = 0.0  # |replay - eager| when checked at capture (nan: the check could not run)
+
+    def replay(self, mel: Tensor, cache_source: Tensor) -> tuple[Tensor, Tensor]:
+        """Its call on these rows (padded to its batch), as fresh tensors."""
+        batch, rows = self.mel.shape[0], mel.shape[0]
+        self.mel.copy_(pad_rows(mel, batch))
+        self.cache.copy_(pad_rows(cache_source, batch))
+        self.graph.replay()
+        return self.wav[:rows].clone(), self.source[:rows].clone()
+
+
+def _joined(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """The audio and excitation of calls on consecutive rows, as one call's."""
+    return torch.cat([wav for wav, _ in parts]), torch.cat([source for _, source in parts])
+
+
+def _largest_error(captured: Iterable[_CapturedVocoder]) -> float:
+    """The largest |replay - eager| of these graphs; nan if any could not be checked."""
+    errors = [c.error for c in captured]
+    return float("nan") if any(math.isnan(e) for e in errors) else max(errors, default=0.0)
 
 
 class HiftGraphs:
@@ -126,7 +148,6 @@ class HiftGraphs:
         self.row_shapes: set[tuple[int, int]] = set()  # graphs of one row, replayed row by row
         self.graphs: dict[HiftKey, _CapturedVocoder] = {}
         self.capture_seconds = 0.0
-        self.max_error = 0.0  # largest |replay - eager| seen when checking a capture
         self._pool = torch.cuda.graph_pool_handle()
         # Captured kernels keep the priority of the stream they were captured on.
         self._stream = torch.cuda.Stream(self.device, priority=priority)
@@ -155,24 +176,27 @@ class HiftGraphs:
             if key not in self.graphs:
                 self._capture(key)
 
+    @property
+    def max_error(self) -> float:
+        """The largest |replay - eager| of every graph's check at capture."""
+        return _largest_error(self.graphs.values())
+
     @torch.inference_mode()
     def capture_rows(self) -> tuple[int, float]:
         """The one-row graphs of the shapes allowed row by row (after ``capture_allowed``); a
         shape whose capture fails is logged and stays eager. Returns how many were captured and
         their own largest |replay - eager| (``max_error`` covers every graph)."""
-        captured, before, self.max_error = 0, self.max_error, 0.0
+        captured: list[_CapturedVocoder] = []
         for frames, cached in sorted(self.row_shapes - self.shapes, reverse=True):
             key = HiftKey(1, frames, cached)
             if key in self.graphs:
                 continue
             try:
-                self._capture(key)
-                captured += 1
+                captured.append(self._capture(key))
             except Exception as exc:  # an optional speed-up: this length runs eagerly
                 log.error("HiFT CUDA graph %s could not be captured, that length runs eagerly: %s", key, exc)
                 self.row_shapes.discard((frames, cached))
-        rows_error, self.max_error = self.max_error, max(before, self.max_error)
-        return captured, rows_error
+        return len(captured), _largest_error(captured)
 
     @holding_capture_lock
     def _capture(self, key: HiftKey) -> _CapturedVocoder:
@@ -182,22 +206,22 @@ class HiftGraphs:
         graph, (wav, source) = capture_after_warm_up(lambda: self.hift(mel, cache), self._stream, self._pool)
         captured = _CapturedVocoder(graph, mel, cache, wav, source)
         try:
-            self._check(captured)
+            captured.error = self._check(captured)
         except RuntimeError as exc:  # the graph itself was captured; only its check could not run
             log.warning("HiFT CUDA graph %s captured but not checked against eager: %s", key, exc)
-            self.max_error = float("nan")
+            captured.error = float("nan")
         self.graphs[key] = captured
         self.capture_seconds += time.perf_counter() - started
         return captured
 
-    def _check(self, captured: _CapturedVocoder) -> None:
-        """Replay against the eager call on the same inputs and RNG state."""
+    def _check(self, captured: _CapturedVocoder) -> float:
+        """|replay - eager| on the same inputs and RNG state."""
         state = torch.cuda.get_rng_state(self.device)
         captured.graph.replay()
         replayed = captured.wav.clone()
         torch.cuda.set_rng_state(state, self.device)
         eager, _ = self.hift(captured.mel, captured.cache)
-        self.max_error = max(self.max_error, float((replayed - eager).abs().max()))
+        return float((replayed - eager).abs().max())
 
     @torch.inference_mode()
     def run(self, mel: Tensor, cache_source: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -215,7 +239,7 @@ class HiftGraphs:
                 if replayed is None:
                     return None
                 parts.append(replayed)
-            return torch.cat([wav for wav, _ in parts]), torch.cat([source for _, source in parts])
+            return _joined(parts)
         key = graph_key(self.batches, self.shapes, rows, frames, cache_source.shape[2])
         if key is None or mel.dtype != self.dtype:
             return None
@@ -228,10 +252,7 @@ class HiftGraphs:
                 log.error("HiFT CUDA graph %s could not be captured, that shape runs eagerly: %s", key, exc)
                 self.shapes.discard((frames, key.cached))
                 return None
-        captured.mel.copy_(pad_rows(mel, key.batch))
-        captured.cache.copy_(pad_rows(cache_source, key.batch))
-        captured.graph.replay()
-        return captured.wav[:rows].clone(), captured.source[:rows].clone()
+        return captured.replay(mel, cache_source)
 
     def _run_row_by_row(self, mel: Tensor, cache_source: Tensor) -> tuple[Tensor, Tensor] | None:
         """A row-by-row shape's call: its one-row graph replayed for each row (None where it has
@@ -239,11 +260,6 @@ class HiftGraphs:
         captured = self.graphs.get(HiftKey(1, mel.shape[2], cache_source.shape[2]))
         if captured is None or mel.dtype != self.dtype:
             return None
-        wavs, sources = [], []
-        for row in range(mel.shape[0]):  # one after another on this stream: each copies its outputs out first
-            captured.mel.copy_(mel[row : row + 1])
-            captured.cache.copy_(cache_source[row : row + 1])
-            captured.graph.replay()
-            wavs.append(captured.wav.clone())
-            sources.append(captured.source.clone())
-        return torch.cat(wavs), torch.cat(sources)
+        # One after another on this stream: each copies its outputs out before the next replay.
+        rows = range(mel.shape[0])
+        return _joined([captured.replay(mel[row : row + 1], cache_source[row : row + 1]) for row in rows])

@@ -9,6 +9,7 @@ fixed token list, so both sides vocode exactly the same tokens.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from pathlib import Path
@@ -828,6 +829,36 @@ def test_a_vocoder_call_of_a_length_allowed_row_by_row_replays_its_one_row_graph
     assert len(replays) == 3 and replayed.shape[0] == replayed_source.shape[0] == 3
     assert torch.equal(replayed, torch.cat([w for w, _ in alone]))
     assert torch.equal(replayed_source, torch.cat([s for _, s in alone]))
+
+
+def test_one_row_vocoder_graphs_report_their_own_replay_error_and_a_failing_length_stays_eager():
+    """``capture_rows``: how many one-row graphs it captured and their largest |replay - eager|,
+    apart from the other graphs' (``max_error`` covers all); a length whose capture fails leaves
+    the row-by-row shapes; an unchecked graph (nan) makes ``max_error`` nan."""
+    from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs, HiftKey, _CapturedVocoder
+
+    graphs = object.__new__(HiftGraphs)  # its constructor needs a CUDA device
+    graphs.shapes, graphs.row_shapes, graphs.graphs = {(58, 3840)}, set(), {}
+    batched = _CapturedVocoder(None, *(torch.zeros(1),) * 4)
+    batched.error = 3e-4
+    graphs.graphs[HiftKey(4, 58, 3840)] = batched
+    for frames in (20, 22, 24):
+        graphs.allow_row_by_row(frames, 3840)
+
+    def capture(key):
+        if key.frames == 22:
+            raise RuntimeError("out of memory")
+        captured = _CapturedVocoder(None, *(torch.zeros(1),) * 4)
+        captured.error = 1e-5 * key.frames
+        graphs.graphs[key] = captured
+        return captured
+
+    graphs._capture = capture
+    count, rows_error = graphs.capture_rows()
+    assert (count, rows_error) == (2, 1e-5 * 24)
+    assert graphs.row_shapes == {(20, 3840), (24, 3840)} and graphs.max_error == 3e-4
+    graphs.graphs[HiftKey(1, 24, 3840)].error = float("nan")
+    assert math.isnan(graphs.max_error)
 
 
 def test_hift_graph_keys():
