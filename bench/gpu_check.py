@@ -293,7 +293,8 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         "token2wav_flow_calls", "token2wav_flow_eager_calls", "token2wav_flow_encoder_graph_calls",
         "token2wav_flow_lane_calls_after_prefix", "token2wav_flow_vocoder_eager_calls",
         "token2wav_flow_padded_row_frames",
-        *(f"token2wav_{total}_{kind}" for total in ("flow_row_frames", "calls", "call_seconds") for kind in CALL_KINDS))}
+        *(f"token2wav_{total}_{kind}" for total in ("flow_row_frames", "calls", "call_seconds", "call_gpu_seconds")
+          for kind in CALL_KINDS))}
     needed = sum(totals[f"token2wav_flow_row_frames_{kind}"] for kind in CALL_KINDS)
     turns = delta("tts_token2wav_turn_state_turns_total")
     turn_state = {
@@ -336,6 +337,11 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         # per second of it (against bench/flow_profile.py's solve alone: what else costs).
         "call_ms_by_kind": {kind: _ratio(1000 * totals[f"token2wav_call_seconds_{kind}"],
                                          totals[f"token2wav_calls_{kind}"]) for kind in CALL_KINDS},
+        # ... and its mean time on the GPU's stream (the rest: waiting behind other work; None
+        # where no call had a GPU time).
+        "call_gpu_ms_by_kind": {kind: _ratio(1000 * totals[f"token2wav_call_gpu_seconds_{kind}"],
+                                             totals[f"token2wav_calls_{kind}"])
+                                if totals[f"token2wav_call_gpu_seconds_{kind}"] else None for kind in CALL_KINDS},
         "row_frames_per_call_s_by_kind": {kind: _ratio(totals[f"token2wav_flow_row_frames_{kind}"],
                                                        totals[f"token2wav_call_seconds_{kind}"]) for kind in CALL_KINDS},
         "first_audio_ms": first_audio_ms,

@@ -34,6 +34,7 @@ tts_token2wav_flow_phase_gpu_seconds_decoder_total{engine="cosyvoice2"} 0.8
 tts_token2wav_flow_phase_thread_seconds_decoder_total{engine="cosyvoice2"} 0.4
 tts_token2wav_flow_phase_thread_seconds_vocoder_total{engine="cosyvoice2"} 0.2
 tts_token2wav_call_seconds_later_total{engine="cosyvoice2"} 4.0
+tts_token2wav_call_gpu_seconds_later_total{engine="cosyvoice2"} 3.0
 tts_first_audio_chunks_total{engine="cosyvoice2"} 4.0
 tts_first_audio_llm_first_token_seconds_total{engine="cosyvoice2"} 0.08
 tts_first_audio_token2wav_run_seconds_total{engine="cosyvoice2"} 0.4
@@ -71,6 +72,7 @@ def test_stage_report_is_the_change_over_the_level():
     assert report["token2wav_flow_padding_share"] == 0.25  # 3000 of 4000 row-frames needed
     assert report["event_loop_lag_share_over_s"] == {"0.005": 0.1, "0.02": 0.01, "0.1": 0.0}
     assert report["call_ms_by_kind"] == {"first": 100.0, "later": 666.7, "final": None}
+    assert report["call_gpu_ms_by_kind"] == {"first": None, "later": 500.0, "final": None}  # first: no GPU time
     assert report["row_frames_per_call_s_by_kind"] == {"first": 2500.0, "later": 1250.0, "final": None}
     # The engine thread's calls phase by phase: ms per call (4 calls in the level); no lane's.
     engine = report["call_phase_ms"]["engine_thread"]
@@ -199,12 +201,19 @@ def test_the_sampler_dumps_the_token2wav_calls_and_chunks_of_its_span(tmp_path, 
     book.delivered(opening, start, start + 0.1)
     book.delivered(playing, start, start + 0.1)
     book.call("later", jobs, start, start + 0.1, False)
-    assert book.totals()["token2wav_batches"] == 1  # the book still counts
+    launched = SimpleNamespace(row_frames=100, padded_row_frames=128, gpu_seconds=0.07,
+                               gpu_phase_seconds={"decoder": 0.05, "vocoder": 0.02})
+    book.call("later", jobs[1:], start + 0.1, start + 0.2, False, launched)
+    assert book.totals()["token2wav_batches"] == 2  # the book still counts
+    assert book.totals()["token2wav_call_gpu_seconds_later"] == pytest.approx(0.07)
     sampler.dump()
     report = json.loads(out.read_text())["token2wav_trace"]
-    [call] = report["calls"]
+    call, timed = report["calls"]
     assert call["kind"] == "later" and not call["lane"] and call["s"] == 0.1
     assert call["requests"] == [opening.request_id, playing.request_id]
+    assert call["gpu_ms"] == {} and call["row_frames"] == call["padded_row_frames"] == 0  # not launched
+    assert timed["requests"] == [playing.request_id] and timed["row_frames"] == 100
+    assert timed["padded_row_frames"] == 128 and timed["gpu_ms"] == {"decoder": 50.0, "vocoder": 20.0}
     first, later = report["chunks"]
     assert first["first"] and first["runs_out"] is None and first["done"] - first["launched"] == pytest.approx(0.1)
     assert first["launched"] - first["text"] == pytest.approx(0.3, abs=1e-3)

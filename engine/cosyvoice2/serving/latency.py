@@ -6,7 +6,9 @@
 complete -> its call starts -> its audio is out. A chunk delivered after its listener ran
 out of audio is a late chunk, blamed on the LLM stage when its tokens were complete only
 after that moment, else on token2wav. Calls are counted and timed by kind (first, later,
-final: ``chunking.call_kind``), and by thread (the first-chunk lane apart).
+final: ``chunking.call_kind``), and by thread (the first-chunk lane apart); on a GPU also by
+their time on their stream (``token2wav_call_gpu_seconds_<kind>``): a call's wall time beyond it
+is its thread waiting for the GPU behind other work.
 
 The scheduler calls these under its lock.
 """
@@ -18,6 +20,7 @@ import collections
 from tts_gateway.engine.cosyvoice2.metrics import FIRST_AUDIO_STAGES
 from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob
 from tts_gateway.engine.cosyvoice2.serving.request import Request
+from tts_gateway.engine.cosyvoice2.serving.runner import LaunchedCall
 
 
 class LatencyBook:
@@ -30,8 +33,12 @@ class LatencyBook:
     def count(self, name: str) -> None:
         self._totals[name] += 1
 
-    def call(self, kind: str, jobs: list[ChunkJob], started: float, now: float, on_lane: bool) -> None:
-        """Book one token2wav call (flow and vocoder) of ``jobs``, of this kind."""
+    def call(
+        self, kind: str, jobs: list[ChunkJob], started: float, now: float, on_lane: bool,
+        launched: LaunchedCall | None = None,
+    ) -> None:
+        """Book one token2wav call (flow and vocoder) of ``jobs``, of this kind (``launched``:
+        its work, None if it failed to launch)."""
         totals = self._totals
         thread = "token2wav_first_lane" if on_lane else "token2wav"
         totals[f"{thread}_batches"] += 1
@@ -40,6 +47,8 @@ class LatencyBook:
         totals[f"{thread}_busy_seconds"] += now - started
         totals[f"token2wav_calls_{kind}"] += 1
         totals[f"token2wav_call_seconds_{kind}"] += now - started
+        if launched is not None and launched.gpu_seconds is not None:
+            totals[f"token2wav_call_gpu_seconds_{kind}"] += launched.gpu_seconds
 
     def delivered(self, request: Request, started: float, now: float) -> None:
         """Book a chunk's latency by stage, before its audio is counted as produced."""

@@ -93,16 +93,21 @@ class Lane:
 class LaunchedCall:
     """A call whose work is enqueued (``Token2WavRunner.launch``): its chunks' audio, one after
     another in ``host`` (pinned host memory on a GPU, filled once ``done`` has passed), their
-    ``lengths``, and the phase clock it ran on (``infix``: its thread's, in the totals' names).
-    ``finish`` sets ``gpu_seconds``: the call's time on its stream (None off a GPU), and
-    unpins the voice-prefix slots the call read (``pinned``: a lane's call after prefixes)."""
+    ``lengths``, and the phase clock it ran on (``infix``: its thread's, in the totals' names);
+    the decoder frames its rows needed and computed (``row_frames``, ``padded_row_frames``: as
+    ``work_totals`` counts them). ``finish`` sets ``gpu_seconds``, the call's time on its stream,
+    and ``gpu_phase_seconds``, that time by phase (None off a GPU), and unpins the voice-prefix
+    slots the call read (``pinned``: a lane's call after prefixes)."""
 
     host: torch.Tensor
     lengths: list[int]
     done: torch.cuda.Event | None
     clock: PhaseClock
     infix: str
+    row_frames: int = 0
+    padded_row_frames: int = 0
     gpu_seconds: float | None = None
+    gpu_phase_seconds: dict[str, float] | None = None
     pinned: list[int] = field(default_factory=list)
 
 
@@ -273,6 +278,7 @@ class Token2WavRunner:
             clock = PhaseClock(stream)
             self._phases.clock = clock
             self._phases.pinned = pinned = []  # voice-prefix slots the call reads on the lane (_pin)
+            self._phases.frames = frames = [0, 0]  # needed and computed row-frames (_book)
             try:
                 audio = self._run(jobs, lane)
                 # One copy to the host for the whole call, which finish waits for.
@@ -290,13 +296,13 @@ class Token2WavRunner:
                         self.prefixes.unpin(pinned)
                 raise
             finally:
-                self._phases.clock = self._phases.pinned = None
+                self._phases.clock = self._phases.pinned = self._phases.frames = None
             done = None
             if stream is not None:
                 done = torch.cuda.Event()
                 done.record(stream)
             infix = "" if lane is None else "lane_"  # metrics.PHASE_THREADS
-            return LaunchedCall(host, lengths, done, clock, infix, pinned=pinned)
+            return LaunchedCall(host, lengths, done, clock, infix, *frames, pinned=pinned)
 
     @staticmethod
     def done(call: LaunchedCall | None) -> bool:
@@ -313,7 +319,10 @@ class Token2WavRunner:
                 call.pinned = []
         totals = call.clock.close()
         if call.done is not None:
-            call.gpu_seconds = sum(value for name, value in totals.items() if name.startswith("gpu_seconds_"))
+            call.gpu_phase_seconds = {
+                name.removeprefix("gpu_seconds_"): value for name, value in totals.items() if name.startswith("gpu_seconds_")
+            }
+            call.gpu_seconds = sum(call.gpu_phase_seconds.values())
         with self._work_lock:
             self._work.update({f"{call.infix}phase_{name}": value for name, value in totals.items()})
             self._work[f"{call.infix}phase_calls"] += 1
@@ -797,3 +806,7 @@ class Token2WavRunner:
             work["eager_calls"] += eager
             work[f"row_frames_{kind}"] += sum(widths)
             work["padded_row_frames"] += padded
+        frames = getattr(self._phases, "frames", None)
+        if frames is not None:  # the call in flight on this thread (launch)
+            frames[0] += sum(widths)
+            frames[1] += padded

@@ -692,7 +692,7 @@ class Scheduler:
         batch, jobs = call.batch, [job for _, job in call.batch]
         compute_s = (now - busy_from) / max(len(batch), 1)
         with self.lock:
-            self.latency.call(call.kind, jobs, busy_from, now, call.on_lane)
+            self.latency.call(call.kind, jobs, busy_from, now, call.on_lane, call.launched)
             if call.on_lane:
                 self._recent_lane_call_s += 0.2 * (now - call.launched_at - self._recent_lane_call_s)
             else:

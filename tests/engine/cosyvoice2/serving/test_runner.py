@@ -588,11 +588,20 @@ def test_flow_work_totals_are_the_decoder_calls_made(models, voice, tokens, monk
     for n in (137, 90):
         state = stream(token2wav, prompt, list(tokens[:n]), done=True)
         states.append(state)
-    token2wav.run([token2wav.schedule.next_job(states[0])])  # one stream a chunk ahead: rows of different widths
+    launched = []  # each call's own count of the same frames (LaunchedCall)
+
+    def run(jobs):
+        launched.append(token2wav.launch(jobs))
+        token2wav.finish(launched[-1])
+
+    run([token2wav.schedule.next_job(states[0])])  # one stream a chunk ahead: rows of different widths
     while jobs := [job for state in states if (job := token2wav.schedule.next_job(state)) is not None]:
-        token2wav.run(jobs)
+        run(jobs)
 
     work = token2wav.work_totals()
+    assert sum(call.row_frames for call in launched) == sum(frames for _, frames in solves)
+    assert sum(call.padded_row_frames for call in launched) == work["flow_padded_row_frames"]
+    assert all(call.gpu_seconds is None and call.gpu_phase_seconds is None for call in launched)  # no GPU
     assert work["flow_calls"] == work["flow_eager_calls"] == len(solves)  # no graphs on a CPU
     assert work["flow_padded_row_frames"] == sum(computed for computed, _ in solves)
     needed = [work[f"flow_row_frames_{kind}"] for kind in ("first", "later", "final")]
