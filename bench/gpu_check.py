@@ -539,6 +539,46 @@ def first_audio_paths(profile: dict | None) -> dict | None:
     }
 
 
+# Row counts that split the engine thread's calls in call_costs: one or a few chunks, the
+# steady state's batches, the opening burst's.
+CALL_ROW_BANDS = ((1, 4), (5, 16), (17, None))
+
+
+def call_costs(profile: dict | None) -> dict | None:
+    """What the engine thread's calls cost, by how many chunks they ran (``CALL_ROW_BANDS``):
+    per band the calls, their mean chunks, decoder row-frames computed, wall time (ms; from
+    the call's share of the thread, as traced) and GPU time by phase (ms on its stream), and
+    the decoder's GPU time over the level's paged calls (none of their rows outside the pool)
+    as a line, ms = fixed + per row-frame (least squares): the decoder's cost inside the
+    gateway, beside the other process's work, to hold against bench/paged_call_costs.sh's
+    alone. None without a traced GPU call."""
+    calls = [c for c in ((profile or {}).get("token2wav_trace") or {}).get("calls", ())
+             if not c["lane"] and c.get("gpu_ms")]
+    if not calls:
+        return None
+    bands = {}
+    for low, high in CALL_ROW_BANDS:
+        band = [c for c in calls if low <= len(c["requests"]) and (high is None or len(c["requests"]) <= high)]
+        if not band:
+            continue
+        phases = sorted({phase for c in band for phase in c["gpu_ms"]})
+        bands[f"{low}-{high or ''}"] = {
+            "calls": len(band),
+            "chunks": round(statistics.fmean(len(c["requests"]) for c in band), 1),
+            "padded_row_frames": round(statistics.fmean(c["padded_row_frames"] for c in band)),
+            "wall_ms": round(statistics.fmean(1000 * c["s"] for c in band), 1),
+            "gpu_ms": {phase: round(statistics.fmean(c["gpu_ms"].get(phase, 0.0) for c in band), 1) for phase in phases},
+        }
+    paged = [c for c in calls if c["gpu_ms"].get("decoder") and not c["gpu_ms"].get("unpaged")]
+    frames = [c["padded_row_frames"] for c in paged]
+    decoder = [c["gpu_ms"]["decoder"] for c in paged]
+    line = None
+    if len(set(frames)) > 1:
+        slope, intercept = statistics.linear_regression(frames, decoder)
+        line = {"fixed_ms": round(intercept, 1), "us_per_row_frame": round(1000 * slope, 1)}
+    return {"by_rows": bands, "decoder_line": line}
+
+
 # How long a profile may take to come once asked for: the sampler answers within its 10 ms
 # interval, and a level's trace is a few MB of JSON.
 PROFILE_WAIT_S = 10.0
@@ -615,6 +655,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
             "stages": stage_report(before, after, elapsed),
             "profile": (profile := take_profile(gateway_pid, profile_path)),
             "first_audio_paths": first_audio_paths(profile),
+            "call_costs": call_costs(profile),
             "seconds": round(elapsed, 1),
             "idle_wait_s": idle_wait_s,
         }

@@ -431,3 +431,22 @@ def test_kernel_profiler_is_toggled_by_its_request_file(tmp_path):
     finally:
         sampler.stop()
         sampling.join(timeout=5)
+
+
+def test_call_costs_split_the_engine_threads_calls_by_rows():
+    def call(rows, frames, decoder, lane=False, **other):
+        return {"lane": lane, "s": (decoder + 10) / 1000, "requests": list(range(rows)),
+                "padded_row_frames": frames, "gpu_ms": {"decoder": decoder, "vocoder": 5.0, **other}}
+
+    calls = [call(1, 100, 30.0), call(3, 300, 40.0), call(8, 500, 50.0), call(32, 2000, 125.0),
+             call(32, 3000, 400.0, unpaged=90.0),  # rows outside the pool: not on the decoder's line
+             call(8, 800, 999.0, lane=True),  # the lane's: not the engine thread's
+             {"lane": False, "s": 0.1, "requests": [1], "padded_row_frames": 0, "gpu_ms": {}}]  # off a GPU
+    costs = gpu_check.call_costs({"token2wav_trace": {"calls": calls, "chunks": [], "dropped": 0}})
+    assert costs["by_rows"]["1-4"] == {"calls": 2, "chunks": 2.0, "padded_row_frames": 200, "wall_ms": 45.0,
+                                       "gpu_ms": {"decoder": 35.0, "vocoder": 5.0}}
+    assert costs["by_rows"]["5-16"]["calls"] == 1
+    assert costs["by_rows"]["17-"]["gpu_ms"] == {"decoder": 262.5, "unpaged": 45.0, "vocoder": 5.0}
+    assert costs["decoder_line"] == {"fixed_ms": 25.0, "us_per_row_frame": 50.0}  # 25 ms + 0.05 ms a row-frame
+    assert gpu_check.call_costs(None) is None
+    assert gpu_check.call_costs({"token2wav_trace": {"calls": calls[-2:], "chunks": [], "dropped": 0}}) is None
