@@ -567,7 +567,8 @@ def call_costs(profile: dict | None) -> dict | None:
             "chunks": round(statistics.fmean(len(c["requests"]) for c in band), 1),
             "padded_row_frames": round(statistics.fmean(c["padded_row_frames"] for c in band)),
             "wall_ms": round(statistics.fmean(1000 * c["s"] for c in band), 1),
-            "gpu_ms": {phase: round(statistics.fmean(c["gpu_ms"].get(phase, 0.0) for c in band), 1) for phase in phases},
+            "gpu_ms": {phase: round(statistics.fmean(c["gpu_ms"].get(phase, 0.0) for c in band), 1)
+                       for phase in phases},
         }
     paged = [c for c in calls if c["gpu_ms"].get("decoder") and not c["gpu_ms"].get("unpaged")]
     frames = [c["padded_row_frames"] for c in paged]

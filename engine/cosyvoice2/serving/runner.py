@@ -319,8 +319,9 @@ class Token2WavRunner:
                 call.pinned = []
         totals = call.clock.close()
         if call.done is not None:
+            prefix = "gpu_seconds_"
             call.gpu_phase_seconds = {
-                name.removeprefix("gpu_seconds_"): value for name, value in totals.items() if name.startswith("gpu_seconds_")
+                name.removeprefix(prefix): value for name, value in totals.items() if name.startswith(prefix)
             }
             call.gpu_seconds = sum(call.gpu_phase_seconds.values())
         with self._work_lock:
