@@ -337,11 +337,11 @@ def stage_report(before: dict, after: dict, elapsed: float) -> dict:
         # per second of it (against bench/flow_profile.py's solve alone: what else costs).
         "call_ms_by_kind": {kind: _ratio(1000 * totals[f"token2wav_call_seconds_{kind}"],
                                          totals[f"token2wav_calls_{kind}"]) for kind in CALL_KINDS},
-        # ... and its mean time on the GPU's stream (the rest: waiting behind other work; None
-        # where no call had a GPU time).
-        "call_gpu_ms_by_kind": {kind: _ratio(1000 * totals[f"token2wav_call_gpu_seconds_{kind}"],
-                                             totals[f"token2wav_calls_{kind}"])
-                                if totals[f"token2wav_call_gpu_seconds_{kind}"] else None for kind in CALL_KINDS},
+        # ... and its mean time on its stream's timeline (idle gaps and the other process's
+        # kernels beside it included; a call that failed counts with none; None off a GPU).
+        "call_gpu_ms_by_kind": {
+            kind: _ratio(1000 * totals[f"token2wav_call_gpu_seconds_{kind}"], totals[f"token2wav_calls_{kind}"])
+            if totals[f"token2wav_call_gpu_seconds_{kind}"] else None for kind in CALL_KINDS},
         "row_frames_per_call_s_by_kind": {kind: _ratio(totals[f"token2wav_flow_row_frames_{kind}"],
                                                        totals[f"token2wav_call_seconds_{kind}"]) for kind in CALL_KINDS},
         "first_audio_ms": first_audio_ms,
@@ -548,10 +548,11 @@ def call_costs(profile: dict | None) -> dict | None:
     """What the engine thread's calls cost, by how many chunks they ran (``CALL_ROW_BANDS``):
     per band the calls, their mean chunks, decoder row-frames computed, wall time (ms; from
     the call's share of the thread, as traced) and GPU time by phase (ms on its stream), and
-    the decoder's GPU time over the level's paged calls (none of their rows outside the pool)
-    as a line, ms = fixed + per row-frame (least squares): the decoder's cost inside the
-    gateway, beside the other process's work, to hold against bench/paged_call_costs.sh's
-    alone. None without a traced GPU call."""
+    the decoder's GPU time over the level's calls of one paged flow call (none of their rows
+    outside the pool) as a line, ms = fixed + per row-frame (least squares): the decoder's cost
+    inside the gateway, beside the other process's work, to hold against
+    bench/paged_call_costs.sh's alone (None with too few calls). None without a traced GPU call
+    of the engine thread."""
     calls = [c for c in ((profile or {}).get("token2wav_trace") or {}).get("calls", ())
              if not c["lane"] and c.get("gpu_ms")]
     if not calls:
@@ -570,7 +571,7 @@ def call_costs(profile: dict | None) -> dict | None:
             "gpu_ms": {phase: round(statistics.fmean(c["gpu_ms"].get(phase, 0.0) for c in band), 1)
                        for phase in phases},
         }
-    paged = [c for c in calls if c["gpu_ms"].get("decoder") and not c["gpu_ms"].get("unpaged")]
+    paged = [c for c in calls if c["gpu_ms"].get("decoder") and not c["gpu_ms"].get("unpaged") and c["flow_calls"] == 1]
     frames = [c["padded_row_frames"] for c in paged]
     decoder = [c["gpu_ms"]["decoder"] for c in paged]
     line = None

@@ -60,8 +60,8 @@ TOTALS = {
        for kind, what in CALL_KINDS.items()},
     **{f"token2wav_call_seconds_{kind}": f"Time of token2wav calls of {what} (mean = / token2wav_calls_{kind})."
        for kind, what in CALL_KINDS.items()},
-    **{f"token2wav_call_gpu_seconds_{kind}": f"GPU time of token2wav calls of {what}, on their stream (mean = / "
-       f"token2wav_calls_{kind}; GPU only)." for kind, what in CALL_KINDS.items()},
+    **{f"token2wav_call_gpu_seconds_{kind}": f"GPU time of token2wav calls of {what} (their stream's timeline, idle gaps "
+       f"included; mean = / token2wav_calls_{kind}; GPU only)." for kind, what in CALL_KINDS.items()},
     "token2wav_flow_eager_calls": "Flow calls with no CUDA graph for their shape (run eagerly).",
     "token2wav_flow_encoder_graph_calls": "Flow calls whose token encoder ran as a CUDA graph's replay (the "
     "first-chunk lane's, and paged calls' with paged_encoder_graphs).",

@@ -7,8 +7,10 @@ complete -> its call starts -> its audio is out. A chunk delivered after its lis
 out of audio is a late chunk, blamed on the LLM stage when its tokens were complete only
 after that moment, else on token2wav. Calls are counted and timed by kind (first, later,
 final: ``chunking.call_kind``), and by thread (the first-chunk lane apart); on a GPU also by
-their time on their stream (``token2wav_call_gpu_seconds_<kind>``): a call's wall time beyond it
-is its thread waiting for the GPU behind other work.
+their time on their stream's timeline (``token2wav_call_gpu_seconds_<kind>``: from when the
+stream reached the call, idle gaps and other processes' kernels beside it included, as
+phase_clock.py times phases). Wall time runs from the call's share of its thread; with
+``launch_ahead`` a call's GPU time may start before that share and exceed it.
 
 The scheduler calls these under its lock.
 """
@@ -16,11 +18,14 @@ The scheduler calls these under its lock.
 from __future__ import annotations
 
 import collections
+from typing import TYPE_CHECKING
 
 from tts_gateway.engine.cosyvoice2.metrics import FIRST_AUDIO_STAGES
 from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob
 from tts_gateway.engine.cosyvoice2.serving.request import Request
-from tts_gateway.engine.cosyvoice2.serving.runner import LaunchedCall
+
+if TYPE_CHECKING:
+    from tts_gateway.engine.cosyvoice2.serving.runner import LaunchedCall
 
 
 class LatencyBook:

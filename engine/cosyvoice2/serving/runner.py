@@ -94,8 +94,8 @@ class LaunchedCall:
     """A call whose work is enqueued (``Token2WavRunner.launch``): its chunks' audio, one after
     another in ``host`` (pinned host memory on a GPU, filled once ``done`` has passed), their
     ``lengths``, and the phase clock it ran on (``infix``: its thread's, in the totals' names);
-    the decoder frames its rows needed and computed (``row_frames``, ``padded_row_frames``: as
-    ``work_totals`` counts them). ``finish`` sets ``gpu_seconds``, the call's time on its stream,
+    its flow calls and the decoder frames their rows needed and computed (``flow_calls``,
+    ``row_frames``, ``padded_row_frames``: as ``work_totals`` counts them). ``finish`` sets ``gpu_seconds``, the call's time on its stream,
     and ``gpu_phase_seconds``, that time by phase (None off a GPU), and unpins the voice-prefix
     slots the call read (``pinned``: a lane's call after prefixes)."""
 
@@ -104,6 +104,7 @@ class LaunchedCall:
     done: torch.cuda.Event | None
     clock: PhaseClock
     infix: str
+    flow_calls: int = 0
     row_frames: int = 0
     padded_row_frames: int = 0
     gpu_seconds: float | None = None
@@ -192,7 +193,8 @@ class Token2WavRunner:
         # The flow's work as running totals (see work_totals); two worker threads add to them.
         self._work: collections.Counter[str] = collections.Counter()
         self._work_lock = threading.Lock()
-        self._phases = threading.local()  # this thread's call in flight: .clock (PhaseClock), .pinned (_pin)
+        # This thread's call in flight: .clock (PhaseClock), .pinned (_pin), .work (_book).
+        self._phases = threading.local()
 
     @classmethod
     def build(
@@ -278,7 +280,7 @@ class Token2WavRunner:
             clock = PhaseClock(stream)
             self._phases.clock = clock
             self._phases.pinned = pinned = []  # voice-prefix slots the call reads on the lane (_pin)
-            self._phases.frames = frames = [0, 0]  # needed and computed row-frames (_book)
+            self._phases.work = work = collections.Counter()  # flow calls and their row-frames (_book)
             try:
                 audio = self._run(jobs, lane)
                 # One copy to the host for the whole call, which finish waits for.
@@ -296,13 +298,16 @@ class Token2WavRunner:
                         self.prefixes.unpin(pinned)
                 raise
             finally:
-                self._phases.clock = self._phases.pinned = self._phases.frames = None
+                self._phases.clock = self._phases.pinned = self._phases.work = None
             done = None
             if stream is not None:
                 done = torch.cuda.Event()
                 done.record(stream)
             infix = "" if lane is None else "lane_"  # metrics.PHASE_THREADS
-            return LaunchedCall(host, lengths, done, clock, infix, *frames, pinned=pinned)
+            return LaunchedCall(
+                host, lengths, done, clock, infix, flow_calls=work["calls"], row_frames=work["row_frames"],
+                padded_row_frames=work["padded_row_frames"], pinned=pinned,
+            )
 
     @staticmethod
     def done(call: LaunchedCall | None) -> bool:
@@ -807,7 +812,6 @@ class Token2WavRunner:
             work["eager_calls"] += eager
             work[f"row_frames_{kind}"] += sum(widths)
             work["padded_row_frames"] += padded
-        frames = getattr(self._phases, "frames", None)
-        if frames is not None:  # the call in flight on this thread (launch)
-            frames[0] += sum(widths)
-            frames[1] += padded
+        call = getattr(self._phases, "work", None)
+        if call is not None:  # the call in flight on this thread (launch)
+            call.update(calls=1, row_frames=sum(widths), padded_row_frames=padded)

@@ -588,11 +588,15 @@ def test_flow_work_totals_are_the_decoder_calls_made(models, voice, tokens, monk
     for n in (137, 90):
         state = stream(token2wav, prompt, list(tokens[:n]), done=True)
         states.append(state)
-    launched = []  # each call's own count of the same frames (LaunchedCall)
+    launched = []  # each call's own count of the same work (LaunchedCall)
 
     def run(jobs):
+        before = token2wav.work_totals()
         launched.append(token2wav.launch(jobs))
         token2wav.finish(launched[-1])
+        after, call = token2wav.work_totals(), launched[-1]
+        assert call.flow_calls == after["flow_calls"] - before.get("flow_calls", 0) >= 1
+        assert call.padded_row_frames == after["flow_padded_row_frames"] - before.get("flow_padded_row_frames", 0)
 
     run([token2wav.schedule.next_job(states[0])])  # one stream a chunk ahead: rows of different widths
     while jobs := [job for state in states if (job := token2wav.schedule.next_job(state)) is not None]:
