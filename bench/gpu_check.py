@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import functools
 import itertools
 import json
@@ -547,7 +548,8 @@ CALL_ROW_BANDS = ((1, 4), (5, 16), (17, None))
 def call_costs(profile: dict | None) -> dict | None:
     """What the engine thread's calls cost, by how many chunks they ran (``CALL_ROW_BANDS``):
     per band the calls, their mean chunks, decoder row-frames computed, wall time (ms; from
-    the call's share of the thread, as traced) and GPU time by phase (ms on its stream), and
+    the call's share of the thread, as traced) and GPU time by phase (ms on its stream), and the
+    sum of their work counters (``work``: e.g. flow calls against ``encoder_graph_calls``), and
     the decoder's GPU time over the level's calls of one paged flow call (none of their rows
     outside the pool) as a line, ms = fixed + per row-frame (least squares): the decoder's cost
     inside the gateway, beside the other process's work, to hold against
@@ -566,13 +568,15 @@ def call_costs(profile: dict | None) -> dict | None:
         bands[f"{low}-{high or ''}"] = {
             "calls": len(band),
             "chunks": round(statistics.fmean(len(c["requests"]) for c in band), 1),
-            "padded_row_frames": round(statistics.fmean(c["padded_row_frames"] for c in band)),
+            "padded_row_frames": round(statistics.fmean(c["work"].get("padded_row_frames", 0) for c in band)),
             "wall_ms": round(statistics.fmean(1000 * c["s"] for c in band), 1),
             "gpu_ms": {phase: round(statistics.fmean(c["gpu_ms"].get(phase, 0.0) for c in band), 1)
                        for phase in phases},
+            "work": dict(sum((collections.Counter(c["work"]) for c in band), collections.Counter())),
         }
-    paged = [c for c in calls if c["gpu_ms"].get("decoder") and not c["gpu_ms"].get("unpaged") and c["flow_calls"] == 1]
-    frames = [c["padded_row_frames"] for c in paged]
+    paged = [c for c in calls
+             if c["gpu_ms"].get("decoder") and not c["gpu_ms"].get("unpaged") and c["work"]["calls"] == 1]
+    frames = [c["work"]["padded_row_frames"] for c in paged]
     decoder = [c["gpu_ms"]["decoder"] for c in paged]
     line = None
     if len(set(frames)) > 1:

@@ -68,9 +68,10 @@ class CallTrace:
     It wraps the book's ``call`` and ``delivered`` (the scheduler calls both under its lock)
     and records, in seconds from the span's start: per call its thread (``lane``), when its
     share of the thread began (``busy_from``: its launch, or the last delivery if later) and
-    how long it took, its kind, the requests of its chunks, its flow calls and the decoder frames
-    their rows needed and computed (``flow_calls``, ``row_frames``, ``padded_row_frames``) and, on
-    a GPU, its time on its stream by phase (``gpu_ms``; phase_clock.py); per chunk its request, whether
+    how long it took, its kind, the requests of its chunks, its share of the flow's work totals
+    (``work``: flow calls, row-frames needed by kind and computed, graph and eager calls;
+    ``Token2WavRunner.work_totals`` without ``flow_``) and, on a GPU, its time on its stream by
+    phase (``gpu_ms``; phase_clock.py); per chunk its request, whether
     it was the turn's first, when it was ready, when its call was launched and done, and when
     its listener runs out of audio (None for a first chunk: its listener has none yet); a first
     chunk also when its text came (``text``) and its first speech token (``first_token``). A span
@@ -100,9 +101,7 @@ class CallTrace:
             trace.record(trace.calls, lambda since: {
                 "lane": on_lane, "busy_from": since(started), "s": round(now - started, 4), "kind": kind,
                 "requests": [job.request.request_id for job in jobs],
-                "flow_calls": launched.flow_calls if launched is not None else 0,
-                "row_frames": launched.row_frames if launched is not None else 0,
-                "padded_row_frames": launched.padded_row_frames if launched is not None else 0,
+                "work": launched.work if launched is not None else {},
                 "gpu_ms": {phase: round(1000 * seconds, 2) for phase, seconds in phases.items()},
             })
             return book_call(book, kind, jobs, started, now, on_lane, launched)

@@ -201,7 +201,7 @@ def test_the_sampler_dumps_the_token2wav_calls_and_chunks_of_its_span(tmp_path, 
     book.delivered(opening, start, start + 0.1)
     book.delivered(playing, start, start + 0.1)
     book.call("later", jobs, start, start + 0.1, False)
-    launched = SimpleNamespace(flow_calls=1, row_frames=100, padded_row_frames=128, gpu_seconds=0.07,
+    launched = SimpleNamespace(work={"calls": 1, "row_frames_later": 100, "padded_row_frames": 128}, gpu_seconds=0.07,
                                gpu_phase_seconds={"decoder": 0.05, "vocoder": 0.02})
     book.call("later", jobs[1:], start + 0.1, start + 0.2, False, launched)
     assert book.totals()["token2wav_batches"] == 2  # the book still counts
@@ -211,9 +211,10 @@ def test_the_sampler_dumps_the_token2wav_calls_and_chunks_of_its_span(tmp_path, 
     call, timed = report["calls"]
     assert call["kind"] == "later" and not call["lane"] and call["s"] == 0.1
     assert call["requests"] == [opening.request_id, playing.request_id]
-    assert call["gpu_ms"] == {} and call["flow_calls"] == call["row_frames"] == call["padded_row_frames"] == 0
-    assert timed["requests"] == [playing.request_id] and timed["row_frames"] == 100 and timed["flow_calls"] == 1
-    assert timed["padded_row_frames"] == 128 and timed["gpu_ms"] == {"decoder": 50.0, "vocoder": 20.0}
+    assert call["gpu_ms"] == {} and call["work"] == {}  # not launched
+    assert timed["requests"] == [playing.request_id]
+    assert timed["work"] == {"calls": 1, "row_frames_later": 100, "padded_row_frames": 128}
+    assert timed["gpu_ms"] == {"decoder": 50.0, "vocoder": 20.0}
     first, later = report["chunks"]
     assert first["first"] and first["runs_out"] is None and first["done"] - first["launched"] == pytest.approx(0.1)
     assert first["launched"] - first["text"] == pytest.approx(0.3, abs=1e-3)
@@ -435,17 +436,19 @@ def test_kernel_profiler_is_toggled_by_its_request_file(tmp_path):
 
 def test_call_costs_split_the_engine_threads_calls_by_rows():
     def call(rows, frames, decoder, lane=False, flow_calls=1, **other):
-        return {"lane": lane, "s": (decoder + 10) / 1000, "requests": list(range(rows)), "flow_calls": flow_calls,
-                "padded_row_frames": frames, "gpu_ms": {"decoder": decoder, "vocoder": 5.0, **other}}
+        return {"lane": lane, "s": (decoder + 10) / 1000, "requests": list(range(rows)),
+                "work": {"calls": flow_calls, "padded_row_frames": frames, "encoder_graph_calls": flow_calls},
+                "gpu_ms": {"decoder": decoder, "vocoder": 5.0, **other}}
 
     calls = [call(1, 100, 30.0), call(3, 300, 40.0), call(8, 500, 50.0), call(32, 2000, 125.0),
              call(32, 3000, 400.0, unpaged=90.0),  # rows outside the pool: not on the decoder's line
              call(16, 1600, 500.0, flow_calls=2),  # two paged calls (a turn back in the pool): two fixed costs
              call(8, 800, 999.0, lane=True),  # the lane's: not the engine thread's
-             {"lane": False, "s": 0.1, "requests": [1], "flow_calls": 0, "padded_row_frames": 0, "gpu_ms": {}}]
+             {"lane": False, "s": 0.1, "requests": [1], "work": {}, "gpu_ms": {}}]
     costs = gpu_check.call_costs({"token2wav_trace": {"calls": calls, "chunks": [], "dropped": 0}})
     assert costs["by_rows"]["1-4"] == {"calls": 2, "chunks": 2.0, "padded_row_frames": 200, "wall_ms": 45.0,
-                                       "gpu_ms": {"decoder": 35.0, "vocoder": 5.0}}
+                                       "gpu_ms": {"decoder": 35.0, "vocoder": 5.0},
+                                       "work": {"calls": 2, "padded_row_frames": 400, "encoder_graph_calls": 2}}
     assert costs["by_rows"]["5-16"]["calls"] == 2
     assert costs["by_rows"]["17-"]["gpu_ms"] == {"decoder": 262.5, "unpaged": 45.0, "vocoder": 5.0}
     assert costs["decoder_line"] == {"fixed_ms": 25.0, "us_per_row_frame": 50.0}  # 25 ms + 0.05 ms a row-frame

@@ -94,19 +94,18 @@ class LaunchedCall:
     """A call whose work is enqueued (``Token2WavRunner.launch``): its chunks' audio, one after
     another in ``host`` (pinned host memory on a GPU, filled once ``done`` has passed), their
     ``lengths``, and the phase clock it ran on (``infix``: its thread's, in the totals' names);
-    its flow calls and the decoder frames their rows needed and computed (``flow_calls``,
-    ``row_frames``, ``padded_row_frames``: as ``work_totals`` counts them). ``finish`` sets ``gpu_seconds``, the call's time on its stream,
-    and ``gpu_phase_seconds``, that time by phase (None off a GPU), and unpins the voice-prefix
-    slots the call read (``pinned``: a lane's call after prefixes)."""
+    ``work``, its own share of ``work_totals`` (the flow's counters, named without ``flow_``:
+    its flow calls, the row-frames they needed and computed, its graph and eager calls).
+    ``finish`` sets ``gpu_seconds``, the call's time on its stream, and ``gpu_phase_seconds``,
+    that time by phase (None off a GPU), and unpins the voice-prefix slots the call read
+    (``pinned``: a lane's call after prefixes)."""
 
     host: torch.Tensor
     lengths: list[int]
     done: torch.cuda.Event | None
     clock: PhaseClock
     infix: str
-    flow_calls: int = 0
-    row_frames: int = 0
-    padded_row_frames: int = 0
+    work: dict[str, int] = field(default_factory=dict)
     gpu_seconds: float | None = None
     gpu_phase_seconds: dict[str, float] | None = None
     pinned: list[int] = field(default_factory=list)
@@ -193,7 +192,7 @@ class Token2WavRunner:
         # The flow's work as running totals (see work_totals); two worker threads add to them.
         self._work: collections.Counter[str] = collections.Counter()
         self._work_lock = threading.Lock()
-        # This thread's call in flight: .clock (PhaseClock), .pinned (_pin), .work (_book).
+        # This thread's call in flight: .clock (PhaseClock), .pinned (_pin), .work (_add).
         self._phases = threading.local()
 
     @classmethod
@@ -280,7 +279,7 @@ class Token2WavRunner:
             clock = PhaseClock(stream)
             self._phases.clock = clock
             self._phases.pinned = pinned = []  # voice-prefix slots the call reads on the lane (_pin)
-            self._phases.work = work = collections.Counter()  # flow calls and their row-frames (_book)
+            self._phases.work = work = collections.Counter()  # the call's share of the work totals (_add)
             try:
                 audio = self._run(jobs, lane)
                 # One copy to the host for the whole call, which finish waits for.
@@ -304,10 +303,8 @@ class Token2WavRunner:
                 done = torch.cuda.Event()
                 done.record(stream)
             infix = "" if lane is None else "lane_"  # metrics.PHASE_THREADS
-            return LaunchedCall(
-                host, lengths, done, clock, infix, flow_calls=work["calls"], row_frames=work["row_frames"],
-                padded_row_frames=work["padded_row_frames"], pinned=pinned,
-            )
+            counted = {name: count for name, count in work.items() if count}
+            return LaunchedCall(host, lengths, done, clock, infix, counted, pinned=pinned)
 
     @staticmethod
     def done(call: LaunchedCall | None) -> bool:
@@ -794,8 +791,15 @@ class Token2WavRunner:
         return totals
 
     def _count(self, total: str) -> None:
+        self._add({total: 1})
+
+    def _add(self, counts: dict[str, int]) -> None:
+        """Add to the work totals, and to the share of the call this thread is launching."""
         with self._work_lock:
-            self._work[total] += 1
+            self._work.update(counts)
+        call = getattr(self._phases, "work", None)
+        if call is not None:
+            call.update(counts)
 
     def _count_call(self, jobs: list[ChunkJob], widths: list[int], after_prefix: bool, graphs: FlowGraphs | None) -> None:
         """Book one flow call of these jobs, whose rows need ``widths`` decoder frames each."""
@@ -806,12 +810,6 @@ class Token2WavRunner:
 
     def _book(self, jobs: list[ChunkJob], widths: list[int], padded: int, eager: bool) -> None:
         kind = call_kind(jobs)  # as the scheduler books the call's time: per call, not per row
-        with self._work_lock:
-            work = self._work
-            work["calls"] += 1
-            work["eager_calls"] += eager
-            work[f"row_frames_{kind}"] += sum(widths)
-            work["padded_row_frames"] += padded
-        call = getattr(self._phases, "work", None)
-        if call is not None:  # the call in flight on this thread (launch)
-            call.update(calls=1, row_frames=sum(widths), padded_row_frames=padded)
+        self._add({
+            "calls": 1, "eager_calls": int(eager), f"row_frames_{kind}": sum(widths), "padded_row_frames": padded,
+        })
