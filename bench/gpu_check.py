@@ -541,7 +541,7 @@ def first_audio_paths(profile: dict | None) -> dict | None:
 
 
 # Row counts that split the engine thread's calls in call_costs: one or a few chunks, the
-# steady state's batches, the opening burst's.
+# default configuration's batches after the opening burst, the burst's.
 CALL_ROW_BANDS = ((1, 4), (5, 16), (17, None))
 
 
@@ -575,8 +575,8 @@ def call_costs(profile: dict | None) -> dict | None:
             "work": dict(sum((collections.Counter(c["work"]) for c in band), collections.Counter())),
         }
     paged = [c for c in calls
-             if c["gpu_ms"].get("decoder") and not c["gpu_ms"].get("unpaged") and c["work"]["calls"] == 1]
-    frames = [c["work"]["padded_row_frames"] for c in paged]
+             if c["gpu_ms"].get("decoder") and not c["gpu_ms"].get("unpaged") and c["work"].get("calls") == 1]
+    frames = [c["work"].get("padded_row_frames", 0) for c in paged]
     decoder = [c["gpu_ms"]["decoder"] for c in paged]
     line = None
     if len(set(frames)) > 1:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bench import encoder_graphs as bench_encoder_graphs
+from bench import estimator_ops as bench_estimator_ops
 from bench import flow_graphs as bench_flow_graphs
 from bench import flow_profile as bench_flow_profile
 from bench import gpu_sharing as bench_gpu_sharing
@@ -150,3 +151,17 @@ def test_word_timings_cost_reports_the_difference(tmp_path) -> None:
     result = json.loads(out.read_text())
     assert result["replies"] == 5
     assert result["with_word_timings_ms_per_reply"] > 0 and result["without_ms_per_reply"] > 0
+
+
+def test_bench_estimator_ops_counts_a_forward(tmp_path) -> None:
+    """bench/estimator_ops.py: the same op count at every shape (a step's ops do not depend on
+    its frames or rows), views left out; a bad shape is a CLI error."""
+    out = tmp_path / "ops.json"
+    report = bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x50,4x120", "--json", str(out)])
+    first, second = report["results"]
+    assert (first["rows"], first["frames"], second["rows"], second["frames"]) == (2, 50, 4, 120)
+    assert first["ops"] == second["ops"] == sum(first["by_name"].values()) > 0
+    assert first["by_name"]["aten::linear"] > 0 and not bench_estimator_ops.VIEW_OPS & set(first["by_name"])
+    assert json.loads(out.read_text()) == report
+    with pytest.raises(SystemExit):
+        bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x0"])

@@ -303,8 +303,7 @@ class Token2WavRunner:
                 done = torch.cuda.Event()
                 done.record(stream)
             infix = "" if lane is None else "lane_"  # metrics.PHASE_THREADS
-            counted = {name: count for name, count in work.items() if count}
-            return LaunchedCall(host, lengths, done, clock, infix, counted, pinned=pinned)
+            return LaunchedCall(host, lengths, done, clock, infix, dict(work), pinned=pinned)
 
     @staticmethod
     def done(call: LaunchedCall | None) -> bool:
