@@ -96,8 +96,8 @@ class LaunchedCall:
     ``lengths``, and the phase clock it ran on (``infix``: its thread's, in the totals' names);
     ``work``, its own share of ``work_totals`` (the flow's counters, named without ``flow_``:
     its flow calls, the row-frames they needed and computed, its graph and eager calls).
-    ``finish`` sets ``gpu_seconds``, the call's time on its stream, and ``gpu_phase_seconds``,
-    that time by phase (None off a GPU), and unpins the voice-prefix slots the call read
+    ``finish`` sets ``gpu_phase_seconds``, the call's time on its stream by phase (None off a
+    GPU; ``gpu_seconds`` is their sum), and unpins the voice-prefix slots the call read
     (``pinned``: a lane's call after prefixes)."""
 
     host: torch.Tensor
@@ -106,9 +106,13 @@ class LaunchedCall:
     clock: PhaseClock
     infix: str
     work: dict[str, int] = field(default_factory=dict)
-    gpu_seconds: float | None = None
     gpu_phase_seconds: dict[str, float] | None = None
     pinned: list[int] = field(default_factory=list)
+
+    @property
+    def gpu_seconds(self) -> float | None:
+        """The call's time on its stream (None off a GPU, or before ``finish``)."""
+        return None if self.gpu_phase_seconds is None else sum(self.gpu_phase_seconds.values())
 
 
 def paged_kernel(flow: Flow) -> PagedAttention:
@@ -324,7 +328,6 @@ class Token2WavRunner:
             call.gpu_phase_seconds = {
                 name.removeprefix(prefix): value for name, value in totals.items() if name.startswith(prefix)
             }
-            call.gpu_seconds = sum(call.gpu_phase_seconds.values())
         with self._work_lock:
             self._work.update({f"{call.infix}phase_{name}": value for name, value in totals.items()})
             self._work[f"{call.infix}phase_calls"] += 1
