@@ -71,6 +71,8 @@ class CosyVoice2Engine(Engine):
         settings = self.settings
         if not settings.model_dir:
             raise EngineError("engine.cosyvoice2.model_dir is not set: point it at a CosyVoice2-0.5B model directory")
+        if settings.llm_backend == "vllm":
+            startup.set_token2wav_mps_client(settings.vllm)  # before this process touches CUDA
         device = startup.device_of(settings.device)
         dtype = DTYPES[settings.dtype]
         if settings.llm_backend == "vllm":

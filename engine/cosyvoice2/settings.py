@@ -47,6 +47,13 @@ class VLLMSettings:
     # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100: not set, as the operator's environment has it).
     # A cap, not a reservation.
     mps_thread_percentage: int = 100
+    # Under CUDA MPS, the client priority of the gateway's own process, whose GPU work is
+    # token2wav's: "below-normal" lets the LLM's decode steps go first when both stages have
+    # work, so that a burst of new turns gets its first chunks' tokens sooner; token2wav's
+    # kernels are many and short, so the LLM's wait for free SMs is short either way. The
+    # engine sets it in its process's environment before its first CUDA context, and then
+    # gives vLLM's engine core its own mps_priority explicitly.
+    token2wav_mps_priority: str = "normal"
     # Batch sizes run once before /readyz says ready: vLLM compiles a sampler kernel per
     # new batch shape, which otherwise stalls first audio by seconds during serving.
     warmup_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -64,8 +71,9 @@ class VLLMSettings:
             raise ValueError("max_model_len must be >= 256")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError("dtype must be float32, bfloat16 or float16")
-        if self.mps_priority not in MPS_PRIORITIES:
-            raise ValueError(f"mps_priority must be one of {', '.join(MPS_PRIORITIES)}")
+        for name in ("mps_priority", "token2wav_mps_priority"):
+            if getattr(self, name) not in MPS_PRIORITIES:
+                raise ValueError(f"{name} must be one of {', '.join(MPS_PRIORITIES)}")
         if not 1 <= self.mps_thread_percentage <= 100:
             raise ValueError("mps_thread_percentage must be between 1 and 100")
         if any(not 1 <= n <= self.max_num_seqs for n in self.warmup_batch_sizes):
@@ -76,11 +84,20 @@ class VLLMSettings:
         MPS client settings above that differ from MPS's defaults (CUDA reads them when that
         process starts; without MPS they do nothing)."""
         environment = {}
-        if self.mps_priority != "normal":
+        # With token2wav's priority set, this process's environment holds it: the engine core
+        # would inherit it, so its own is set even where it is MPS's default.
+        if self.mps_priority != "normal" or self.token2wav_mps_priority != "normal":
             environment["CUDA_MPS_CLIENT_PRIORITY"] = MPS_PRIORITIES[self.mps_priority]
         if self.mps_thread_percentage != 100:
             environment["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.mps_thread_percentage)
         return environment
+
+    def token2wav_environment(self) -> dict[str, str]:
+        """What the gateway's own process (token2wav's CUDA client) gets in its environment
+        before its first CUDA context: ``token2wav_mps_priority`` where it is not MPS's default."""
+        if self.token2wav_mps_priority == "normal":
+            return {}
+        return {"CUDA_MPS_CLIENT_PRIORITY": MPS_PRIORITIES[self.token2wav_mps_priority]}
 
 
 @dataclass(frozen=True)

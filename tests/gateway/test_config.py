@@ -70,6 +70,8 @@ def test_env_overrides_follow_one_rule(tmp_path):
         ("[engine.cosyvoice2.vllm]\nmax_num_seqs = 8\n", {}, "warmup_batch_sizes must lie between 1 and max_num_seqs"),
         ("[engine.cosyvoice2.vllm]\ndtype = 'int8'\n", {}, "dtype must be float32, bfloat16 or float16"),
         ("[engine.cosyvoice2.vllm]\nmps_priority = 'high'\n", {}, "mps_priority must be one of normal, below-normal"),
+        ("[engine.cosyvoice2.vllm]\ntoken2wav_mps_priority = 'high'\n", {},
+         "token2wav_mps_priority must be one of normal, below-normal"),
         ("[engine.cosyvoice2.vllm]\nmps_thread_percentage = 0\n", {},
          "mps_thread_percentage must be between 1 and 100"),
         ("", {"TTS_GATEWAY__ENGINE__COSYVOICE2__VLLM__ENFORCE_EAGER": "maybe"}, "enforce_eager must be bool"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -26,7 +27,7 @@ from tts_gateway.engine.cosyvoice2.serving.incremental_encoder_graphs import Inc
 from tts_gateway.engine.cosyvoice2.serving.lm.stage import LMStage
 from tts_gateway.engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
 from tts_gateway.engine.cosyvoice2.serving.scheduler import FIRST_LANE_MAX_BATCH
-from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings
+from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings, VLLMSettings
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,16 @@ def device_of(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def set_token2wav_mps_client(settings: VLLMSettings) -> None:
+    """Token2wav's CUDA MPS client settings (``VLLMSettings.token2wav_environment``) into this
+    process's environment. MPS reads them when the process makes its CUDA context, so this
+    must come first; later, they would reach only processes started afterwards."""
+    extra = settings.token2wav_environment()
+    if extra and torch.cuda.is_initialized():
+        log.warning("token2wav_mps_priority: this process's CUDA context exists already, MPS keeps its priority")
+    os.environ.update(extra)
 
 
 async def start_vllm_stage(settings: CosyVoice2Settings) -> LMStage:

@@ -710,4 +710,25 @@ def test_the_engine_core_starts_with_its_mps_client_settings(monkeypatch) -> Non
     assert seen == {"CUDA_MPS_CLIENT_PRIORITY": None, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "80"}
 
 
+def test_token2wav_mps_priority_is_the_gateway_process_s_and_not_the_engine_core_s(monkeypatch) -> None:
+    """With token2wav's priority below normal, the gateway's process holds it before its CUDA
+    context, and vLLM's engine core, which would inherit it, gets its own: normal, or below normal
+    too when both are asked for."""
+    from tts_gateway.engine.cosyvoice2.serving import startup
+
+    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "0")  # so that teardown restores the variable as it was
+    monkeypatch.delenv("CUDA_MPS_CLIENT_PRIORITY")
+    settings = VLLMSettings(token2wav_mps_priority="below-normal")
+    startup.set_token2wav_mps_client(settings)
+    assert os.environ["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    assert settings.engine_core_environment() == {"CUDA_MPS_CLIENT_PRIORITY": "0"}
+    both = VLLMSettings(token2wav_mps_priority="below-normal", mps_priority="below-normal")
+    assert both.engine_core_environment() == {"CUDA_MPS_CLIENT_PRIORITY": "1"}
+    # MPS's default adds nothing to either process.
+    monkeypatch.delenv("CUDA_MPS_CLIENT_PRIORITY")
+    startup.set_token2wav_mps_client(VLLMSettings())
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in os.environ
+    assert VLLMSettings().token2wav_environment() == {}
+
+
 MPS_NAMES = ("CUDA_MPS_CLIENT_PRIORITY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
