@@ -843,7 +843,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--llm-mps-thread-percentage", type=int, default=100,
                         help="[engine.cosyvoice2.vllm] mps_thread_percentage")
     parser.add_argument("--token2wav-mps-priority", default="normal", choices=("normal", "below-normal"),
-                        help="[engine.cosyvoice2.vllm] token2wav_mps_priority: the gateway's own process as an MPS client")
+                        help="[engine.cosyvoice2.vllm] token2wav_mps_priority: the gateway's own process as an "
+                        "MPS client")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--through-balancer", action="store_true",
                         help="start the gateway with deploy/launch-replicas.sh (one replica per GPU, its own MPS "
