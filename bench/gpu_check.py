@@ -533,12 +533,42 @@ def first_audio_paths(profile: dict | None) -> dict | None:
         return {name: round(1000 * (chunk[end] - chunk[start]), 1) for name, (start, end) in FIRST_AUDIO_PATH.items()}
 
     paths = [stages(chunk) for chunk in firsts]
+    opening = min((chunk["text"] for chunk in firsts), default=0.0)
+    burst = [(chunk["text"] - opening) < BURST_S for chunk in firsts]
     return {
         "n": len(paths),
-        "ms": {name: {"p50": percentile([p[name] for p in paths], 50), "p95": percentile([p[name] for p in paths], 95)}
-               for name in FIRST_AUDIO_PATH},
+        "ms": path_percentiles(paths),
+        "by_start": {part: path_percentiles([p for p, b in zip(paths, burst) if b == (part == "burst")])
+                     for part in ("burst", "later")},
+        "second_chunk_after_first_ms": second_chunk_lags(trace["chunks"], opening),
         "slowest": sorted(paths, key=lambda p: p["total"], reverse=True)[:SLOWEST_FIRST_CHUNKS],
     }
+
+
+def path_percentiles(paths: list[dict[str, float]]) -> dict | None:
+    """Each stage's p50 and p95 over these first-chunk paths (None: no path)."""
+    if not paths:
+        return None
+    return {name: {"p50": percentile([p[name] for p in paths], 50), "p95": percentile([p[name] for p in paths], 95)}
+            for name in FIRST_AUDIO_PATH}
+
+
+def second_chunk_lags(chunks: list[dict], opening: float) -> dict:
+    """How long after its turn's first chunk each second chunk was done (ms), p50 and p95, for
+    the turns begun in the opening burst (first text within ``BURST_S`` of ``opening``) and the
+    later ones: the audio a first chunk must give to cover it, a short first chunk's risk."""
+    by_request: dict[int, list[dict]] = {}
+    for chunk in chunks:
+        by_request.setdefault(chunk["request"], []).append(chunk)
+    lags: dict[str, list[float]] = {"burst": [], "later": []}
+    for turn in by_request.values():
+        turn.sort(key=lambda chunk: chunk["ready"])
+        if len(turn) < 2 or not turn[0]["first"] or "text" not in turn[0]:
+            continue
+        part = "burst" if turn[0]["text"] - opening < BURST_S else "later"
+        lags[part].append(1000 * (turn[1]["done"] - turn[0]["done"]))
+    return {part: {"n": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95)} if values else None
+            for part, values in lags.items()}
 
 
 # Row counts that split the engine thread's calls in call_costs: one or a few chunks, the

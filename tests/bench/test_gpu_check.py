@@ -238,6 +238,28 @@ def test_the_sampler_dumps_the_token2wav_calls_and_chunks_of_its_span(tmp_path, 
     assert small.take() == {"calls": [{"n": 2}], "chunks": [], "dropped": 2}  # the last kept, the rest counted
 
 
+def test_first_audio_paths_split_the_opening_burst_from_later_turns():
+    """A turn whose first text came within BURST_S of the level's first is the burst's; each
+    part has its stages, and each turn's second chunk is timed from its first chunk's end."""
+    def first(request, text):  # stages 10, 20, 30, 40 ms after the text
+        return {"request": request, "first": True, "text": text, "first_token": text + 0.01, "ready": text + 0.03,
+                "launched": text + 0.06, "done": text + 0.1}
+
+    def second(request, ready, done):
+        return {"request": request, "first": False, "ready": ready, "launched": ready, "done": done}
+
+    chunks = [first(1, 0.5), second(1, 0.7, 0.9), first(2, 1.0), first(3, 5.0), second(3, 5.15, 5.3)]
+    paths = gpu_check.first_audio_paths({"token2wav_trace": {"calls": [], "chunks": chunks}})
+    assert paths["n"] == 3
+    burst, later = paths["by_start"]["burst"], paths["by_start"]["later"]
+    assert burst["llm_chunk"] == {"p50": 20.0, "p95": 20.0} and later["total"] == {"p50": 100.0, "p95": 100.0}
+    # Turn 2 has no second chunk; turn 1's came 0.3 s after its first, turn 3's 0.2 s.
+    assert paths["second_chunk_after_first_ms"] == {"burst": {"n": 1, "p50": 300.0, "p95": 300.0},
+                                                    "later": {"n": 1, "p50": 200.0, "p95": 200.0}}
+    only_burst = gpu_check.first_audio_paths({"token2wav_trace": {"calls": [], "chunks": chunks[:2]}})
+    assert only_burst["by_start"]["later"] is None and only_burst["second_chunk_after_first_ms"]["later"] is None
+
+
 def test_a_level_starts_once_the_gateway_is_idle(monkeypatch):
     busy = [{"tts_engine_running": 1.0}, {"tts_engine_utterances": 3.0}, {"tts_engine_queue_depth": 0.0}]
     scrapes = []
@@ -291,6 +313,9 @@ def test_the_gateway_config_it_writes_carries_its_options(tmp_path):
     assert (small.vllm.max_num_seqs, small.vllm.max_num_batched_tokens, small.vllm.token2wav_memory_gb) == (64, 4096, 14)
     assert small.vllm.warmup_batch_sizes == (1, 2, 4, 8, 16, 32, 64)
     assert (small.graph_max_frames, small.token2wav_cache_gb) == (1600, 6)
+    args = gpu_check.argument_parser().parse_args(["--token2wav-mps-priority", "below-normal"])
+    gpu_check.write_config(tmp_path / "gateway.toml", tmp_path / "model", args)
+    assert load_config(tmp_path / "gateway.toml", env={}).engine.cosyvoice2.vllm.token2wav_mps_priority == "below-normal"
 
 
 def test_a_level_run_again_counts_towards_capacity_only_if_every_run_was_stall_free():
