@@ -315,7 +315,8 @@ def test_the_gateway_config_it_writes_carries_its_options(tmp_path):
     assert (small.graph_max_frames, small.token2wav_cache_gb) == (1600, 6)
     args = gpu_check.argument_parser().parse_args(["--token2wav-mps-priority", "below-normal"])
     gpu_check.write_config(tmp_path / "gateway.toml", tmp_path / "model", args)
-    assert load_config(tmp_path / "gateway.toml", env={}).engine.cosyvoice2.vllm.token2wav_mps_priority == "below-normal"
+    vllm = load_config(tmp_path / "gateway.toml", env={}).engine.cosyvoice2.vllm
+    assert vllm.token2wav_mps_priority == "below-normal"
 
 
 def test_a_level_run_again_counts_towards_capacity_only_if_every_run_was_stall_free():
