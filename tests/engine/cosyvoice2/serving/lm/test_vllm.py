@@ -732,3 +732,31 @@ def test_token2wav_mps_priority_is_the_gateway_process_s_and_not_the_engine_core
 
 
 MPS_NAMES = ("CUDA_MPS_CLIENT_PRIORITY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+
+
+async def test_bench_llm_burst_times_each_turn_and_its_round_boundaries(plain_inputs) -> None:
+    """bench/llm_burst.py drives the stage as the gateway does: turns opened at once, each
+    timed to its first-chunk marks, its gaps split at the ends of its rounds (of 15 here)."""
+    from bench import llm_burst
+
+    stage = stage_on(StreamingInputEngine(random_model(seed=2)), greedy=False)
+    level = await llm_burst.run_level(stage, 3, PROMPT_TEXT, PROMPT_SPEECH, TEXT[:20], tokens=40)
+    assert level["turns"] == 3
+    assert level["token_13_ms"]["n"] == level["token_38_ms"]["n"] == 3
+    assert level["token_13_ms"]["p50"] <= level["token_38_ms"]["p50"]
+    assert level["gap_at_round_ms"]["n"] >= 3 * 2  # rounds end at 15 and 30 tokens, or sooner at fill
+    assert level["gap_in_round_ms"]["n"] > 0
+    assert stage.running() == 0  # every turn cancelled once timed
+
+
+def test_bench_llm_burst_splits_gaps_at_round_ends() -> None:
+    from bench import llm_burst
+
+    turn = llm_burst.TurnTimes(arrivals=[(0.1, 1), (0.2, 2), (0.5, 3), (0.6, 5)], round_ends=[2, 5])
+    assert turn.reached(3) == 0.5 and turn.reached(6) is None
+    inside, across = turn.gaps()
+    assert inside == pytest.approx([0.1, 0.1]) and across == pytest.approx([0.3])
+    level = llm_burst.summarize([turn], steps=10, tokens=25, seconds=2.0)
+    assert level["gap_at_round_ms"] == {"n": 1, "p50": pytest.approx(300.0), "p95": pytest.approx(300.0)}
+    assert (level["steps_per_s"], level["tokens_per_step"]) == (5.0, 2.5)
+    assert llm_burst.summarize([], steps=0, tokens=0, seconds=0)["tokens_per_step"] is None
