@@ -49,10 +49,10 @@ class VLLMSettings:
     mps_thread_percentage: int = 100
     # Under CUDA MPS, the client priority of the gateway's own process, whose GPU work is
     # token2wav's: "below-normal" lets the LLM's decode steps go first when both stages have
-    # work, so that a burst of new turns gets its first chunks' tokens sooner; token2wav's
-    # kernels are many and short, so the LLM's wait for free SMs is short either way. The
-    # engine sets it in its process's environment before its first CUDA context, and then
-    # gives vLLM's engine core its own mps_priority explicitly.
+    # work. The engine sets it in its process's environment before its first CUDA context, and
+    # then gives vLLM's engine core its own mps_priority explicitly. Normal: on an H100 at 64
+    # sessions it was worse (86% of replies stall-free against 97%), the LLM slower even before
+    # token2wav had work, which is not understood (docs/benchmarks.md, fifteenth round).
     token2wav_mps_priority: str = "normal"
     # Batch sizes run once before /readyz says ready: vLLM compiles a sampler kernel per
     # new batch shape, which otherwise stalls first audio by seconds during serving.
