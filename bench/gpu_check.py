@@ -545,6 +545,37 @@ def first_audio_paths(profile: dict | None) -> dict | None:
     }
 
 
+def llm_steps_by_start(profile: dict | None) -> dict | None:
+    """The vLLM engine's steps during the opening burst (the ``BURST_S`` after the level's first
+    turn's text) and after it: how many, their interval (ms, p50), the tokens each made and the
+    requests running (means), and vLLM's mean gap between a request's consecutive tokens (ms).
+    Says whether the burst's first chunks wait for slow steps or for something between them.
+    None without traced steps (or without a traced first chunk to place the burst)."""
+    trace = (profile or {}).get("token2wav_trace") or {}
+    steps = trace.get("llm_steps")
+    texts = [chunk["text"] for chunk in trace.get("chunks", ()) if chunk["first"] and "text" in chunk]
+    if not steps or not texts:
+        return None
+    opening = min(texts)
+
+    def brief(part: list[dict]) -> dict | None:
+        if not part:
+            return None
+        gaps = sum(step["gaps"] for step in part)
+        intervals = [1000 * (b["at"] - a["at"]) for a, b in zip(part, part[1:])]
+        return {
+            "steps": len(part),
+            "interval_ms_p50": percentile(intervals, 50) if intervals else None,
+            "tokens_per_step": round(statistics.fmean(step["tokens"] for step in part), 1),
+            "running": round(statistics.fmean(step["running"] or 0 for step in part), 1),
+            "token_gap_ms": round(1000 * sum(step["gap_s"] for step in part) / gaps, 2) if gaps else None,
+        }
+
+    in_burst = [opening <= step["at"] < opening + BURST_S for step in steps]
+    return {"burst": brief([s for s, b in zip(steps, in_burst) if b]),
+            "later": brief([s for s, b in zip(steps, in_burst) if not b and s["at"] >= opening])}
+
+
 def path_percentiles(paths: list[dict[str, float]]) -> dict | None:
     """Each stage's p50 and p95 over these first-chunk paths (None: no path)."""
     if not paths:
@@ -692,6 +723,7 @@ async def drive(args, report: Report, gateway: GatewayUnderTest, profile_path: P
             "stages": stage_report(before, after, elapsed),
             "profile": (profile := take_profile(gateway_pid, profile_path)),
             "first_audio_paths": first_audio_paths(profile),
+            "llm_steps_by_start": llm_steps_by_start(profile),
             "call_costs": call_costs(profile),
             "seconds": round(elapsed, 1),
             "idle_wait_s": idle_wait_s,

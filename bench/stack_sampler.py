@@ -74,7 +74,10 @@ class CallTrace:
     phase (``gpu_ms``; phase_clock.py); per chunk its request, whether
     it was the turn's first, when it was ready, when its call was launched and done, and when
     its listener runs out of audio (None for a first chunk: its listener has none yet); a first
-    chunk also when its text came (``text``) and its first speech token (``first_token``). A span
+    chunk also when its text came (``text``) and its first speech token (``first_token``). With
+    the vLLM stage, also each engine step as the gateway's stat logger hears of it
+    (``llm_steps``): when, the requests running, the tokens it made, and vLLM's gaps between
+    consecutive tokens of a request that ended in it (their count and sum, seconds). A span
     keeps its last TRACE_LIMIT entries of each; ``dropped`` counts the rest.
     """
 
@@ -86,6 +89,7 @@ class CallTrace:
         self.started = time.monotonic()
         self.calls: collections.deque = collections.deque(maxlen=TRACE_LIMIT)
         self.chunks: collections.deque = collections.deque(maxlen=TRACE_LIMIT)
+        self.llm_steps: collections.deque = collections.deque(maxlen=TRACE_LIMIT)
         self.dropped = 0
 
     def install(self) -> None:
@@ -121,6 +125,32 @@ class CallTrace:
             return book_delivered(book, request, started, now)
 
         LatencyBook.call, LatencyBook.delivered, LatencyBook.traced = call, delivered, True
+        self._install_llm_steps()
+
+    def _install_llm_steps(self) -> None:
+        """Wraps the vLLM stage's stat logger (made when its engine starts) to record each step."""
+        from tts_gateway.engine.cosyvoice2.serving.lm import vllm_stage
+
+        make_logger = vllm_stage._stat_logger
+        trace = self
+
+        def traced_logger(counters):
+            class TracedLogger(make_logger(counters)):
+                def record(self, scheduler_stats, iteration_stats, *args, **kwargs):
+                    if iteration_stats is not None:
+                        gaps = getattr(iteration_stats, "inter_token_latencies_iter", ())
+                        now = time.monotonic()
+                        trace.record(trace.llm_steps, lambda since: {
+                            "at": since(now),
+                            "running": getattr(scheduler_stats, "num_running_reqs", None),
+                            "tokens": iteration_stats.num_generation_tokens,
+                            "gaps": len(gaps), "gap_s": round(sum(gaps), 6),
+                        })
+                    return super().record(scheduler_stats, iteration_stats, *args, **kwargs)
+
+            return TracedLogger
+
+        vllm_stage._stat_logger = traced_logger
 
     def record(self, records: collections.deque, entry: Callable[[Callable[[float], float]], dict]) -> None:
         """Appends ``entry(since)``, ``since`` turning a moment into seconds from this span's start."""
@@ -131,7 +161,8 @@ class CallTrace:
     def take(self) -> dict:
         """The calls and chunks since the last take, and a fresh start."""
         with self.lock:
-            report = {"calls": list(self.calls), "chunks": list(self.chunks), "dropped": self.dropped}
+            report = {"calls": list(self.calls), "chunks": list(self.chunks), "llm_steps": list(self.llm_steps),
+                      "dropped": self.dropped}
             self._start()
         return report
 

@@ -180,11 +180,13 @@ def test_the_sampler_dumps_the_token2wav_calls_and_chunks_of_its_span(tmp_path, 
 
     import stack_sampler
     from tts_gateway.engine.cosyvoice2.serving.latency import LatencyBook
+    from tts_gateway.engine.cosyvoice2.serving.lm import vllm_stage
     from tts_gateway.engine.cosyvoice2.serving.request import Request
 
     monkeypatch.setattr(LatencyBook, "call", LatencyBook.call)  # restored after the test
     monkeypatch.setattr(LatencyBook, "delivered", LatencyBook.delivered)
     monkeypatch.setattr(LatencyBook, "traced", False, raising=False)
+    monkeypatch.setattr(vllm_stage, "_stat_logger", vllm_stage._stat_logger)
     trace = stack_sampler.CallTrace()
     trace.install()
     with pytest.raises(RuntimeError, match="traced already"):
@@ -230,12 +232,62 @@ def test_the_sampler_dumps_the_token2wav_calls_and_chunks_of_its_span(tmp_path, 
     assert later["launched"] - later["ready"] == pytest.approx(0.05, abs=1e-3)
     assert report["dropped"] == 0
     sampler.dump()  # a trace starts afresh after each dump
-    assert json.loads(out.read_text())["token2wav_trace"] == {"calls": [], "chunks": [], "dropped": 0}
+    assert json.loads(out.read_text())["token2wav_trace"] == {"calls": [], "chunks": [], "llm_steps": [], "dropped": 0}
     monkeypatch.setattr(stack_sampler, "TRACE_LIMIT", 1)
     small = stack_sampler.CallTrace()
     for n in range(3):
         small.record(small.calls, lambda since, n=n: {"n": n})
-    assert small.take() == {"calls": [{"n": 2}], "chunks": [], "dropped": 2}  # the last kept, the rest counted
+    assert small.take() == {"calls": [{"n": 2}], "chunks": [], "llm_steps": [], "dropped": 2}  # the last kept
+
+
+def test_the_trace_records_each_vllm_step_its_stat_logger_hears(monkeypatch):
+    """With the vLLM stage, CallTrace also records each engine step, and the stage's own stat
+    logger still hears every one."""
+    from types import SimpleNamespace
+
+    import stack_sampler
+    from tts_gateway.engine.cosyvoice2.serving.latency import LatencyBook
+    from tts_gateway.engine.cosyvoice2.serving.lm import vllm_stage
+
+    monkeypatch.setattr(LatencyBook, "call", LatencyBook.call)
+    monkeypatch.setattr(LatencyBook, "delivered", LatencyBook.delivered)
+    monkeypatch.setattr(LatencyBook, "traced", False, raising=False)
+    heard = []
+
+    class StageLogger:  # what vllm_stage._stat_logger makes, without vLLM
+        def __init__(self, vllm_config, engine_index=0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            heard.append(iteration_stats)
+
+    monkeypatch.setattr(vllm_stage, "_stat_logger", lambda counters: StageLogger)
+    trace = stack_sampler.CallTrace()
+    trace.install()
+    logger = vllm_stage._stat_logger(None)(None)
+    step = SimpleNamespace(num_generation_tokens=60, inter_token_latencies_iter=[0.01, 0.02])
+    logger.record(SimpleNamespace(num_running_reqs=64), step)
+    logger.record(SimpleNamespace(num_running_reqs=64), None)  # no iteration stats: no step recorded
+    assert heard == [step, None]
+    (recorded,) = trace.take()["llm_steps"]
+    assert recorded["at"] >= 0 and {k: v for k, v in recorded.items() if k != "at"} == {
+        "running": 64, "tokens": 60, "gaps": 2, "gap_s": pytest.approx(0.03)}
+
+
+def test_llm_steps_split_the_opening_burst_from_later():
+    def step(at, tokens, gap_s=0.0, gaps=0):
+        return {"at": at, "running": 4, "tokens": tokens, "gaps": gaps, "gap_s": gap_s}
+
+    chunks = [{"request": 1, "first": True, "text": 1.0, "first_token": 1.01, "ready": 1.1, "launched": 1.1,
+               "done": 1.2}]
+    steps = [step(0.5, 9), step(1.0, 4, 0.02, 2), step(1.01, 8, 0.03, 3), step(3.5, 2, 0.01, 1), step(3.6, 2)]
+    split = gpu_check.llm_steps_by_start({"token2wav_trace": {"chunks": chunks, "llm_steps": steps}})
+    # The step before the level's first text is neither part's.
+    assert split["burst"] == {"steps": 2, "interval_ms_p50": pytest.approx(10.0), "tokens_per_step": 6.0,
+                              "running": 4.0, "token_gap_ms": pytest.approx(10.0)}
+    assert split["later"]["steps"] == 2 and split["later"]["token_gap_ms"] == pytest.approx(10.0)
+    assert gpu_check.llm_steps_by_start({"token2wav_trace": {"chunks": chunks, "llm_steps": []}}) is None
+    assert gpu_check.llm_steps_by_start(None) is None
 
 
 def test_first_audio_paths_split_the_opening_burst_from_later_turns():
