@@ -533,7 +533,7 @@ def first_audio_paths(profile: dict | None) -> dict | None:
         return {name: round(1000 * (chunk[end] - chunk[start]), 1) for name, (start, end) in FIRST_AUDIO_PATH.items()}
 
     paths = [stages(chunk) for chunk in firsts]
-    opening = min((chunk["text"] for chunk in firsts), default=0.0)
+    opening = opening_text(trace) or 0.0  # None only where no first chunk has its text: then none is placed
     burst = [(chunk["text"] - opening) < BURST_S for chunk in firsts]
     return {
         "n": len(paths),
@@ -545,29 +545,34 @@ def first_audio_paths(profile: dict | None) -> dict | None:
     }
 
 
+def opening_text(trace: dict) -> float | None:
+    """When the level's first turn's text came, in the trace's seconds: where its opening burst
+    begins (None: no first chunk traced with its text)."""
+    return min((chunk["text"] for chunk in trace["chunks"] if chunk["first"] and "text" in chunk), default=None)
+
+
 def llm_steps_by_start(profile: dict | None) -> dict | None:
     """The vLLM engine's steps during the opening burst (the ``BURST_S`` after the level's first
     turn's text) and after it: how many, their interval (ms, p50), the tokens each made and the
     requests running (means), and vLLM's mean gap between a request's consecutive tokens (ms).
     Says whether the burst's first chunks wait for slow steps or for something between them.
     None without traced steps (or without a traced first chunk to place the burst)."""
-    trace = (profile or {}).get("token2wav_trace") or {}
-    steps = trace.get("llm_steps")
-    texts = [chunk["text"] for chunk in trace.get("chunks", ()) if chunk["first"] and "text" in chunk]
-    if not steps or not texts:
+    trace = (profile or {}).get("token2wav_trace")
+    opening = opening_text(trace) if trace else None
+    if not trace or not trace.get("llm_steps") or opening is None:
         return None
-    opening = min(texts)
+    steps = trace["llm_steps"]
 
     def brief(part: list[dict]) -> dict | None:
         if not part:
             return None
         gaps = sum(step["gaps"] for step in part)
-        intervals = [1000 * (b["at"] - a["at"]) for a, b in zip(part, part[1:])]
+        running = [step["running"] for step in part if step["running"] is not None]  # None: no scheduler stats
         return {
             "steps": len(part),
-            "interval_ms_p50": percentile(intervals, 50) if intervals else None,
+            "interval_ms_p50": percentile([1000 * (b["at"] - a["at"]) for a, b in zip(part, part[1:])], 50),
             "tokens_per_step": round(statistics.fmean(step["tokens"] for step in part), 1),
-            "running": round(statistics.fmean(step["running"] or 0 for step in part), 1),
+            "running": round(statistics.fmean(running), 1) if running else None,
             "token_gap_ms": round(1000 * sum(step["gap_s"] for step in part) / gaps, 2) if gaps else None,
         }
 

@@ -10,7 +10,9 @@ over its turns (ms from opening the turn, p50 / p95):
 - ``token_13_ms`` / ``token_38_ms``: when the turn had the tokens of a short first chunk (10 +
   3 look-ahead after a 90-token prompt) and of the official one (35 + 3);
 - ``gap_in_round_ms`` / ``gap_at_round_ms``: the time between two arrivals of tokens inside a
-  round, and from a round's last tokens to the next round's first: what a round boundary costs;
+  round, and from a round's last tokens to the next round's first. The latter holds the step of
+  the token that ends the round (never handed out), the wait for the next round's input, and its
+  prefill: what a round boundary costs against a step;
 - ``steps_per_s``, ``tokens_per_step``: vLLM's engine steps while the level ran.
 
 Random weights never sample eos, so every turn runs to ``--tokens`` and is then cancelled.

@@ -138,7 +138,7 @@ class CallTrace:
             class TracedLogger(make_logger(counters)):
                 def record(self, scheduler_stats, iteration_stats, *args, **kwargs):
                     if iteration_stats is not None:
-                        gaps = getattr(iteration_stats, "inter_token_latencies_iter", ())
+                        gaps = vllm_stage.token_gaps(iteration_stats)
                         now = time.monotonic()
                         trace.record(trace.llm_steps, lambda since: {
                             "at": since(now),

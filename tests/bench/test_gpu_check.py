@@ -275,17 +275,19 @@ def test_the_trace_records_each_vllm_step_its_stat_logger_hears(monkeypatch):
 
 
 def test_llm_steps_split_the_opening_burst_from_later():
-    def step(at, tokens, gap_s=0.0, gaps=0):
-        return {"at": at, "running": 4, "tokens": tokens, "gaps": gaps, "gap_s": gap_s}
+    def step(at, tokens, gap_s=0.0, gaps=0, running=4):
+        return {"at": at, "running": running, "tokens": tokens, "gaps": gaps, "gap_s": gap_s}
 
     chunks = [{"request": 1, "first": True, "text": 1.0, "first_token": 1.01, "ready": 1.1, "launched": 1.1,
                "done": 1.2}]
-    steps = [step(0.5, 9), step(1.0, 4, 0.02, 2), step(1.01, 8, 0.03, 3), step(3.5, 2, 0.01, 1), step(3.6, 2)]
+    steps = [step(0.5, 9), step(1.0, 4, 0.02, 2), step(1.01, 8, 0.03, 3), step(3.5, 2, 0.01, 1),
+             step(3.6, 2, running=None)]
     split = gpu_check.llm_steps_by_start({"token2wav_trace": {"chunks": chunks, "llm_steps": steps}})
     # The step before the level's first text is neither part's.
     assert split["burst"] == {"steps": 2, "interval_ms_p50": pytest.approx(10.0), "tokens_per_step": 6.0,
                               "running": 4.0, "token_gap_ms": pytest.approx(10.0)}
     assert split["later"]["steps"] == 2 and split["later"]["token_gap_ms"] == pytest.approx(10.0)
+    assert split["later"]["running"] == 4.0  # a step without scheduler stats is left out of the mean
     assert gpu_check.llm_steps_by_start({"token2wav_trace": {"chunks": chunks, "llm_steps": []}}) is None
     assert gpu_check.llm_steps_by_start(None) is None
 

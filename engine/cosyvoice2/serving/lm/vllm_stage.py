@@ -58,6 +58,14 @@ class LLMStageCounters:
     inter_tokens: int = 0
 
 
+def token_gaps(iteration_stats) -> list[float]:
+    """vLLM's gaps between consecutive tokens of each request in one engine step (seconds)."""
+    gaps = getattr(iteration_stats, "inter_token_latencies_iter", None)
+    if gaps is None:  # the name before vLLM 0.10
+        gaps = getattr(iteration_stats, "time_per_output_tokens_iter", ())
+    return list(gaps)
+
+
 def _stat_logger(counters: LLMStageCounters):
     """A vLLM stat-logger factory that writes into ``counters`` (runs on the event loop)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
@@ -77,9 +85,7 @@ def _stat_logger(counters: LLMStageCounters):
             if iteration_stats is not None:
                 counters.generated_tokens += iteration_stats.num_generation_tokens
                 counters.prompt_tokens += iteration_stats.num_prompt_tokens
-                gaps = getattr(iteration_stats, "inter_token_latencies_iter", None)
-                if gaps is None:  # the name before vLLM 0.10
-                    gaps = getattr(iteration_stats, "time_per_output_tokens_iter", ())
+                gaps = token_gaps(iteration_stats)
                 counters.inter_token_seconds += sum(gaps)
                 counters.inter_tokens += len(gaps)
 

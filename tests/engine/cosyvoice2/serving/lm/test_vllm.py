@@ -680,6 +680,7 @@ def test_the_engine_core_starts_with_its_mps_client_settings(monkeypatch) -> Non
     """vLLM's engine core, a process started inside ``AsyncLLM.from_engine_args``, inherits
     the MPS client settings; the gateway's own environment (its token2wav stage's CUDA
     client) is as before once the engine has started."""
+    from tts_gateway.engine.cosyvoice2.serving import startup
     from tts_gateway.engine.cosyvoice2.serving.lm import vllm_plugin
 
     seen = {}
@@ -697,7 +698,8 @@ def test_the_engine_core_starts_with_its_mps_client_settings(monkeypatch) -> Non
     monkeypatch.setattr(lm_vllm, "_stat_logger", lambda counters: None)
     monkeypatch.setattr(vllm_plugin, "register", lambda: None)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "80")  # the operator's, for both stages
-    monkeypatch.delenv("CUDA_MPS_CLIENT_PRIORITY", raising=False)
+    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "0")  # so that teardown restores the variable as it was
+    monkeypatch.delenv("CUDA_MPS_CLIENT_PRIORITY")
 
     settings = VLLMSettings(mps_priority="below-normal", mps_thread_percentage=40)
     assert lm_vllm.start_engine(settings, "model", lm_vllm.LLMStageCounters()) == "engine"
@@ -708,6 +710,12 @@ def test_the_engine_core_starts_with_its_mps_client_settings(monkeypatch) -> Non
     # MPS's defaults add nothing: the operator's environment reaches the engine core as it is.
     lm_vllm.start_engine(VLLMSettings(), "model", lm_vllm.LLMStageCounters())
     assert seen == {"CUDA_MPS_CLIENT_PRIORITY": None, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "80"}
+    # token2wav below normal: the gateway's process holds it (set before its CUDA context), the
+    # engine core started inside gets vLLM's own priority, and the gateway keeps its own after.
+    token2wav_low = VLLMSettings(token2wav_mps_priority="below-normal")
+    startup.set_token2wav_mps_client(token2wav_low)
+    lm_vllm.start_engine(token2wav_low, "model", lm_vllm.LLMStageCounters())
+    assert seen["CUDA_MPS_CLIENT_PRIORITY"] == "0" and os.environ["CUDA_MPS_CLIENT_PRIORITY"] == "1"
 
 
 def test_token2wav_mps_priority_is_the_gateway_process_s_and_not_the_engine_core_s(monkeypatch) -> None:
@@ -728,7 +736,6 @@ def test_token2wav_mps_priority_is_the_gateway_process_s_and_not_the_engine_core
     monkeypatch.delenv("CUDA_MPS_CLIENT_PRIORITY")
     startup.set_token2wav_mps_client(VLLMSettings())
     assert "CUDA_MPS_CLIENT_PRIORITY" not in os.environ
-    assert VLLMSettings().token2wav_environment() == {}
 
 
 MPS_NAMES = ("CUDA_MPS_CLIENT_PRIORITY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
@@ -743,7 +750,6 @@ async def test_bench_llm_burst_times_each_turn_and_its_round_boundaries(plain_in
     level = await llm_burst.run_level(stage, 3, PROMPT_TEXT, PROMPT_SPEECH, TEXT[:20], tokens=40)
     assert level["turns"] == 3
     assert level["token_13_ms"]["n"] == level["token_38_ms"]["n"] == 3
-    assert level["token_13_ms"]["p50"] <= level["token_38_ms"]["p50"]
     assert level["gap_at_round_ms"]["n"] >= 3 * 2  # rounds end at 15 and 30 tokens, or sooner at fill
     assert level["gap_in_round_ms"]["n"] > 0
     assert stage.running() == 0  # every turn cancelled once timed
