@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The H200 proof of the CosyVoice2 + vLLM gateway: one device run after the vLLM bundle is
-# installed (see ../shared/device/build-vllm-bundle.sh for the three staging calls).
+# The H200 proof of the CosyVoice2 + vLLM gateway: one device run with vLLM 0.26 importable by
+# python3 (the vLLM bundle: see ../shared/device/build-vllm-bundle.sh for its three staging calls).
 #
 # On the dev machine, once:   bash bench/gpu_prepare.sh      (wheels + prompt wav into .gpu/, .whl/)
 # Device call:  carry [".whl", ".gpu"], command:
-#   . /root/vllm-env.sh && bash bench/gpu_check.sh [gpu_check.py options]
+#   bash bench/gpu_check.sh [gpu_check.py options]
 # Writes $OUT/gpu_check.json (phase by phase), equality.json, gateway.log, equality.log.
 # Everything takes ~9 of the 10 minutes a call may run; to keep a margin, make two calls on the
 # warm machine (the bundle and the checkpoint stay): `... gpu_check.sh --only-equality`, then
-# `. /root/vllm-env.sh && bash bench/gpu_check.sh --skip-equality`.
+# `bash bench/gpu_check.sh --skip-equality`.
 # With CUDA MPS (the gateway's two GPU processes then run their kernels side by side):
-#   . /root/vllm-env.sh && bash bench/with_mps.sh bash bench/gpu_check.sh [options]
+#   bash bench/with_mps.sh bash bench/gpu_check.sh [options]
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 # shellcheck source=bench/gpu_install.sh

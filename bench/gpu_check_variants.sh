@@ -3,7 +3,7 @@
 # an A/B on one machine. (Runs on different machines of one card type have differed by as much
 # as most settings change: docs/benchmarks.md.) After the vLLM bundle's staging calls:
 #   carry [".whl", ".gpu"], command:
-#   . /root/vllm-env.sh && bash bench/with_mps.sh bash bench/gpu_check_variants.sh \
+#   bash bench/with_mps.sh bash bench/gpu_check_variants.sh \
 #       --common '--skip-equality --first-chunk-by-load --duration 40 --first-audio-sessions "" \
 #       --full-sessions "" --sessions 64' base '' between '--urgent-chunks-between-calls'
 # NAME ARGS pairs, run in order; each variant's ARGS follow the common ones (quoting as in a

@@ -17,7 +17,7 @@ over its turns (ms from opening the turn, p50 / p95):
 
 Random weights never sample eos, so every turn runs to ``--tokens`` and is then cancelled.
 
-    . /root/vllm-env.sh && python3 bench/llm_burst.py --turns 1,16,64 --json $OUT/llm_burst.json
+    python3 bench/llm_burst.py --turns 1,16,64 --json $OUT/llm_burst.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 # On the dev machine, once:  bash bench/gpu_prepare.sh && bash bench/official_prepare.sh
 # Device call, carry [".official", ".whl", ".gpu"]:
 #   bash bench/official_check.sh --arm torch [official_baseline.py options]
-#   . /root/vllm-env.sh && bash bench/official_check.sh --arm vllm [options]   (after the vLLM bundle)
+#   bash bench/official_check.sh --arm vllm [options]   (after the vLLM bundle)
 # Writes $OUT/official_<arm>.json (rewritten after each level) and $OUT/official_<arm>.log.
 # The pip lines go to $OUT/pip.log.
 set -uo pipefail

@@ -10,13 +10,13 @@ this measures the lever on its own, at the shapes a call has (rows = 2 x session
   chunk-causal mask, SDPA (what the pool's first design did in every layer);
 - ``in_place``: compiled FlexAttention walking the page table (serving/paged_attention.py);
 - ``varlen``: vLLM's paged FlashAttention kernel, one query piece per chunk, pages of 16 frames
-  (serving/paged_varlen.py; needs the vLLM bundle: ``. /root/vllm-env.sh`` first, else the
+  (serving/paged_varlen.py; needs vLLM 0.26 importable, else the
   result says why it did not run);
 - ``contiguous``: SDPA over keys already contiguous, no mask (a floor: the keys read once).
 
 GPU only. Device call, after the vLLM bundle's staging calls (without them every arm but
 ``varlen`` still runs):
-    . /root/vllm-env.sh && python3 -m pip install -q --no-deps --no-build-isolation -e . \
+    python3 -m pip install -q --no-deps --no-build-isolation -e . \
         && python3 bench/paged_attention.py --out $OUT
 Writes $OUT/paged_attention.json: milliseconds per layer call, and per chunk (x 56 layers x
 ``--steps`` Euler steps), for each shape.

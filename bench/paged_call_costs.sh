@@ -4,7 +4,7 @@
 # those and FlashAttention's keys unsplit (no combining kernel). Each variant reports every
 # call's phases, any launch that waited, and the decoder's cost fitted as ms a call plus us a
 # row-frame. One device call after the vLLM bundle's staging calls (~5 minutes):
-#   carry [".whl", ".gpu"], command: . /root/vllm-env.sh && bash bench/paged_call_costs.sh [VARIANT...]
+#   carry [".whl", ".gpu"], command: bash bench/paged_call_costs.sh [VARIANT...]
 # VARIANT: plain, fused, fused_unsplit (default: all three). plain and fused leave FlashAttention's
 # key splits to the kernel, as the engine did before 2026-12-07; fused_unsplit is the engine since.
 # Writes $OUT/paged_call_costs_<variant>.json and .log, and paged_call_costs_mels.json (how

@@ -10,7 +10,7 @@ the recompute path, at full size in bf16 (random weights: compute does not depen
    bf16, so the error is bf16 noise compounded over 10 Euler steps, not zero.
 
 Run on the device after the vLLM bundle's staging calls:
-    . /root/vllm-env.sh && python3 -m pip install -q --no-deps --no-build-isolation -e . \\
+    python3 -m pip install -q --no-deps --no-build-isolation -e . \\
         && python3 bench/paged_pool_check.py --out $OUT [--sessions 4,32 --pool-gb 24]
 """
 
