@@ -697,6 +697,7 @@ def test_the_engine_core_starts_with_its_mps_client_settings(monkeypatch) -> Non
     monkeypatch.setattr(lm_vllm, "engine_args", lambda settings, path: None)
     monkeypatch.setattr(lm_vllm, "_stat_logger", lambda counters: None)
     monkeypatch.setattr(vllm_plugin, "register", lambda: None)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # start_engine's default, restored after
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "80")  # the operator's, for both stages
     monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "0")  # so that teardown restores the variable as it was
     monkeypatch.delenv("CUDA_MPS_CLIENT_PRIORITY")
