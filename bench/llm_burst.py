@@ -2,10 +2,12 @@
 
 In a 64-session opening burst the gateway's first audio waits ~300 ms for the LLM's first-chunk
 tokens while token2wav has nothing to do yet (docs/benchmarks.md, fifteenth round). This times
-the LLM stage on vLLM by itself, as the gateway drives it: each turn a streaming request of the
-voice prompt and its whole reply text at once, fed in bistream rounds (5 text tokens, then up to
-15 speech tokens; the next round is given to vLLM once the last has ended). Per level of N turns,
-over its turns (ms from opening the turn, p50 / p95):
+the LLM stage on vLLM by itself, as the gateway drives it (``bistream``): each turn a streaming
+request of the voice prompt and its whole reply text at once, fed in bistream rounds (5 text
+tokens, then up to 15 speech tokens; the next round is given to vLLM once the last has ended).
+``offline`` decodes the same turns in one round each, the whole text first: the same tokens' pace
+without round boundaries. Per level of N turns and mode, over its turns (ms from opening the
+turn, p50 / p95):
 
 - ``token_13_ms`` / ``token_38_ms``: when the turn had the tokens of a short first chunk (10 +
   3 look-ahead after a 90-token prompt) and of the official one (35 + 3);
@@ -17,7 +19,7 @@ over its turns (ms from opening the turn, p50 / p95):
 
 Random weights never sample eos, so every turn runs to ``--tokens`` and is then cancelled.
 
-    python3 bench/llm_burst.py --turns 1,16,64 --json $OUT/llm_burst.json
+    python3 bench/llm_burst.py --turns 1,16,64 --modes bistream,offline --json llm_burst.json
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from tts_gateway.gateway.loadgen.report import percentile  # noqa: E402
 
 # Speech tokens of the two first chunks, look-ahead included (a 90-token voice prompt).
 MARKS = (13, 38)
+MODES = ("bistream", "offline")
 
 
 @dataclass
@@ -80,8 +83,10 @@ def summarize(turns: list[TurnTimes], steps: float, tokens: float, seconds: floa
 
 
 async def run_level(stage, turns: int, prompt_text: list[int], prompt_speech: list[int], text: list[int],
-                    tokens: int) -> dict:
-    """``turns`` turns opened at once, each until it has ``tokens`` speech tokens."""
+                    tokens: int, mode: str = "bistream") -> dict:
+    """``turns`` turns opened at once, each until it has ``tokens`` speech tokens (``MODES``)."""
+    from tts_gateway.engine.cosyvoice2.serving.lm.planner import offline_chunk
+
     times = [TurnTimes() for _ in range(turns)]
     finished = [asyncio.Event() for _ in range(turns)]
     errors: list[BaseException] = []
@@ -104,8 +109,22 @@ async def run_level(stage, turns: int, prompt_text: list[int], prompt_speech: li
             finished[i].set()
         return done
 
-    streams = []
+    async def offline(i: int) -> None:  # one round: no round ends to mark
+        chunk = offline_chunk(stage.vocab, text, prompt_text, prompt_speech)
+        error = None
+        try:
+            await stage.run_rounds([chunk], on_tokens=on_tokens(i))
+        except Exception as exc:  # reported as the bistream turns' failures are
+            error = exc
+        on_done(i)(error)
+
+    if mode not in MODES:
+        raise ValueError(f"mode is one of {', '.join(MODES)}, not {mode!r}")
+    streams, tasks = [], []
     for i in range(turns):
+        if mode == "offline":
+            tasks.append(asyncio.create_task(offline(i)))
+            continue
         stream = stage.open(prompt_text, prompt_speech, on_tokens(i), on_done(i))
         stream.push_text_ids(text)
         stream.end_text()
@@ -119,9 +138,12 @@ async def run_level(stage, turns: int, prompt_text: list[int], prompt_speech: li
             ends.append(total)
         times[i].round_ends = ends
         stream.cancel()
+    for task in tasks:  # cancelling aborts the turn's vLLM request
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     if errors:
         raise RuntimeError(f"{len(errors)} turns failed: {errors[0]}")
-    return summarize(times, counters.steps - steps, counters.generated_tokens - generated, seconds)
+    return {"mode": mode, **summarize(times, counters.steps - steps, counters.generated_tokens - generated, seconds)}
 
 
 async def main(args) -> dict:
@@ -150,14 +172,22 @@ async def main(args) -> dict:
         text = [rng.randrange(vocab.text_vocab_size) for _ in range(args.text_tokens)]
         for turns in args.turns:
             for repeat in range(args.repeats):
-                level = await run_level(stage, turns, prompt_text, prompt_speech, text, args.tokens)
-                level["repeat"] = repeat
-                report["levels"].append(level)
-                print(json.dumps(level), flush=True)
-                await asyncio.sleep(0.5)
+                for mode in args.modes:
+                    level = await run_level(stage, turns, prompt_text, prompt_speech, text, args.tokens, mode)
+                    level["repeat"] = repeat
+                    report["levels"].append(level)
+                    print(json.dumps(level), flush=True)
+                    await asyncio.sleep(0.5)
     finally:
         await stage.close()
     return report
+
+
+def modes(value: str) -> list[str]:
+    chosen = value.split(",")
+    if any(mode not in MODES for mode in chosen):
+        raise argparse.ArgumentTypeError(f"modes are {', '.join(MODES)}, comma-separated: {value!r}")
+    return chosen
 
 
 def turn_counts(value: str) -> list[int]:
@@ -176,6 +206,7 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="an official-layout model directory (a full-size random one is made there if missing)")
     parser.add_argument("--turns", type=turn_counts, default=[1, 16, 64])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--modes", type=modes, default=list(MODES), help="bistream (as the gateway), offline")
     parser.add_argument("--tokens", type=int, default=60, help="speech tokens each turn runs to")
     parser.add_argument("--prompt-text", type=int, default=12, help="text tokens of the voice prompt")
     parser.add_argument("--prompt-speech", type=int, default=90, help="speech tokens of the voice prompt")

@@ -283,13 +283,15 @@ class VLLMLMStage(LMStage):
     # ------------------------------------------------------------ whole requests (tests, warm-up)
 
     async def run_rounds(
-        self, rounds: Sequence[Chunk], *, greedy: bool = False, trace: list[RoundTracker] | None = None
+        self, rounds: Sequence[Chunk], *, greedy: bool = False, trace: list[RoundTracker] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> list[int]:
         """Decode fixed rounds as one streaming request (no text arriving); returns the speech tokens.
 
-        ``trace`` collects each round with what it emitted (for replaying the decoding elsewhere).
+        ``trace`` collects each round with what it emitted (for replaying the decoding elsewhere);
+        ``on_tokens`` is given the speech tokens as they come.
         """
-        runner = _RoundRunner(self, greedy)
+        runner = _RoundRunner(self, greedy, on_tokens=on_tokens)
         tokens = await runner.run(iter(rounds))
         if trace is not None:
             trace.extend(runner.rounds)

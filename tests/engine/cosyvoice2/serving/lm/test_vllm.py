@@ -754,6 +754,16 @@ async def test_bench_llm_burst_times_each_turn_and_its_round_boundaries(plain_in
     assert level["gap_at_round_ms"]["n"] >= 3 * 2  # rounds end at 15 and 30 tokens, or sooner at fill
     assert level["gap_in_round_ms"]["n"] > 0
     assert stage.running() == 0  # every turn cancelled once timed
+    # The same turns in one round each: no round ends; a request still running once its turn is
+    # timed is aborted (a random model may end a round early by one of its stop classes).
+    engine = StreamingInputEngine(random_model(seed=2))
+    offline = await llm_burst.run_level(stage_on(engine, greedy=False), 3, PROMPT_TEXT, PROMPT_SPEECH, TEXT[:20],
+                                        tokens=30, mode="offline")
+    assert offline["mode"] == "offline" and offline["first_token_ms"]["n"] == 3
+    assert offline["gap_at_round_ms"] is None and offline["gap_in_round_ms"]["n"] > 0
+    assert engine.aborted and len(engine.aborted) + len(engine.finished) == 3
+    with pytest.raises(ValueError, match="mode is one of"):
+        await llm_burst.run_level(stage, 1, PROMPT_TEXT, PROMPT_SPEECH, TEXT[:20], tokens=5, mode="batch")
 
 
 def test_bench_llm_burst_splits_gaps_at_round_ends() -> None:
