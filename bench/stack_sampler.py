@@ -159,7 +159,7 @@ class CallTrace:
             records.append(entry(lambda moment: round(moment - self.started, 4)))
 
     def take(self) -> dict:
-        """The calls and chunks since the last take, and a fresh start."""
+        """The calls, chunks and LLM steps since the last take, and a fresh start."""
         with self.lock:
             report = {"calls": list(self.calls), "chunks": list(self.chunks), "llm_steps": list(self.llm_steps),
                       "dropped": self.dropped}
