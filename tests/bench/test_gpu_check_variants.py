@@ -12,20 +12,22 @@ import tarfile
 from tests.paths import ROOT
 
 SCRIPT = ROOT / "bench" / "gpu_check_variants.sh"
-# Writes the options it was given and the OUT it ran with; fails when asked to.
-STAND_IN = """import json, os, sys
+# Writes the options it was given and the OUT it ran with; fails, or takes 2 s, when asked to.
+STAND_IN = """import json, os, sys, time
 out = os.environ["OUT"]
 with open(os.path.join(out, "options.json"), "w") as f:
     json.dump(sys.argv[1:], f)
+if "--slow" in sys.argv:
+    time.sleep(2)
 sys.exit(3 if "--fail" in sys.argv else 0)
 """
 
 
-def run(tmp_path, *args: str) -> subprocess.CompletedProcess:
+def run(tmp_path, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
     stand_in = tmp_path / "gpu_check_stand_in.sh"
     (tmp_path / "stand_in.py").write_text(STAND_IN)
     stand_in.write_text(f'python3 {tmp_path / "stand_in.py"} "$@"\n')
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK": str(stand_in)}
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK": str(stand_in), **env_extra}
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
@@ -58,3 +60,12 @@ def test_names_and_pairs_are_checked_before_anything_runs(tmp_path):
         done = run(tmp_path, *args)
         assert done.returncode == 2 and done.stderr, args
     assert not (tmp_path / "out").exists()
+
+
+def test_a_variant_that_would_not_finish_in_the_time_left_is_skipped(tmp_path):
+    """Cut off by the call's limit while its gateway starts, a variant would return nothing: one
+    that the time left cannot hold (judged by the longest variant so far) is not started."""
+    done = run(tmp_path, "first", "--slow", "second", "--sessions 1", VARIANTS_LIMIT_S="3")
+    assert done.returncode == 1 and "== second skipped" in done.stderr
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["first.tar.gz"]
+    assert "== second skipped" not in run(tmp_path, "first", "--slow", "second", "").stderr  # the default: 590 s
