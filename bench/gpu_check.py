@@ -534,7 +534,7 @@ def first_audio_paths(profile: dict | None) -> dict | None:
 
     paths = [stages(chunk) for chunk in firsts]
     opening = opening_text(trace) or 0.0  # None only where no first chunk has its text: then none is placed
-    burst = [(chunk["text"] - opening) < BURST_S for chunk in firsts]
+    burst = [in_burst(chunk["text"], opening) for chunk in firsts]
     return {
         "n": len(paths),
         "ms": path_percentiles(paths),
@@ -543,6 +543,12 @@ def first_audio_paths(profile: dict | None) -> dict | None:
         "second_chunk_after_first_ms": second_chunk_lags(trace["chunks"], opening),
         "slowest": sorted(paths, key=lambda p: p["total"], reverse=True)[:SLOWEST_FIRST_CHUNKS],
     }
+
+
+def in_burst(moment: float, opening: float) -> bool:
+    """Whether a moment of a level's trace lies in its opening burst: the ``BURST_S`` from the
+    level's first turn's text (``opening_text``) on."""
+    return opening <= moment < opening + BURST_S
 
 
 def opening_text(trace: dict) -> float | None:
@@ -576,9 +582,8 @@ def llm_steps_by_start(profile: dict | None) -> dict | None:
             "token_gap_ms": round(1000 * sum(step["gap_s"] for step in part) / gaps, 2) if gaps else None,
         }
 
-    in_burst = [opening <= step["at"] < opening + BURST_S for step in steps]
-    return {"burst": brief([s for s, b in zip(steps, in_burst) if b]),
-            "later": brief([s for s, b in zip(steps, in_burst) if not b and s["at"] >= opening])}
+    return {"burst": brief([s for s in steps if in_burst(s["at"], opening)]),
+            "later": brief([s for s in steps if s["at"] >= opening + BURST_S])}
 
 
 def path_percentiles(paths: list[dict[str, float]]) -> dict | None:
@@ -601,7 +606,7 @@ def second_chunk_lags(chunks: list[dict], opening: float) -> dict:
         turn.sort(key=lambda chunk: chunk["ready"])
         if len(turn) < 2 or not turn[0]["first"] or "text" not in turn[0]:
             continue
-        part = "burst" if turn[0]["text"] - opening < BURST_S else "later"
+        part = "burst" if in_burst(turn[0]["text"], opening) else "later"
         lags[part].append(1000 * (turn[1]["done"] - turn[0]["done"]))
     return {part: {"n": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95)} if values else None
             for part, values in lags.items()}
