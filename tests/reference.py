@@ -79,19 +79,22 @@ def official_modules(llm_cfg, flow_cfg, hift_cfg):
 
 def randomize(module, seed: int, spread: float):
     """Every parameter random and non-trivial, scaled so activations stay O(1): matrices
-    ~ N(0, 1/fan_in), norm gains ~ 1 + N(0, spread^2), biases ~ N(0, spread^2). In eval mode."""
+    ~ N(0, 1/fan_in), norm gains ~ 1 + N(0, spread^2), biases ~ N(0, spread^2). In eval mode.
+    The values are loaded as a checkpoint's are (``load_state_dict``), so that what a module
+    derives from its weights at load is derived from these."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if param.dim() >= 2:
-                param.copy_(noise / param[0].numel() ** 0.5)
-            elif name.endswith("weight"):
-                param.copy_(1 + spread * noise)
-            else:
-                param.copy_(spread * noise)
+    state = {}
+    for name, param in module.named_parameters():
+        noise = torch.randn(param.shape, generator=generator)
+        if param.dim() >= 2:
+            state[name] = noise / param[0].numel() ** 0.5
+        elif name.endswith("weight"):
+            state[name] = 1 + spread * noise
+        else:
+            state[name] = spread * noise
+    module.load_state_dict(state, strict=False)
     return module.eval()
 
 

@@ -120,6 +120,22 @@ def attention_bias(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 # ----------------------------------------------------------------------------- layers
 
 
+def _fuse_loaded(module: nn.Module, _incompatible_keys) -> None:
+    """A load_state_dict post-hook: loaded weights (the official state dict) are stacked again at once."""
+    module.fuse_projections()
+
+
+def refill(held: Tensor | None, value: Tensor) -> Tensor:
+    """A derived weight buffer holding ``value``: ``held`` written in place where it has the
+    shape, dtype and device (CUDA graphs captured over it keep its address), else a new one."""
+    value = value.detach()
+    if held is not None and (held.shape, held.dtype, held.device) == (value.shape, value.dtype, value.device):
+        with torch.inference_mode():  # held may have been made in inference mode
+            held.copy_(value)
+        return held
+    return value.clone(memory_format=torch.contiguous_format)
+
+
 class CausalConv1d(nn.Conv1d):
     """Conv1d that sees only the current and past frames (left zero padding, or cached context)."""
 
@@ -129,11 +145,12 @@ class CausalConv1d(nn.Conv1d):
         self.cache_slot = -1  # set by Estimator
 
     def forward(self, x: Tensor, view: CachedFrames | None = None) -> Tensor:
-        if view is None:
-            x = F.pad(x, (self.context, 0))
-        else:
-            x = view.conv_input(self.cache_slot, x)
-        return super().forward(x)
+        if view is not None:
+            return super().forward(view.conv_input(self.cache_slot, x))
+        # Zero context on both sides, the right one's outputs dropped: the same outputs as
+        # padding the left alone, without a padded copy of the input (a kernel per layer).
+        frames = x.shape[2]
+        return F.conv1d(x, self.weight, self.bias, padding=self.context)[:, :, :frames]
 
 
 class CausalBlock(nn.Module):
@@ -164,7 +181,8 @@ class CausalBlock(nn.Module):
 
 
 class ResnetBlock(nn.Module):
-    """Two causal blocks with the time embedding added between them, plus a 1x1 skip."""
+    """Two causal blocks with the time embedding's projection (``mlp``) added between them,
+    plus a 1x1 skip."""
 
     def __init__(self, dim: int, dim_out: int, time_emb_dim: int) -> None:
         super().__init__()
@@ -173,11 +191,12 @@ class ResnetBlock(nn.Module):
         self.block2 = CausalBlock(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: Tensor, mask: Tensor, time_emb: Tensor, view: CachedFrames | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, time_term: Tensor, view: CachedFrames | None) -> Tensor:
         """``[B, C, T]``, in ``[B, T, C]`` memory where the fused kernels run: the transformer
-        blocks after it work on frames as rows."""
+        blocks after it work on frames as rows. ``time_term`` ``[B, dim_out]``: ``mlp`` of the
+        time embedding (``Estimator.time_terms``)."""
         masked = x * mask  # block1's input and the skip's, masked once
-        h = self.block1.on_masked(masked, mask, view, addend=self.mlp(time_emb)[:, :, None])
+        h = self.block1.on_masked(masked, mask, view, addend=time_term[:, :, None])
         return self.block2(h, mask, view, addend=self.res_conv(masked), frames_major=True)
 
 
@@ -192,7 +211,9 @@ class SelfAttention(nn.Module):
     instead of keys and values of ``heads x head_dim`` each).
 
     :meth:`fold_input_attention` multiplies those carries into the projections once, so that
-    attention through such a view is one matrix product in front and one behind (see there)."""
+    attention through such a view is one matrix product in front and one behind (see there).
+    Any other attention projects its queries, keys and values in one product, over
+    ``qkv_weight`` (:meth:`fuse_projections`)."""
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -211,24 +232,33 @@ class SelfAttention(nn.Module):
         self.vo_weight: Tensor | None
         self.register_buffer("qk_weight", None, persistent=False)
         self.register_buffer("vo_weight", None, persistent=False)
+        # to_q, to_k and to_v stacked (fuse_projections), at construction and after every load.
+        self.qkv_weight: Tensor
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.fuse_projections()
+        self.register_load_state_dict_post_hook(_fuse_loaded)
 
     def forward(self, x: Tensor, mask: Tensor | None, view: CachedFrames | None) -> Tensor:
         if view is not None and view.keeps_inputs:
             return self._attend_inputs(x, view)
         batch, frames, _ = x.shape
-
-        def heads(h: Tensor) -> Tensor:
-            return h.view(batch, frames, self.heads, self.head_dim)
-
-        query = heads(self.to_q(x))
+        # One product for the three projections; each is a strided view of it, heads apart.
+        projected = F.linear(x, self.qkv_weight).view(batch, frames, 3, self.heads, self.head_dim)
+        query, key, value = projected.unbind(2)
         if view is not None:
-            out = view.attend(self.cache_slot, query, heads(self.to_k(x)), heads(self.to_v(x)), mask)
+            out = view.attend(self.cache_slot, query, key, value, mask)
         else:
-            key, value = heads(self.to_k(x)), heads(self.to_v(x))
             out = F.scaled_dot_product_attention(
                 query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask
             ).transpose(1, 2)
         return self.to_out[0](out.reshape(batch, frames, self.heads * self.head_dim))
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Stack ``to_q``, ``to_k`` and ``to_v`` into ``qkv_weight``, in place where it is held
+        already (CUDA graphs keep its address). Done at construction and whenever weights are
+        loaded; call it again after changing them in place."""
+        self.qkv_weight = refill(self.qkv_weight, torch.cat([self.to_q.weight, self.to_k.weight, self.to_v.weight]))
 
     @torch.no_grad()
     def fold_input_attention(self) -> None:
@@ -251,14 +281,8 @@ class SelfAttention(nn.Module):
         w_o = self.to_out[0].weight.float().view(self.dim, self.heads, self.head_dim)
         qk = torch.einsum("hdc,hde->hce", w_k, w_q).reshape(self.heads * self.dim, self.dim)
         vo = torch.einsum("ohd,hdc->ohc", w_o, w_v).reshape(self.dim, self.heads * self.dim)
-        for name, product in (("qk_weight", qk), ("vo_weight", vo)):
-            folded = product.to(dtype=dtype, device=device).contiguous()
-            held = getattr(self, name)
-            if held is not None and (held.shape, held.dtype, held.device) == (folded.shape, dtype, device):
-                with torch.inference_mode():  # held may have been made in inference mode
-                    held.copy_(folded)  # in place: graphs captured over the held buffers stay valid
-            else:
-                setattr(self, name, folded)
+        self.qk_weight = refill(self.qk_weight, qk.to(dtype=dtype, device=device))
+        self.vo_weight = refill(self.vo_weight, vo.to(dtype=dtype, device=device))
 
     def _attend_inputs(self, x: Tensor, view: CachedFrames) -> Tensor:
         """Attention through a view that keeps this layer's inputs (see the class)."""
@@ -395,6 +419,29 @@ class Estimator(nn.Module):
             layer.cache_slot = slot
         for slot, conv in enumerate(self.causal_convs):
             conv.cache_slot = slot
+        self.resnets = [m for m in self.modules() if isinstance(m, ResnetBlock)]  # in the order forward runs them
+        # Every ResNet block's time projection stacked (fuse_projections).
+        self.time_weight: Tensor
+        self.time_bias: Tensor
+        self.register_buffer("time_weight", None, persistent=False)
+        self.register_buffer("time_bias", None, persistent=False)
+        self.fuse_projections()
+        self.register_load_state_dict_post_hook(_fuse_loaded)
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Stack every ResNet block's projection of the time embedding into one (``time_terms``):
+        a solver step then runs one Mish and one product for the time instead of one of each
+        per block. Done at construction and whenever weights are loaded; call it again after
+        changing weights in place (the attention layers stack their own projections)."""
+        projections = [resnet.mlp[1] for resnet in self.resnets]
+        self.time_weight = refill(self.time_weight, torch.cat([p.weight for p in projections]))
+        self.time_bias = refill(self.time_bias, torch.cat([p.bias for p in projections]))
+
+    def time_terms(self, time_emb: Tensor) -> tuple[Tensor, ...]:
+        """Each ResNet block's ``mlp(time_emb)`` ``[B, dim]``, in forward's order, from one
+        product: every ``mlp`` is Mish then a linear map of the same embedding."""
+        return F.linear(F.mish(time_emb), self.time_weight, self.time_bias).split(self.config.channels[0], dim=1)
 
     def fold_input_attention(self) -> None:
         """Fold every attention layer's projections for views that keep layer inputs
@@ -419,7 +466,7 @@ class Estimator(nn.Module):
         attend to (and extend) the cached earlier frames (:class:`CachedFrames`); streaming
         mode only.
         """
-        time_emb = self.time_mlp(sinusoidal_embedding(t, self.config.in_channels).to(t.dtype))
+        time_terms = iter(self.time_terms(self.time_mlp(sinusoidal_embedding(t, self.config.in_channels).to(t.dtype))))
         frames = x.shape[2]
         h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, frames), cond], dim=1)
         chunk = self.config.static_chunk_size if streaming else 0
@@ -445,12 +492,12 @@ class Estimator(nn.Module):
             return (h if pending is None else h + pending).transpose(1, 2)
 
         resnet, blocks, conv = self.down_blocks[0]
-        skip = transform(resnet(h, mask, time_emb, view), blocks)
+        skip = transform(resnet(h, mask, next(time_terms), view), blocks)
         h = conv(skip * mask, view)
         for resnet, blocks in self.mid_blocks:
-            h = transform(resnet(h, mask, time_emb, view), blocks)
+            h = transform(resnet(h, mask, next(time_terms), view), blocks)
         resnet, blocks, conv = self.up_blocks[0]
-        h = transform(resnet(torch.cat([h, skip], dim=1), mask, time_emb, view), blocks)
+        h = transform(resnet(torch.cat([h, skip], dim=1), mask, next(time_terms), view), blocks)
         h = conv(h * mask, view)
         h = self.final_block(h, mask, view)
         return self.final_proj(h * mask) * mask

@@ -111,8 +111,8 @@ def module_cases(cases: dict) -> None:
     cases["CausalBlock"] = compare(lambda: block(x, mask, None), lambda: block(x, mask, None))
 
     resnet = randomize(ResnetBlock(80, 256, 1024), seed=3, spread=0.3)
-    time_emb = torch.randn(batch, 1024, generator=generator)
-    cases["ResnetBlock"] = compare(lambda: resnet(x, mask, time_emb, None), lambda: resnet(x, mask, time_emb, None))
+    time_term = resnet.mlp(torch.randn(batch, 1024, generator=generator))
+    cases["ResnetBlock"] = compare(lambda: resnet(x, mask, time_term, None), lambda: resnet(x, mask, time_term, None))
 
     blocks = [randomize(TransformerBlock(256, 8, 64, "gelu"), seed=4 + i, spread=0.3) for i in range(2)]
     h = torch.randn(batch, frames, 256, generator=generator)

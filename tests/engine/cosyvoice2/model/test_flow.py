@@ -127,6 +127,49 @@ def test_attention_bias_gives_the_boolean_masks_attention_exactly(dtype: torch.d
     assert torch.equal(got, expected)
 
 
+def test_the_estimator_runs_stacked_projections_that_follow_its_loaded_weights() -> None:
+    """A forward projects each attention layer's queries, keys and values in one product and
+    every ResNet block's time term in one product for all (fewer kernels a solver step): the
+    separate official modules never run, their stacked copies give what they give, and a load
+    of other weights restacks them. A causal convolution without a view pads inside the
+    convolution, with the outputs of left padding alone."""
+    estimator = randomize_(Estimator(EstimatorConfig.tiny()), seed=11)
+    calls = []
+    for layer in estimator.attention_layers:
+        for linear in (layer.to_q, layer.to_k, layer.to_v):
+            linear.register_forward_hook(lambda *_: calls.append("qkv"))
+    for resnet in estimator.resnets:
+        resnet.mlp.register_forward_hook(lambda *_: calls.append("time"))
+    generator = torch.Generator().manual_seed(12)
+    x, mu, cond = (torch.randn(2, 80, 60, generator=generator) for _ in range(3))
+    spks, t, mask = torch.randn(2, 80, generator=generator), torch.rand(2, generator=generator), torch.ones(2, 1, 60)
+    with torch.inference_mode():
+        estimator(x, mask, mu, t, spks, cond, streaming=True)
+    assert not calls
+
+    def check_stacked(estimator: Estimator) -> None:
+        layer = estimator.attention_layers[-1]
+        h = torch.randn(2, 7, layer.dim, generator=generator)
+        stacked = nn.functional.linear(h, layer.qkv_weight).chunk(3, dim=-1)
+        for part, linear in zip(stacked, (layer.to_q, layer.to_k, layer.to_v)):
+            assert max_err(part, linear(h)) <= 1e-6
+        time_emb = torch.randn(2, estimator.time_weight.shape[1], generator=generator)
+        terms = estimator.time_terms(time_emb)
+        assert len(terms) == len(estimator.resnets) == 2 + EstimatorConfig.tiny().num_mid_blocks
+        for term, resnet in zip(terms, estimator.resnets):
+            assert max_err(term, resnet.mlp(time_emb)) <= 1e-6
+
+    with torch.no_grad():
+        check_stacked(estimator)
+        other = randomize_(Estimator(EstimatorConfig.tiny()), seed=13)
+        estimator.load_state_dict(other.state_dict())
+        check_stacked(estimator)
+        assert "qkv_weight" not in "".join(estimator.state_dict()) and "time_weight" not in "".join(estimator.state_dict())
+        conv = estimator.causal_convs[0]
+        h = torch.randn(2, conv.in_channels, 9, generator=generator)
+        assert max_err(conv(h), nn.functional.conv1d(nn.functional.pad(h, (conv.context, 0)), conv.weight, conv.bias)) <= 1e-6
+
+
 class InputsOnly:
     """A view that keeps a layer's inputs: here, attention over the call's own frames only."""
 
@@ -178,6 +221,7 @@ def test_folded_attention_over_inputs_is_the_per_head_carry_in_two_products(monk
     with torch.inference_mode():
         layer.to_q.weight.mul_(2)
     layer.fold_input_attention()  # again after the weights changed: into the same buffers
+    layer.fuse_projections()  # and the plain path's stacked projections
     assert layer.qk_weight is held
     assert max_err(layer(x, None, view), layer(x, attention_bias(allowed, x.dtype), None)) <= 1e-5
 
