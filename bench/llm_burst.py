@@ -19,7 +19,13 @@ turn, p50 / p95):
 
 Random weights never sample eos, so every turn runs to ``--tokens`` and is then cancelled.
 
+``--async-scheduling`` starts vLLM with its pipelined scheduling (the ``async_scheduling``
+setting, off in the gateway: with inputs given round after round it once crashed vLLM's engine,
+docs/cosyvoice2.md), for ``offline`` levels only, whose requests take one input: what a step
+costs when vLLM prepares the next while the GPU runs this one.
+
     python3 bench/llm_burst.py --turns 1,16,64 --modes bistream,offline --json llm_burst.json
+    python3 bench/llm_burst.py --turns 1,16,64 --modes offline --async-scheduling --json llm_burst_async.json
 """
 
 from __future__ import annotations
@@ -157,6 +163,7 @@ async def main(args) -> dict:
     vllm = VLLMSettings(
         gpu_memory_utilization=args.gpu_memory_utilization,
         warmup_batch_sizes=tuple(n for n in VLLMSettings.warmup_batch_sizes if n <= largest),
+        async_scheduling=args.async_scheduling,
     )
     settings = CosyVoice2Settings(model_dir=str(args.model_dir), llm_backend="vllm", vllm=vllm)
     started = time.perf_counter()
@@ -212,12 +219,22 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-speech", type=int, default=90, help="speech tokens of the voice prompt")
     parser.add_argument("--text-tokens", type=int, default=40, help="text tokens of each reply")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="vLLM's pipelined scheduling (offline levels only)")
     parser.add_argument("--json", type=Path)
     return parser
 
 
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argument_parser()
+    args = parser.parse_args(argv)
+    if args.async_scheduling and args.modes != ["offline"]:
+        parser.error("--async-scheduling runs offline levels only: pass --modes offline")
+    return args
+
+
 if __name__ == "__main__":
-    arguments = argument_parser().parse_args()
+    arguments = parse_arguments()
     result = asyncio.run(main(arguments))
     if arguments.json:
         arguments.json.write_text(json.dumps(result, indent=1))

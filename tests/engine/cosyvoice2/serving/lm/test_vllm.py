@@ -777,3 +777,14 @@ def test_bench_llm_burst_splits_gaps_at_round_ends() -> None:
     assert level["gap_at_round_ms"] == {"n": 1, "p50": pytest.approx(300.0), "p95": pytest.approx(300.0)}
     assert (level["steps_per_s"], level["tokens_per_step"]) == (5.0, 2.5)
     assert llm_burst.summarize([], steps=0, tokens=0, seconds=0)["tokens_per_step"] is None
+
+
+def test_bench_llm_burst_runs_pipelined_scheduling_on_one_input_requests_only() -> None:
+    """--async-scheduling (vLLM's pipelined scheduling, which crashed its engine with inputs
+    given round after round) is refused for bistream levels and taken for offline ones."""
+    from bench import llm_burst
+
+    with pytest.raises(SystemExit):
+        llm_burst.parse_arguments(["--async-scheduling"])
+    assert llm_burst.parse_arguments(["--async-scheduling", "--modes", "offline"]).async_scheduling is True
+    assert llm_burst.parse_arguments([]).async_scheduling is False
