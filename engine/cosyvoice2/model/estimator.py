@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tts_gateway.engine.cosyvoice2.model.fused_norms import add_norm, norm_mish_mask
+from tts_gateway.engine.cosyvoice2.model.fused_norms import RowStore, add_norm, norm_mish_mask
 from tts_gateway.engine.cosyvoice2.modeldir.configs import EstimatorConfig
 
 
@@ -44,8 +44,9 @@ class CachedFrames(Protocol):
 
     ``slot`` numbers a layer among the estimator's causal convolutions or attention layers
     (``Estimator.causal_convs`` / ``attention_layers``). A view that ``keeps_inputs`` holds
-    each attention layer's input instead of its keys and values (a quarter of their size) and
-    is asked ``attend_inputs``; any other view is asked ``attend``."""
+    each attention layer's input instead of its keys and values (a quarter of their size): the
+    new frames' inputs are written into its ``input_store``, then it is asked ``attend_inputs``.
+    Any other view is asked ``attend``."""
 
     keeps_inputs: bool
 
@@ -57,10 +58,15 @@ class CachedFrames(Protocol):
         ``query``, ``key``, ``value`` and the result ``[B, T, heads, head_dim]``; ``mask`` is
         what ``attention_mask`` gave, as an additive bias."""
 
-    def attend_inputs(self, slot: int, query: Tensor, inputs: Tensor, scale: float) -> Tensor:
-        """The layer's attention over its inputs (``SelfAttention.forward``): ``inputs`` ``[B, T,
-        dim]`` are the new frames' (the view keeps them), ``query`` and the result ``[B, T,
-        heads, dim]``, every head attending over the same inputs with softmax ``scale``."""
+    def input_store(self, slot: int) -> RowStore:
+        """Where the layer's new inputs go, ``(target, index)``: input row ``i`` of the new
+        frames (``[B * T, dim]`` in order) is written to ``target[index[i]]``, by the norm that
+        makes it (``fused_norms.add_norm``) or else by the layer."""
+
+    def attend_inputs(self, slot: int, query: Tensor, scale: float) -> Tensor:
+        """The layer's attention over its inputs (``SelfAttention.forward``), the new frames'
+        among them once written to ``input_store``: ``query`` and the result ``[B, T, heads,
+        dim]``, every head attending over the same inputs with softmax ``scale``."""
 
     def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> Tensor | None:
         """The chunk mask of the new frames (queries) over the earlier and new frames (keys),
@@ -238,9 +244,10 @@ class SelfAttention(nn.Module):
         self.fuse_projections()
         self.register_load_state_dict_post_hook(_fuse_loaded)
 
-    def forward(self, x: Tensor, mask: Tensor | None, view: CachedFrames | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None, view: CachedFrames | None, stored: bool = False) -> Tensor:
+        """``stored``: a view that keeps inputs has ``x`` in its ``input_store`` already."""
         if view is not None and view.keeps_inputs:
-            return self._attend_inputs(x, view)
+            return self._attend_inputs(x, view, stored)
         batch, frames, _ = x.shape
         # One product for the three projections; each is a strided view of it, heads apart.
         projected = F.linear(x, self.qkv_weight).view(batch, frames, 3, self.heads, self.head_dim)
@@ -284,19 +291,22 @@ class SelfAttention(nn.Module):
         self.qk_weight = refill(self.qk_weight, qk.to(dtype=dtype, device=device))
         self.vo_weight = refill(self.vo_weight, vo.to(dtype=dtype, device=device))
 
-    def _attend_inputs(self, x: Tensor, view: CachedFrames) -> Tensor:
+    def _attend_inputs(self, x: Tensor, view: CachedFrames, stored: bool) -> Tensor:
         """Attention through a view that keeps this layer's inputs (see the class)."""
         batch, frames, _ = x.shape
         scale = self.head_dim**-0.5
+        if not stored:
+            target, index = view.input_store(self.cache_slot)
+            target.index_copy_(0, index, x.reshape(-1, self.dim))
         if self.qk_weight is not None and self.vo_weight is not None:
             query = F.linear(x, self.qk_weight).view(batch, frames, self.heads, self.dim)
-            out = view.attend_inputs(self.cache_slot, query, x, scale)
+            out = view.attend_inputs(self.cache_slot, query, scale)
             return F.linear(out.reshape(batch, frames, self.heads * self.dim), self.vo_weight, self.to_out[0].bias)
         # Not folded (a view used without fold_input_attention): carry per head, the same attention.
         query = self.to_q(x).view(batch, frames, self.heads, self.head_dim)
         w_k = self.to_k.weight.view(self.heads, self.head_dim, self.dim)
         w_v = self.to_v.weight.view(self.heads, self.head_dim, self.dim)
-        out = view.attend_inputs(self.cache_slot, torch.einsum("bthd,hdc->bthc", query, w_k), x, scale)
+        out = view.attend_inputs(self.cache_slot, torch.einsum("bthd,hdc->bthc", query, w_k), scale)
         out = torch.einsum("bthc,hdc->bthd", out, w_v)
         return self.to_out[0](out.reshape(batch, frames, self.heads * self.head_dim))
 
@@ -347,11 +357,10 @@ class TransformerBlock(nn.Module):
         """The block on ``x + pending`` ``[B, T, C]`` (``pending``: the previous block's
         feed-forward output, or None), as ``(stream, delta)``: the block's output is ``stream +
         delta``, the add left to the next block or the stage's end."""
-        if pending is None:
-            normed = self.norm1(x)
-        else:
-            x, normed = add_norm(x, pending, self.norm1)
-        x, normed = add_norm(x, self.attn1(normed, mask, view), self.norm3)
+        # A view that keeps attention inputs gets this layer's from the norm that makes them.
+        store = view.input_store(self.attn1.cache_slot) if view is not None and view.keeps_inputs else None
+        x, normed = add_norm(x, pending, self.norm1, store)
+        x, normed = add_norm(x, self.attn1(normed, mask, view, stored=store is not None), self.norm3)
         return x, self.ff(normed)
 
 

@@ -9,7 +9,9 @@ norm. Two Triton kernels do that work in one pass each:
   ``[B, C, T]``, the tail of a causal block; the addend (the time embedding's ``[B, C, 1]``,
   or a ResNet block's skip ``[B, C, T]``) folds the add that follows the block into it.
 - :func:`add_norm`: ``s = x + delta; n = layer_norm(s)``, returning both, on ``[..., C]``
-  rows: a transformer block's residual add and the layer norm after it.
+  rows: a transformer block's residual add and the layer norm after it (the norm alone without
+  ``delta``). Given a store, it also writes ``n`` into it, row by row: an attention layer's input
+  into the paged turn pool, where the layer then reads it (serving/turn_pool.py).
 
 Each op computes its statistics in float32 and reads and writes the tensors' dtype. Which path
 runs is decided per call by the fused kernels' switch (fused_kernels.py). The kernels launch on
@@ -48,10 +50,21 @@ def norm_mish_mask_reference(h: Tensor, norm: nn.LayerNorm, mask: Tensor, addend
     return out if addend is None else out + addend
 
 
-def add_norm_reference(x: Tensor, delta: Tensor, norm: nn.LayerNorm) -> tuple[Tensor, Tensor]:
-    """``(x + delta, norm(x + delta))`` over the last dim."""
-    total = x + delta
-    return total, norm(total)
+# Where add_norm also writes its normed rows: (a [N, C] tensor, the [rows] row of it for each row).
+RowStore = tuple[Tensor, Tensor]
+
+
+def add_norm_reference(
+    x: Tensor, delta: Tensor | None, norm: nn.LayerNorm, store: RowStore | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(x + delta, norm(x + delta))`` over the last dim (``x`` itself without ``delta``); with
+    ``store`` ``(target, index)``, the normed rows also go to ``target[index]``."""
+    total = x if delta is None else x + delta
+    normed = norm(total)
+    if store is not None:
+        target, index = store
+        target.index_copy_(0, index, normed.reshape(-1, normed.shape[-1]))
+    return total, normed
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -70,11 +83,14 @@ def norm_mish_mask(
     return norm_mish_mask_reference(h, norm, mask, addend)
 
 
-def add_norm(x: Tensor, delta: Tensor, norm: nn.LayerNorm) -> tuple[Tensor, Tensor]:
-    """``(x + delta, norm(x + delta))`` (:func:`add_norm_reference`), the sum contiguous."""
+def add_norm(
+    x: Tensor, delta: Tensor | None, norm: nn.LayerNorm, store: RowStore | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(x + delta, norm(x + delta))`` (:func:`add_norm_reference`), the sum contiguous; with
+    ``store``, the normed rows written there too, in the same kernel."""
     if fused_kernels.applies(x):
-        return _add_norm_triton(x, delta, norm.weight, norm.bias, norm.eps)
-    return add_norm_reference(x, delta, norm)
+        return _add_norm_triton(x, delta, norm.weight, norm.bias, norm.eps, store)
+    return add_norm_reference(x, delta, norm, store)
 
 
 # ----------------------------------------------------------------------------- Triton
@@ -134,28 +150,33 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["rows"])
     def fused_add_norm_kernel(
-        x_ptr, delta_ptr, weight_ptr, bias_ptr, total_ptr, normed_ptr,
+        x_ptr, delta_ptr, weight_ptr, bias_ptr, total_ptr, normed_ptr, store_ptr, index_ptr,
         rows, channels, eps,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+        HAS_DELTA: tl.constexpr, HAS_STORE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.arange(0, BLOCK_C)
         c_in = c < channels
-        inside = (r < rows)[:, None] & c_in[None, :]
+        r_in = r < rows
+        inside = r_in[:, None] & c_in[None, :]
         offsets = r[:, None] * channels + c[None, :]
         total = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        total += tl.load(delta_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        # The norm reads the sum as stored, as the unfused add then norm does.
-        stored = total.to(total_ptr.dtype.element_ty)
-        tl.store(total_ptr + offsets, stored, mask=inside)
-        total = stored.to(tl.float32)
+        if HAS_DELTA:
+            total += tl.load(delta_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+            # The norm reads the sum as stored, as the unfused add then norm does.
+            summed = total.to(total_ptr.dtype.element_ty)
+            tl.store(total_ptr + offsets, summed, mask=inside)
+            total = summed.to(tl.float32)
         mean = tl.sum(total, axis=1) / channels
         centred = tl.where(inside, total - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / channels + eps)
         weight = tl.load(weight_ptr + c, mask=c_in, other=0.0).to(tl.float32)
         bias = tl.load(bias_ptr + c, mask=c_in, other=0.0).to(tl.float32)
-        normed = centred * rstd[:, None] * weight[None, :] + bias[None, :]
-        tl.store(normed_ptr + offsets, normed.to(normed_ptr.dtype.element_ty), mask=inside)
+        normed = (centred * rstd[:, None] * weight[None, :] + bias[None, :]).to(normed_ptr.dtype.element_ty)
+        tl.store(normed_ptr + offsets, normed, mask=inside)
+        if HAS_STORE:
+            target = tl.load(index_ptr + r, mask=r_in, other=0).to(tl.int64)
+            tl.store(store_ptr + target[:, None] * channels + c[None, :], normed, mask=inside)
 
 
 def _norm_mish_mask_triton(
@@ -183,16 +204,22 @@ def _norm_mish_mask_triton(
     return out
 
 
-def _add_norm_triton(x: Tensor, delta: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _add_norm_triton(
+    x: Tensor, delta: Tensor | None, weight: Tensor, bias: Tensor, eps: float, store: RowStore | None
+) -> tuple[Tensor, Tensor]:
     channels = x.shape[-1]
-    x, delta = x.contiguous(), delta.contiguous()  # no-ops for the estimator's rows
-    total = torch.empty_like(x)
+    x = x.contiguous()  # a no-op for the estimator's rows, as for delta
+    total = x if delta is None else torch.empty_like(x)
     normed = torch.empty_like(x)
     rows = x.numel() // channels
+    target, index = store if store is not None else (normed, normed)  # unread without a store
+    if store is not None and (target.shape[-1] != channels or not target.is_contiguous()):
+        raise ValueError(f"a store of add_norm is contiguous rows of {channels} values, got {tuple(target.shape)}")
     grid = (triton.cdiv(rows, ROWS_PER_PROGRAM),)
     fused_add_norm_kernel[grid](
-        x, delta, weight, bias, total, normed,
+        x, x if delta is None else delta.contiguous(), weight, bias, total, normed, target, index,
         rows, channels, eps,
+        HAS_DELTA=delta is not None, HAS_STORE=store is not None,
         BLOCK_R=ROWS_PER_PROGRAM, BLOCK_C=triton.next_power_of_2(channels),
         num_warps=4,
     )

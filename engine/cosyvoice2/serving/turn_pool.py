@@ -323,7 +323,8 @@ class TurnStatePool:
 
 class PagedView(PrefixView):
     """One Euler step of a call whose rows start after their voice prefix and stored frames:
-    every attention layer writes the new frames' inputs into the rows' pages, then attends
+    every attention layer's new inputs go into the rows' pages (``input_store``: written by the
+    norm that makes them, one kernel with the fused kernels on), then it attends
     over the pages (one varlen call, see paged_varlen.py); the conv context comes from
     the turn's slot (the bank's for a turn with nothing stored) and the context at the commit
     boundary goes back to it."""
@@ -368,10 +369,13 @@ class PagedView(PrefixView):
     def attention_mask(self, new_frames: Tensor, positions: Tensor, chunk: int) -> None:
         return None  # the plan's pieces are the chunk rule
 
-    def attend_inputs(self, slot: int, query: Tensor, inputs: Tensor, scale: float) -> Tensor:
+    def input_store(self, slot: int) -> tuple[Tensor, Tensor]:
+        pages = self.pool.inputs[slot]
+        return pages.view(-1, pages.shape[-1]), self._write
+
+    def attend_inputs(self, slot: int, query: Tensor, scale: float) -> Tensor:
         rows, frames, heads, dim = query.shape
         pages = self.pool.inputs[slot]
-        pages.view(-1, dim).index_copy_(0, self._write, inputs.reshape(-1, dim))
         out = self.pool.attend(query.reshape(-1, heads, dim), pages, pages, self._plan, scale)
         return out.view(rows, frames, heads, dim)
 

@@ -82,6 +82,20 @@ def op_cases(cases: dict) -> None:
         delta = torch.randn(batch, frames, channels, generator=generator)
         cases[f"add_norm/{batch}x{frames}x{channels}"] = compare(
             lambda: fused_norms.add_norm(x, delta, norm), lambda: fused_norms.add_norm_reference(x, delta, norm))
+        # The norm alone (a transformer stage's first block), and the normed rows also written
+        # into a store, scattered by an index over a larger target (a layer's pages).
+        cases[f"add_norm/{batch}x{frames}x{channels}/norm_only"] = compare(
+            lambda: fused_norms.add_norm(x, None, norm), lambda: fused_norms.add_norm_reference(x, None, norm))
+        index = torch.randperm(batch * frames + 7, generator=generator)[: batch * frames]
+
+        def stored(add_norm: Callable) -> Callable[[], tuple[Tensor, ...]]:
+            def run() -> tuple[Tensor, ...]:
+                target = torch.full((batch * frames + 7, channels), 3.0)  # rows not in the index keep 3
+                return (*add_norm(x, delta, norm, (target, index)), target)
+            return run
+
+        cases[f"add_norm/{batch}x{frames}x{channels}/store"] = compare(
+            stored(fused_norms.add_norm), stored(fused_norms.add_norm_reference))
     # bfloat16, as on the GPU: the fused op rounds once where the plain ops round after each.
     h16, mask16 = h.bfloat16(), mask.bfloat16()
     norm16, embedding16 = layer_norm(channels, generator).bfloat16(), addends["embedding"].bfloat16()

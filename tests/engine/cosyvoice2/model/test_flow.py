@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from tts_gateway.engine.cosyvoice2.model.estimator import (
     Estimator,
     SelfAttention,
+    TransformerBlock,
     attention_bias,
     chunk_attention_mask,
 )
@@ -175,11 +176,16 @@ class InputsOnly:
 
     keeps_inputs = True
 
-    def __init__(self, mask: Tensor) -> None:
+    def __init__(self, mask: Tensor, dim: int) -> None:
         self.mask = mask
+        batch, _, frames, _ = mask.shape
+        self.inputs = mask.new_full((batch, frames, dim), float("nan"))  # written before each attention
 
-    def attend_inputs(self, slot: int, query: Tensor, inputs: Tensor, scale: float) -> Tensor:
-        keys = inputs[:, None]  # one head of the inputs, shared by every query head
+    def input_store(self, slot: int) -> tuple[Tensor, Tensor]:
+        return self.inputs.view(-1, self.inputs.shape[-1]), torch.arange(self.inputs.shape[0] * self.inputs.shape[1])
+
+    def attend_inputs(self, slot: int, query: Tensor, scale: float) -> Tensor:
+        keys = self.inputs[:, None]  # one head of the inputs, shared by every query head
         out = nn.functional.scaled_dot_product_attention(query.transpose(1, 2), keys, keys, self.mask, scale=scale)
         return out.transpose(1, 2)
 
@@ -192,9 +198,29 @@ def test_attention_over_a_layers_inputs_is_attention_over_its_keys_and_values() 
     allowed = chunk_attention_mask(torch.ones(2, 120, dtype=torch.bool), torch.arange(120)[None], 50)
     mask = attention_bias(allowed, x.dtype)
     expected = layer(x, mask, None)
-    got = layer(x, None, InputsOnly(mask))
+    got = layer(x, None, InputsOnly(mask, 32))
     assert expected.abs().max() > 0.1
     assert max_err(got, expected) <= 1e-5
+
+
+def test_a_transformer_block_writes_its_attention_inputs_once_from_the_norm(monkeypatch) -> None:
+    """Through a view that keeps inputs, a transformer block's first norm writes the layer's
+    inputs into the view's store (one kernel with the fused norms, serving/turn_pool.py's
+    pages), and the layer does not write them again: the same block output as a layer given
+    its inputs to write itself."""
+    block = randomize_(TransformerBlock(32, 4, 16, "gelu"), seed=9)
+    x, pending = (torch.randn(2, 120, 32, generator=torch.Generator().manual_seed(s)) for s in (10, 11))
+    allowed = chunk_attention_mask(torch.ones(2, 120, dtype=torch.bool), torch.arange(120)[None], 50)
+    view = InputsOnly(attention_bias(allowed, x.dtype), 32)
+    asked = []
+    store = view.input_store
+    monkeypatch.setattr(view, "input_store", lambda slot: asked.append(slot) or store(slot))
+    got = block(x, pending, None, view)
+    assert asked == [block.attn1.cache_slot]
+    stream = x + pending
+    attended = stream + block.attn1(block.norm1(stream), None, view)  # the layer writes its inputs itself
+    assert asked == [block.attn1.cache_slot] * 2
+    assert max_err(got[0], attended) <= 1e-5 and max_err(got[1], block.ff(block.norm3(attended))) <= 1e-5
 
 
 def test_folded_attention_over_inputs_is_the_per_head_carry_in_two_products(monkeypatch) -> None:
@@ -203,7 +229,7 @@ def test_folded_attention_over_inputs_is_the_per_head_carry_in_two_products(monk
     layer = randomize_(SelfAttention(dim=32, heads=4, head_dim=16), seed=7)
     x = torch.randn(2, 120, 32, generator=torch.Generator().manual_seed(8))
     allowed = chunk_attention_mask(torch.ones(2, 120, dtype=torch.bool), torch.arange(120)[None], 50)
-    view = InputsOnly(attention_bias(allowed, x.dtype))
+    view = InputsOnly(attention_bias(allowed, x.dtype), 32)
     carried = layer(x, None, view)
     layer.fold_input_attention()
     assert layer.qk_weight.shape == (4 * 32, 32) and layer.vo_weight.shape == (32, 4 * 32)
@@ -239,7 +265,7 @@ def test_folded_attention_in_bf16_errs_no_more_than_the_plain_attention() -> Non
     plain_err = max_err(layer(x, bias, None).float(), expected)
     layer.fold_input_attention()
     assert layer.qk_weight.dtype == torch.bfloat16
-    folded_err = max_err(layer(x, None, InputsOnly(bias)).float(), expected)
+    folded_err = max_err(layer(x, None, InputsOnly(bias, 256)).float(), expected)
     assert 0 < plain_err < 0.05 * float(expected.abs().max())
     assert folded_err <= 2 * plain_err
 
