@@ -6,10 +6,15 @@ whatever its frames. This counts what a step launches: torch's profiler over one
 estimator, in streaming mode, at each ``ROWSxFRAMES`` shape; the ops that only re-view a
 tensor (``VIEW_OPS``) are left out, the rest counted by name. Plain torch ops by default; with
 ``--fused``, as the GPU runs it with the flow's fused kernels (``flow_fused_kernels``): each
-fused norm counts once, as ``fused::<kernel>``, its torch reference standing in for the kernel
-on a CPU. CUDA graphs replay the same kernels.
+fused kernel counts once, as ``kernel::<name>``, its torch reference standing in for it on a CPU.
+CUDA graphs replay the same kernels.
 
-    python bench/estimator_ops.py --size full --shapes 2x50,16x50,2x400 [--fused] --json ops.json
+``--paged`` counts instead one Euler step of a paged call (serving/turn_pool.py) as its CUDA
+graph captures it (``flow_graphs.step_program``): ROWS new turns of one voice (a 50-frame voice
+prefix) with FRAMES new frames each, ROWS being the call's rows (the step doubles them for CFG).
+The pool's attention counts once, as ``kernel::paged_attention`` (vLLM's FlashAttention on a GPU).
+
+    python bench/estimator_ops.py --size full --shapes 2x50,16x50,2x400 [--fused] [--paged] --json ops.json
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import collections
 import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -29,8 +34,16 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tts_gateway.engine.cosyvoice2.model import fused_kernels, fused_norms  # noqa: E402
+from tts_gateway.engine.cosyvoice2.model.cfm import CFM  # noqa: E402
 from tts_gateway.engine.cosyvoice2.model.estimator import Estimator  # noqa: E402
-from tts_gateway.engine.cosyvoice2.modeldir.configs import EstimatorConfig  # noqa: E402
+from tts_gateway.engine.cosyvoice2.modeldir.configs import CFMConfig  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving import fused_context  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets, pad_inputs  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.flow_graphs import step_program  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, decoder_prefix  # noqa: E402
+from tts_gateway.engine.cosyvoice2.serving.turn_pool import (  # noqa: E402
+    PAGE_FRAMES, TurnStatePool, attend_reference, pad_turn_rows, turn_rows,
+)
 
 # Ops that make no kernel of their own: views, reshapes and allocations.
 VIEW_OPS = frozenset({
@@ -52,55 +65,94 @@ def shapes(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
-FUSED = "fused::"  # the profiler range a fused kernel's stand-in runs in
+KERNEL = "kernel::"  # the profiler range of a stand-in for what is one kernel on a GPU
 
 
 @contextlib.contextmanager
 def fused_kernels_counted() -> Iterator[None]:
-    """The estimator takes its fused-kernel paths on any device; each fused norm runs its torch
-    reference inside a ``fused::<kernel>`` range, counted as the one kernel it is on a GPU."""
+    """The estimator takes its fused-kernel paths on any device; each fused kernel runs its torch
+    reference inside a ``kernel::<name>`` range, counted as the one kernel it is on a GPU."""
 
     def norm_mish_mask(h, weight, bias, eps, mask, addend, frames_major):
-        with record_function(FUSED + "norm_mish_mask"):
+        with record_function(KERNEL + "norm_mish_mask"):
             out = F.mish(F.layer_norm(h.transpose(1, 2), weight.shape, weight, bias, eps).transpose(1, 2)) * mask
             return out if addend is None else out + addend
 
     def add_norm(x, delta, weight, bias, eps, store):
-        with record_function(FUSED + "add_norm"):
+        with record_function(KERNEL + "add_norm"):
             norm = torch.nn.LayerNorm(weight.shape, eps=eps, device=weight.device, dtype=weight.dtype)
             norm.weight, norm.bias = torch.nn.Parameter(weight), torch.nn.Parameter(bias)
             return fused_norms.add_norm_reference(x, delta, norm, store)
 
-    saved = fused_kernels.applies, fused_norms._norm_mish_mask_triton, fused_norms._add_norm_triton
+    def conv_input(x, turns, bank, step, rows):
+        with record_function(KERNEL + "conv_input"):
+            return fused_context.conv_input_reference(x, turns, bank, step, rows)
+
+    saved = (fused_kernels.applies, fused_norms._norm_mish_mask_triton, fused_norms._add_norm_triton,
+             fused_context._conv_input_triton)
     fused_kernels.applies = lambda _tensor: True
     fused_norms._norm_mish_mask_triton, fused_norms._add_norm_triton = norm_mish_mask, add_norm
+    fused_context._conv_input_triton = conv_input
     try:
         yield
     finally:
-        fused_kernels.applies, fused_norms._norm_mish_mask_triton, fused_norms._add_norm_triton = saved
+        (fused_kernels.applies, fused_norms._norm_mish_mask_triton, fused_norms._add_norm_triton,
+         fused_context._conv_input_triton) = saved
 
 
-@torch.inference_mode()
-def count_ops(estimator: Estimator, rows: int, frames: int, device: torch.device) -> collections.Counter[str]:
-    """The top-level torch ops (not views) of one streaming forward at this shape, by name."""
+def forward_step(estimator: Estimator, rows: int, frames: int, device: torch.device) -> Callable[[], object]:
+    """One streaming forward of the estimator at this shape."""
     x, mu, cond = (torch.randn(rows, 80, frames, device=device) for _ in range(3))
     mask = torch.ones(rows, 1, frames, device=device)
     t, spks = torch.rand(rows, device=device), torch.randn(rows, 80, device=device)
-    estimator(x, mask, mu, t, spks, cond, streaming=True)  # warm-up: first-call set-up is not a step's work
-    with profile(activities=[ProfilerActivity.CPU]) as trace:  # the ops as torch dispatches them
-        estimator(x, mask, mu, t, spks, cond, streaming=True)
+    return lambda: estimator(x, mask, mu, t, spks, cond, streaming=True)
 
-    def top_level(event) -> bool:  # not called from inside another torch op or a fused kernel
+
+def paged_attention(*args) -> torch.Tensor:
+    with record_function(KERNEL + "paged_attention"):
+        return attend_reference(*args)
+
+
+def paged_step(cfm: CFM, rows: int, frames: int, device: torch.device) -> Callable[[], object]:
+    """One Euler step of a paged call as its CUDA graph captures it (see the module docstring)."""
+    steps, prefix = 2, 50  # a step's ops do not depend on the step count
+    like = torch.zeros(1, device=device)
+    voice_mu, voice_cond = (torch.randn(1, 80, prefix, device=device) for _ in range(2))
+    bank = PrefixBank(cfm, 1, prefix, like, steps, keep_inputs=True)
+    bank.put(0, decoder_prefix(cfm, voice_mu, torch.randn(1, 80, device=device), voice_cond, prefix, steps,
+                               keep_inputs=True))
+    pool = TurnStatePool(cfm, rows * (2 + (prefix + frames) // PAGE_FRAMES), like, steps, attend=paged_attention)
+    turns, _, served = turn_rows(bank, pool, [0] * rows, [None] * rows, [prefix + frames] * rows, [frames] * rows)
+    assert turns is not None and all(served)
+    key = FlowBuckets.up_to(max_batch=rows, max_frames=frames).key(rows, frames, True, paged=True)
+    mu, cond = (torch.randn(rows, 80, frames, device=device) for _ in range(2))
+    inputs = pad_inputs(mu, torch.ones(rows, 1, frames, device=device), torch.randn(rows, 80, device=device), cond,
+                        key.batch, key.frames)
+    static = inputs + pad_turn_rows(turns, pool, key.batch).as_tuple()
+    x, counter = mu.new_zeros(key.batch, 80, key.frames), torch.zeros(1, dtype=torch.long, device=device)
+    start, euler_step = step_program(cfm, key, static, x, counter, cfm.step_times(steps, device, mu.dtype), bank, pool)
+    start()
+    return euler_step
+
+
+@torch.inference_mode()
+def count_ops(step: Callable[[], object]) -> collections.Counter[str]:
+    """The top-level torch ops (not views) of one call of ``step``, by name."""
+    step()  # warm-up: first-call set-up is not a step's work
+    with profile(activities=[ProfilerActivity.CPU]) as trace:  # the ops as torch dispatches them
+        step()
+
+    def top_level(event) -> bool:  # not called from inside another torch op or a stood-in kernel
         parent = event.cpu_parent
         while parent is not None:
-            if parent.name.startswith(("aten::", FUSED)):
+            if parent.name.startswith(("aten::", KERNEL)):
                 return False
             parent = parent.cpu_parent
         return True
 
     return collections.Counter(
         event.name for event in trace.events()
-        if event.name.startswith(("aten::", FUSED)) and top_level(event) and event.name not in VIEW_OPS
+        if event.name.startswith(("aten::", KERNEL)) and top_level(event) and event.name not in VIEW_OPS
     )
 
 
@@ -110,19 +162,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shapes", type=shapes, default=shapes("2x50,16x50,2x400"))
     parser.add_argument("--fused", action="store_true", help="count as the GPU runs it with the fused kernels")
+    parser.add_argument("--paged", action="store_true", help="count an Euler step of a paged call's graph")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    config = EstimatorConfig.full() if args.size == "full" else EstimatorConfig.tiny()
+    config = CFMConfig.full() if args.size == "full" else CFMConfig.tiny()
     torch.manual_seed(0)  # the op count does not depend on the weights
-    estimator = Estimator(config).eval().to(device)
+    cfm = CFM(config).eval().to(device)
     results = []
     for rows, frames in args.shapes:
-        with fused_kernels_counted() if args.fused else contextlib.nullcontext():
-            ops = count_ops(estimator, rows, frames, device)
+        with fused_kernels_counted() if args.fused else contextlib.nullcontext(), torch.inference_mode():
+            step = paged_step(cfm, rows, frames, device) if args.paged else forward_step(cfm.estimator, rows, frames,
+                                                                                          device)
+            ops = count_ops(step)
         results.append({"rows": rows, "frames": frames, "ops": sum(ops.values()), "by_name": dict(ops.most_common())})
         print(f"{rows} x {frames}: {sum(ops.values())} ops", flush=True)
-    report = {"size": args.size, "device": str(device), "fused": args.fused, "results": results}
+    report = {"size": args.size, "device": str(device), "fused": args.fused, "paged": args.paged, "results": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report

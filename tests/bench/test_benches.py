@@ -166,8 +166,13 @@ def test_bench_estimator_ops_counts_a_forward(tmp_path) -> None:
     fused = bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x50", "--fused"])["results"][0]["by_name"]
     # Each transformer block's norms (with the residual add before) are fused kernels; so are the
     # ResNet blocks' norms, with their Mish and mask.
-    assert fused["fused::add_norm"] > 0 and fused["fused::norm_mish_mask"] > 0
+    assert fused["kernel::add_norm"] > 0 and fused["kernel::norm_mish_mask"] > 0
     assert "aten::layer_norm" not in fused and fused["aten::mish"] < first["by_name"]["aten::mish"]
     assert sum(fused.values()) < first["ops"]
+    # A paged call's Euler step: one attention kernel per layer (the tiny estimator's 4), whose
+    # new inputs its norms write into the pages, no copy of their own.
+    paged = bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x50,3x60", "--paged", "--fused"])["results"]
+    assert paged[0]["ops"] == paged[1]["ops"] > 0
+    assert paged[0]["by_name"]["kernel::paged_attention"] == 4 and "aten::index_copy_" not in paged[0]["by_name"]
     with pytest.raises(SystemExit):
         bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x0"])
