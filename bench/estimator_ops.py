@@ -49,8 +49,8 @@ from tts_gateway.engine.cosyvoice2.serving.turn_pool import (  # noqa: E402
 VIEW_OPS = frozenset({
     "aten::view", "aten::reshape", "aten::transpose", "aten::permute", "aten::expand", "aten::slice",
     "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::t", "aten::as_strided", "aten::_unsafe_view",
-    "aten::alias", "aten::detach", "aten::split", "aten::chunk", "aten::unbind", "aten::narrow", "aten::empty",
-    "aten::empty_like", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg",
+    "aten::alias", "aten::detach", "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::unbind",
+    "aten::narrow", "aten::empty", "aten::empty_like", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg",
 })
 
 
@@ -78,11 +78,11 @@ def fused_kernels_counted() -> Iterator[None]:
             out = F.mish(F.layer_norm(h.transpose(1, 2), weight.shape, weight, bias, eps).transpose(1, 2)) * mask
             return out if addend is None else out + addend
 
-    def add_norm(x, delta, weight, bias, eps, store):
+    def add_norm(x, delta, weight, bias, eps, store=None):  # store: absent before it existed
         with record_function(KERNEL + "add_norm"):
             norm = torch.nn.LayerNorm(weight.shape, eps=eps, device=weight.device, dtype=weight.dtype)
             norm.weight, norm.bias = torch.nn.Parameter(weight), torch.nn.Parameter(bias)
-            return fused_norms.add_norm_reference(x, delta, norm, store)
+            return fused_norms.add_norm_reference(x, delta, norm, *([] if store is None else [store]))
 
     def conv_input(x, turns, bank, step, rows):
         with record_function(KERNEL + "conv_input"):

@@ -71,6 +71,7 @@ def turns_check(
     cfm = CFM(config).to(device)
     for parameter in cfm.parameters():  # a spread like trained weights', not the init's
         parameter.normal_(0, 0.05)
+    cfm.estimator.fuse_projections()  # the stacked copies of the weights changed in place
     cfm = cfm.to(torch.bfloat16)
     prefix, hop = 150, 50 * 2  # a 3 s voice prefix; each call adds a 2 s hop (two chunks)
     total = prefix + hop * calls + 37

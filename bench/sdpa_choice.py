@@ -8,17 +8,19 @@ this probe (which does not import vLLM) asks SDPA for its choice
 on the decoder's attention inputs (8 heads of 64, an additive bias ``[B, 1, Tq, Tk]`` shared by
 the heads, bf16) in the layouts the decoder makes:
 
-- ``views``: query, key and value as head views of the projections (a solve without a voice
-  prefix);
-- ``prefix``: the query a view, key and value contiguous (a voice prefix's keys concatenated
-  in front of the new ones, ``Tk = prefix + Tq``);
+- ``views``: query, key and value as head views of one stacked projection (a solve without a
+  voice prefix; ``SelfAttention.qkv_weight``);
+- ``prefix``: the query such a view, key and value contiguous (a voice prefix's keys
+  concatenated in front of the new ones, ``Tk = prefix + Tq``);
 
 at frame counts that are and are not multiples of 8, with the bias allocated at its width or
 as a slice of one padded to a multiple of 8 keys (so that its rows start 16-byte aligned, which
 the memory-efficient kernel otherwise arranges by copying the bias in every call). For each
 case it records SDPA's choice, the median time of one call with that choice and with cuDNN
 forced (``flow_profile.timed_ms``), and the reasons SDPA gives when cuDNN is forced and
-refuses (its warnings).
+refuses (its warnings), and how far each output lies from the math backend's in float32 on the
+same inputs (``max_abs_vs_math``, ``cudnn_max_abs_vs_math``): a kernel that misread the strided
+views would stand out from bf16 rounding.
 
     python bench/sdpa_choice.py --json out.json
 """
@@ -50,16 +52,12 @@ CASES = [
 
 def inputs(layout: str, rows: int, frames: int, prefix: int, aligned_bias: bool, device: torch.device,
            dtype: torch.dtype):
-    def heads(length: int) -> torch.Tensor:  # a projection's output viewed as heads, as the decoder does
-        return torch.randn(rows, length, HEADS * HEAD_DIM, device=device, dtype=dtype).view(
-            rows, length, HEADS, HEAD_DIM).transpose(1, 2)
-
-    query = heads(frames)
-    if layout == "views":
-        key, value = heads(frames), heads(frames)
-    else:
-        key = torch.cat([torch.randn(rows, HEADS, prefix, HEAD_DIM, device=device, dtype=dtype), heads(frames)], dim=2)
-        value = torch.cat([torch.randn(rows, HEADS, prefix, HEAD_DIM, device=device, dtype=dtype), heads(frames)], dim=2)
+    # One stacked projection's output viewed as queries, keys and values by heads, as the decoder does.
+    stacked = torch.randn(rows, frames, 3, HEADS, HEAD_DIM, device=device, dtype=dtype)
+    query, key, value = (part.transpose(1, 2) for part in stacked.unbind(2))
+    if layout != "views":
+        key = torch.cat([torch.randn(rows, HEADS, prefix, HEAD_DIM, device=device, dtype=dtype), key], dim=2)
+        value = torch.cat([torch.randn(rows, HEADS, prefix, HEAD_DIM, device=device, dtype=dtype), value], dim=2)
     keys = prefix + frames
     allowed = torch.ones(rows, 1, frames, keys, dtype=torch.bool, device=device).tril(prefix)
     width = -(-keys // 8) * 8 if aligned_bias else keys
@@ -80,16 +78,25 @@ def main(argv: list[str] | None = None) -> dict:
     for (layout, rows, frames, prefix), aligned_bias in itertools.product(CASES, (False, True)):
         query, key, value, bias = inputs(layout, rows, frames, prefix, aligned_bias, device, dtype)
         choice = SDPBackend(torch._fused_sdp_choice(query, key, value, bias)).name
+
+        def attend() -> torch.Tensor:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
+
+        with sdpa_kernel(SDPBackend.MATH):
+            exact = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=bias.float())
+
+        def error_of(out: torch.Tensor) -> float:
+            return float((out.float() - exact).abs().max())
+
         case = {"layout": layout, "rows": rows, "query_frames": frames, "key_frames": prefix + frames,
-                "aligned_bias": aligned_bias, "choice": choice,
-                "choice_ms": timed_ms(lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=bias),
-                                      args.repeats)}
+                "aligned_bias": aligned_bias, "choice": choice, "choice_ms": timed_ms(attend, args.repeats),
+                "max_abs_vs_math": error_of(attend())}
         if device.type == "cuda":
             with warnings.catch_warnings(record=True) as caught, sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 warnings.simplefilter("always")
                 try:
-                    case["cudnn_ms"] = timed_ms(
-                        lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=bias), args.repeats)
+                    case["cudnn_ms"] = timed_ms(attend, args.repeats)
+                    case["cudnn_max_abs_vs_math"] = error_of(attend())
                 except RuntimeError as error:  # refused: the reasons are the warnings
                     case["cudnn_ms"] = None
                     case["cudnn_error"] = str(error)[:300]

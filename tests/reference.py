@@ -94,7 +94,8 @@ def randomize(module, seed: int, spread: float):
             state[name] = 1 + spread * noise
         else:
             state[name] = spread * noise
-    module.load_state_dict(state, strict=False)
+    unexpected = module.load_state_dict(state, strict=False).unexpected_keys
+    assert not unexpected, unexpected
     return module.eval()
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tts_gateway.engine.cosyvoice2.model.fused_norms import RowStore, add_norm, norm_mish_mask
+from tts_gateway.engine.cosyvoice2.model.fused_norms import RowStore, add_norm, norm_mish_mask, write_rows
 from tts_gateway.engine.cosyvoice2.modeldir.configs import EstimatorConfig
 
 
@@ -262,10 +262,15 @@ class SelfAttention(nn.Module):
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
-        """Stack ``to_q``, ``to_k`` and ``to_v`` into ``qkv_weight``, in place where it is held
-        already (CUDA graphs keep its address). Done at construction and whenever weights are
-        loaded; call it again after changing them in place."""
+        """Rebuild what the layer derives from its weights: ``to_q``, ``to_k`` and ``to_v``
+        stacked into ``qkv_weight``, and the folded products where they were folded
+        (:meth:`fold_input_attention`); in place where held already (CUDA graphs keep their
+        addresses). Done at construction and whenever weights are loaded; call it again after
+        changing them in place. (The forward pass reads these copies, not the official
+        modules' weights: an inference module.)"""
         self.qkv_weight = refill(self.qkv_weight, torch.cat([self.to_q.weight, self.to_k.weight, self.to_v.weight]))
+        if self.qk_weight is not None:
+            self.fold_input_attention()
 
     @torch.no_grad()
     def fold_input_attention(self) -> None:
@@ -296,8 +301,7 @@ class SelfAttention(nn.Module):
         batch, frames, _ = x.shape
         scale = self.head_dim**-0.5
         if not stored:
-            target, index = view.input_store(self.cache_slot)
-            target.index_copy_(0, index, x.reshape(-1, self.dim))
+            write_rows(view.input_store(self.cache_slot), x)
         if self.qk_weight is not None and self.vo_weight is not None:
             query = F.linear(x, self.qk_weight).view(batch, frames, self.heads, self.dim)
             out = view.attend_inputs(self.cache_slot, query, scale)
@@ -439,18 +443,22 @@ class Estimator(nn.Module):
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
-        """Stack every ResNet block's projection of the time embedding into one (``time_terms``):
-        a solver step then runs one Mish and one product for the time instead of one of each
-        per block. Done at construction and whenever weights are loaded; call it again after
-        changing weights in place (the attention layers stack their own projections)."""
+        """Rebuild everything derived from the weights: every ResNet block's projection of the
+        time embedding stacked into one (``time_terms``: a solver step runs one Mish and one
+        product for the time instead of one of each per block), and each attention layer's
+        (``SelfAttention.fuse_projections``). Done at construction and whenever weights are
+        loaded; call it again after changing weights in place."""
+        for layer in self.attention_layers:
+            layer.fuse_projections()
         projections = [resnet.mlp[1] for resnet in self.resnets]
         self.time_weight = refill(self.time_weight, torch.cat([p.weight for p in projections]))
         self.time_bias = refill(self.time_bias, torch.cat([p.bias for p in projections]))
 
     def time_terms(self, time_emb: Tensor) -> tuple[Tensor, ...]:
-        """Each ResNet block's ``mlp(time_emb)`` ``[B, dim]``, in forward's order, from one
+        """Each ResNet block's ``mlp(time_emb)`` ``[B, dim_out]``, in forward's order, from one
         product: every ``mlp`` is Mish then a linear map of the same embedding."""
-        return F.linear(F.mish(time_emb), self.time_weight, self.time_bias).split(self.config.channels[0], dim=1)
+        sizes = [resnet.mlp[1].out_features for resnet in self.resnets]
+        return F.linear(F.mish(time_emb), self.time_weight, self.time_bias).split(sizes, dim=1)
 
     def fold_input_attention(self) -> None:
         """Fold every attention layer's projections for views that keep layer inputs

@@ -50,8 +50,15 @@ def norm_mish_mask_reference(h: Tensor, norm: nn.LayerNorm, mask: Tensor, addend
     return out if addend is None else out + addend
 
 
-# Where add_norm also writes its normed rows: (a [N, C] tensor, the [rows] row of it for each row).
+# Where add_norm also writes its normed rows, as (target, index): a [N, C] tensor, and for each
+# of the rows (the tensor's [..., C] rows in order) the row of target it goes to.
 RowStore = tuple[Tensor, Tensor]
+
+
+def write_rows(store: RowStore, rows: Tensor) -> None:
+    """``rows``' ``[..., C]`` rows, in order, into their rows of the store's target."""
+    target, index = store
+    target.index_copy_(0, index, rows.reshape(-1, rows.shape[-1]))
 
 
 def add_norm_reference(
@@ -62,8 +69,7 @@ def add_norm_reference(
     total = x if delta is None else x + delta
     normed = norm(total)
     if store is not None:
-        target, index = store
-        target.index_copy_(0, index, normed.reshape(-1, normed.shape[-1]))
+        write_rows(store, normed)
     return total, normed
 
 
@@ -213,8 +219,15 @@ def _add_norm_triton(
     normed = torch.empty_like(x)
     rows = x.numel() // channels
     target, index = store if store is not None else (normed, normed)  # unread without a store
-    if store is not None and (target.shape[-1] != channels or not target.is_contiguous()):
-        raise ValueError(f"a store of add_norm is contiguous rows of {channels} values, got {tuple(target.shape)}")
+    if store is not None and (
+        target.dim() != 2 or target.shape[1] != channels or not target.is_contiguous() or target.dtype != x.dtype
+        or target.device != x.device or index.shape != (rows,) or index.dtype not in (torch.int32, torch.int64)
+        or index.device != x.device
+    ):  # what index_copy_ would refuse, checked on the host before the kernel reads past either
+        raise ValueError(
+            f"add_norm's store: [N, {channels}] contiguous {x.dtype} and an integer index of {rows} rows, "
+            f"on {x.device}; got {tuple(target.shape)} {target.dtype} and {tuple(index.shape)} {index.dtype}"
+        )
     grid = (triton.cdiv(rows, ROWS_PER_PROGRAM),)
     fused_add_norm_kernel[grid](
         x, x if delta is None else delta.contiguous(), weight, bias, total, normed, target, index,

@@ -99,6 +99,36 @@ def test_add_norm_reference_is_the_residual_and_its_norm() -> None:
     assert torch.equal(normed, norm(x + delta))
 
 
+def test_add_norm_reference_writes_the_normed_rows_to_its_store() -> None:
+    """Without delta the norm alone (x itself as the sum); a store gets the normed rows at its
+    index, the other rows of its target untouched."""
+    torch.manual_seed(0)
+    x, norm = torch.randn(2, 3, 16), layer_norm(16)
+    target, index = torch.zeros(9, 16), torch.tensor([8, 0, 4, 2, 6, 1])
+    with torch.no_grad():
+        total, normed = fused_norms.add_norm_reference(x, None, norm, (target, index))
+    assert total is x and torch.equal(normed, norm(x))
+    assert torch.equal(target[index], normed.reshape(6, 16))
+    assert not target[[3, 5, 7]].any()
+
+
+@pytest.mark.skipif(fused_kernels.triton is None, reason="the kernel's launcher needs Triton")
+def test_the_fused_add_norm_refuses_a_store_it_would_write_out_of() -> None:
+    """The kernel's store is checked on the host, before a launch could read past the index or
+    write rows of another width or dtype: what index_copy_ refuses on the plain path."""
+    x, delta, norm = torch.randn(2, 3, 16), torch.randn(2, 3, 16), layer_norm(16)
+    stores = {
+        "index too short": (torch.zeros(9, 16), torch.arange(5)),
+        "rows of another width": (torch.zeros(9, 8), torch.arange(6)),
+        "another dtype": (torch.zeros(9, 16, dtype=torch.float64), torch.arange(6)),
+        "a float index": (torch.zeros(9, 16), torch.arange(6.0)),
+    }
+    for name, store in stores.items():
+        with pytest.raises(ValueError, match="add_norm's store"):
+            fused_norms._add_norm_triton(x, delta, norm.weight, norm.bias, norm.eps, store)
+            pytest.fail(name)
+
+
 @pytest.mark.skipif(fused_kernels.INTERPRETED, reason="Triton's interpreter takes CPU tensors")
 def test_cpu_tensors_take_the_plain_torch_ops(monkeypatch) -> None:
     """On a CPU the fused kernels never run, switch on or off."""
