@@ -132,7 +132,7 @@ def test_the_estimator_runs_stacked_projections_that_follow_its_loaded_weights()
     """A forward projects each attention layer's queries, keys and values in one product and
     every ResNet block's time term in one product for all (fewer kernels a solver step): the
     separate official modules never run, their stacked copies give what they give, and a load
-    of other weights restacks them. A causal convolution without a view pads inside the
+    of other weights restacks them (and refolds the layers folded for attention over inputs). A causal convolution without a view pads inside the
     convolution, with the outputs of left padding alone."""
     estimator = randomize_(Estimator(EstimatorConfig.tiny()), seed=11)
     calls = []
@@ -162,9 +162,14 @@ def test_the_estimator_runs_stacked_projections_that_follow_its_loaded_weights()
 
     with torch.no_grad():
         check_stacked(estimator)
+        estimator.fold_input_attention()
         other = randomize_(Estimator(EstimatorConfig.tiny()), seed=13)
         estimator.load_state_dict(other.state_dict())
         check_stacked(estimator)
+        folded = [(layer.qk_weight.clone(), layer.vo_weight.clone()) for layer in estimator.attention_layers]
+        other.fold_input_attention()  # a load refolds the folded layers from the new weights too
+        for (qk, vo), layer in zip(folded, other.attention_layers):
+            assert max_err(qk, layer.qk_weight) <= 1e-6 and max_err(vo, layer.vo_weight) <= 1e-6
         assert "qkv_weight" not in "".join(estimator.state_dict()) and "time_weight" not in "".join(estimator.state_dict())
         conv = estimator.causal_convs[0]
         h = torch.randn(2, conv.in_channels, 9, generator=generator)
