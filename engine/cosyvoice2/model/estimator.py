@@ -154,7 +154,7 @@ class CausalConv1d(nn.Conv1d):
         if view is not None:
             return super().forward(view.conv_input(self.cache_slot, x))
         # Zero context on both sides, the right one's outputs dropped: the same outputs as
-        # padding the left alone, without a padded copy of the input (a kernel per layer).
+        # padding the left alone, without a padded copy of the input.
         frames = x.shape[2]
         return F.conv1d(x, self.weight, self.bias, padding=self.context)[:, :, :frames]
 
@@ -266,8 +266,8 @@ class SelfAttention(nn.Module):
         stacked into ``qkv_weight``, and the folded products where they were folded
         (:meth:`fold_input_attention`); in place where held already (CUDA graphs keep their
         addresses). Done at construction and whenever weights are loaded; call it again after
-        changing them in place. (The forward pass reads these copies, not the official
-        modules' weights: an inference module.)"""
+        changing them in place. (Forward passes read the copies, so no gradient reaches the
+        official modules' weights through them: an inference module.)"""
         self.qkv_weight = refill(self.qkv_weight, torch.cat([self.to_q.weight, self.to_k.weight, self.to_v.weight]))
         if self.qk_weight is not None:
             self.fold_input_attention()
