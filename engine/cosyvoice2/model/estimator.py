@@ -126,9 +126,14 @@ def attention_bias(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 # ----------------------------------------------------------------------------- layers
 
 
-def _fuse_loaded(module: nn.Module, _incompatible_keys) -> None:
+def _fuse_loaded(layer: SelfAttention, _incompatible_keys) -> None:
     """A load_state_dict post-hook: loaded weights (the official state dict) are stacked again at once."""
-    module.fuse_projections()
+    layer.fuse_projections()
+
+
+def _stack_time_loaded(estimator: Estimator, _incompatible_keys) -> None:
+    """The Estimator's: its own stack (its attention layers' hooks restack theirs)."""
+    estimator.stack_time_projections()
 
 
 def refill(held: Tensor | None, value: Tensor) -> Tensor:
@@ -438,8 +443,8 @@ class Estimator(nn.Module):
         self.time_bias: Tensor
         self.register_buffer("time_weight", None, persistent=False)
         self.register_buffer("time_bias", None, persistent=False)
-        self.fuse_projections()
-        self.register_load_state_dict_post_hook(_fuse_loaded)
+        self.stack_time_projections()  # the attention layers stacked theirs when made
+        self.register_load_state_dict_post_hook(_stack_time_loaded)
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
@@ -450,6 +455,11 @@ class Estimator(nn.Module):
         loaded; call it again after changing weights in place."""
         for layer in self.attention_layers:
             layer.fuse_projections()
+        self.stack_time_projections()
+
+    @torch.no_grad()
+    def stack_time_projections(self) -> None:
+        """The ResNet blocks' time projections stacked into ``time_weight`` and ``time_bias``."""
         projections = [resnet.mlp[1] for resnet in self.resnets]
         self.time_weight = refill(self.time_weight, torch.cat([p.weight for p in projections]))
         self.time_bias = refill(self.time_bias, torch.cat([p.bias for p in projections]))
