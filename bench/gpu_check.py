@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import stack_sampler  # noqa: E402  (bench/, this script's folder)
 from tts_gateway.gateway import loadgen  # noqa: E402
-from tts_gateway.gateway.loadgen.report import percentile  # noqa: E402
+from tts_gateway.gateway.loadgen.report import p50_p95, percentile  # noqa: E402
 from tts_gateway.engine.cosyvoice2.metrics import CALL_KINDS, FIRST_AUDIO_STAGES, PHASE_THREADS, PHASES  # noqa: E402
 from tts_gateway.engine.cosyvoice2.settings import VLLMSettings  # noqa: E402
 from tts_gateway.gateway.wire import STREAM_PATH  # noqa: E402
@@ -608,8 +608,7 @@ def second_chunk_lags(chunks: list[dict], opening: float) -> dict:
             continue
         part = "burst" if in_burst(turn[0]["text"], opening) else "later"
         lags[part].append(1000 * (turn[1]["done"] - turn[0]["done"]))
-    return {part: {"n": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95)} if values else None
-            for part, values in lags.items()}
+    return {part: p50_p95(values) for part, values in lags.items()}
 
 
 # Row counts that split the engine thread's calls in call_costs: one or a few chunks, the

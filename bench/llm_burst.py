@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tts_gateway.gateway.loadgen.report import percentile  # noqa: E402
+from tts_gateway.gateway.loadgen.report import p50_p95  # noqa: E402
 
 # Speech tokens of the two first chunks, look-ahead included (a 90-token voice prompt).
 MARKS = (13, 38)
@@ -70,9 +70,8 @@ class TurnTimes:
 
 def summarize(turns: list[TurnTimes], steps: float, tokens: float, seconds: float) -> dict:
     """A level's report (the module's docstring says what each figure is)."""
-    def ms(values: list[float]) -> dict:
-        values = [1000 * v for v in values]
-        return {"n": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95)} if values else None
+    def ms(values: list[float]) -> dict | None:
+        return p50_p95([1000 * v for v in values])
 
     inside = [gap for turn in turns for gap in turn.gaps()[0]]
     across = [gap for turn in turns for gap in turn.gaps()[1]]

@@ -18,6 +18,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(ordered[low] + (ordered[high] - ordered[low]) * (rank - low), 1)
 
 
+def p50_p95(values: list[float]) -> dict | None:
+    """How many values, their median and 95th percentile (None: no value)."""
+    return {"n": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95)} if values else None
+
+
 # Bins of stalls by the reply's audio before them (seconds). With the GPU engine's 10-token
 # first chunk (0.4 s) and hops of 1, 2, 4 and 8 s, the bins are about its 2nd, 3rd, 4th, 5th
 # and later chunks.
