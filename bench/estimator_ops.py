@@ -14,7 +14,14 @@ graph captures it (``flow_graphs.step_program``): ROWS new turns of one voice (a
 prefix) with FRAMES new frames each, ROWS being the call's rows (the step doubles them for CFG).
 The pool's attention counts once, as ``kernel::paged_attention`` (vLLM's FlashAttention on a GPU).
 
+``--inductor`` counts instead the kernels of ``torch.compile``'s code for the plain forward: each
+fused kernel Inductor generated and each library call (GEMMs, attention, convolutions) in the
+order its generated code launches them, by name (``fused`` for Inductor's own): what compiling
+the step whole would leave. It also reports the compile time and the largest difference from
+eager.
+
     python bench/estimator_ops.py --size full --shapes 2x50,16x50,2x400 [--fused] [--paged] --json ops.json
+    python bench/estimator_ops.py --size full --shapes 2x50 --inductor
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ import argparse
 import collections
 import contextlib
 import json
+import re
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -156,6 +165,27 @@ def count_ops(step: Callable[[], object]) -> collections.Counter[str]:
     )
 
 
+# A kernel launch in Inductor's generated ``call``: one of its own fused kernels (C++ on a CPU,
+# Triton on a GPU), or a library call it leaves to torch.
+INDUCTOR_FUSED = re.compile(r"^\s+(?:cpp_fused_\w+|triton_\w+)(?:\.run)?\(", re.M)
+INDUCTOR_LIBRARY = re.compile(r"(?:extern_kernels\.(\w+)|torch\.ops\.\w+\.(\w+)(?:\.\w+)?)\(")
+
+
+def inductor_kernels(step: Callable[[], torch.Tensor]) -> tuple[collections.Counter[str], float, float]:
+    """The kernels of ``torch.compile``'s code for ``step`` by name, the compile time in seconds
+    and the largest absolute difference of the compiled result from eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    started = time.perf_counter()
+    compiled, sources = run_and_get_code(torch.compile(step))
+    seconds = time.perf_counter() - started
+    calls = "\n".join(source[source.index("def call("):] for source in sources if "def call(" in source)
+    launches = "\n".join(line for line in calls.splitlines() if not line.lstrip().startswith("#"))
+    kernels = collections.Counter({"fused": len(INDUCTOR_FUSED.findall(launches))})
+    kernels.update(first or second for first, second in INDUCTOR_LIBRARY.findall(launches))
+    return kernels, seconds, (compiled - step()).abs().max().item()
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=("tiny", "full"), default="full")
@@ -163,21 +193,34 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shapes", type=shapes, default=shapes("2x50,16x50,2x400"))
     parser.add_argument("--fused", action="store_true", help="count as the GPU runs it with the fused kernels")
     parser.add_argument("--paged", action="store_true", help="count an Euler step of a paged call's graph")
+    parser.add_argument("--inductor", action="store_true",
+                        help="count the kernels of torch.compile's code for the plain forward instead")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.inductor and (args.fused or args.paged):
+        parser.error("--inductor counts the plain forward: not with --fused or --paged")
     device = torch.device(args.device)
     config = CFMConfig.full() if args.size == "full" else CFMConfig.tiny()
     torch.manual_seed(0)  # the op count does not depend on the weights
     cfm = CFM(config).eval().to(device)
     results = []
     for rows, frames in args.shapes:
+        if args.inductor:
+            with torch.inference_mode():
+                kernels, seconds, difference = inductor_kernels(forward_step(cfm.estimator, rows, frames, device))
+            results.append({"rows": rows, "frames": frames, "kernels": sum(kernels.values()),
+                            "by_name": dict(kernels.most_common()), "compile_s": round(seconds, 1),
+                            "max_abs_vs_eager": difference})
+            print(f"{rows} x {frames}: {sum(kernels.values())} kernels compiled ({seconds:.0f} s)", flush=True)
+            continue
         with fused_kernels_counted() if args.fused else contextlib.nullcontext(), torch.inference_mode():
             step = paged_step(cfm, rows, frames, device) if args.paged else forward_step(cfm.estimator, rows, frames,
                                                                                           device)
             ops = count_ops(step)
         results.append({"rows": rows, "frames": frames, "ops": sum(ops.values()), "by_name": dict(ops.most_common())})
         print(f"{rows} x {frames}: {sum(ops.values())} ops", flush=True)
-    report = {"size": args.size, "device": str(device), "fused": args.fused, "paged": args.paged, "results": results}
+    report = {"size": args.size, "device": str(device), "fused": args.fused, "paged": args.paged,
+              "inductor": args.inductor, "results": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return report

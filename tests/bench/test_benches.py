@@ -177,3 +177,18 @@ def test_bench_estimator_ops_counts_a_forward(tmp_path) -> None:
     assert paged[0]["by_name"]["kernel::paged_attention"] == 4 and "aten::index_copy_" not in paged[0]["by_name"]
     with pytest.raises(SystemExit):
         bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x0"])
+
+
+def test_bench_estimator_ops_counts_what_compiling_leaves() -> None:
+    """bench/estimator_ops.py --inductor: the kernels of torch.compile's code for the forward,
+    Inductor's own fused ones and the library calls it leaves (one attention per layer), fewer
+    than eager's ops, and a result equal to eager's."""
+    eager = bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x50"])["results"][0]
+    compiled = bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x50", "--inductor"])["results"][0]
+    kernels = compiled["by_name"]
+    assert compiled["kernels"] == sum(kernels.values()) < eager["ops"]
+    assert kernels["fused"] > 0 and kernels["addmm"] > 0 and kernels["convolution"] > 0
+    assert sum(count for name, count in kernels.items() if "attention" in name) == 4
+    assert compiled["max_abs_vs_eager"] < 1e-5 and compiled["compile_s"] > 0
+    with pytest.raises(SystemExit):
+        bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x50", "--inductor", "--paged"])
