@@ -183,7 +183,6 @@ max_num_seqs = {args.max_num_seqs}
 max_num_batched_tokens = {args.max_num_batched_tokens}
 warmup_batch_sizes = {[n for n in VLLMSettings.warmup_batch_sizes if n < args.max_num_seqs] + [args.max_num_seqs]}
 enforce_eager = {str(args.enforce_eager).lower()}
-async_scheduling = {str(args.async_scheduling).lower()}
 mps_priority = "{args.llm_mps_priority}"
 mps_thread_percentage = {args.llm_mps_thread_percentage}
 token2wav_mps_priority = "{args.token2wav_mps_priority}"
@@ -908,7 +907,6 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="after the levels, one more pass of the largest whole-reply level with the gateway's "
                         "GPU kernels profiled for this many seconds in its middle (torch profiler; its load "
                         "results are not reported: stopping the profiler holds the gateway for seconds)")
-    parser.add_argument("--async-scheduling", action="store_true", help="vLLM's pipelined scheduling on")
     parser.add_argument("--llm-mps-priority", default="normal", choices=("normal", "below-normal"),
                         help="[engine.cosyvoice2.vllm] mps_priority: vLLM's engine core as an MPS client")
     parser.add_argument("--llm-mps-thread-percentage", type=int, default=100,

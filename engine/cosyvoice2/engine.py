@@ -76,6 +76,11 @@ class CosyVoice2Engine(Engine):
         device = startup.device_of(settings.device)
         dtype = DTYPES[settings.dtype]
         if settings.llm_backend == "vllm":
+            if settings.vllm.async_scheduling:
+                # Measured on vLLM 0.26: the pipelined step after a round's stop token is already
+                # scheduled, so every round returns a token past its end (the warm-up's first fails).
+                raise EngineError("async_scheduling = true cannot serve bistream rounds on this vLLM (a token "
+                                  "comes after each round's stop); set it to false")
             if device.type != "cuda":
                 raise EngineError("llm_backend = 'vllm' needs a CUDA GPU; use llm_backend = 'torch' on this machine")
             # vLLM first: it sizes its KV cache from the memory it finds free.

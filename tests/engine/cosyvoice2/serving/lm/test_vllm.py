@@ -426,6 +426,19 @@ async def test_the_vllm_backend_asks_for_a_gpu(tiny_dir) -> None:
         await engine.start()
 
 
+async def test_the_vllm_backend_refuses_pipelined_scheduling(tiny_dir) -> None:
+    """async_scheduling = true: every bistream round would return a token past its stop, so the
+    engine says so at start, before vLLM is started."""
+    from tts_gateway.engine.base import EngineError
+    from tts_gateway.engine.cosyvoice2.engine import CosyVoice2Engine
+    from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings, VLLMSettings
+
+    settings = CosyVoice2Settings(model_dir=str(tiny_dir), device="cpu", llm_backend="vllm",
+                                  vllm=VLLMSettings(async_scheduling=True))
+    with pytest.raises(EngineError, match="async_scheduling = true cannot serve bistream rounds"):
+        await CosyVoice2Engine(settings).start()
+
+
 # ----------------------------------------------------------------------------- the logits processor
 
 VLLM_MODEL = "tts_gateway.engine.cosyvoice2.serving.lm.vllm_model"
@@ -780,8 +793,8 @@ def test_bench_llm_burst_splits_gaps_at_round_ends() -> None:
 
 
 def test_bench_llm_burst_runs_pipelined_scheduling_on_one_input_requests_only() -> None:
-    """--async-scheduling (vLLM's pipelined scheduling, which crashed its engine with inputs
-    given round after round) is refused for bistream levels and taken for offline ones."""
+    """--async-scheduling (vLLM's pipelined scheduling, which cannot serve rounds given one after
+    another) is refused for bistream levels and taken for offline ones."""
     from bench import llm_burst
 
     with pytest.raises(SystemExit):
