@@ -139,17 +139,17 @@ def stream(
 def kept_mels(runner: Token2WavRunner, made: dict[int, list[torch.Tensor]]) -> Iterator[None]:
     """Each chunk's mel, as the flow hands it to the vocoder, appended to ``made[id(request)]``
     (a copy on the device: taking it does not wait for the GPU)."""
-    hift_input = runner._hift_input
+    hift_input = runner.vocoder.hift_input
 
     def keep(job, mel):
         made[id(job.request)].append(mel.detach().clone())
         return hift_input(job, mel)
 
-    runner._hift_input = keep
+    runner.vocoder.hift_input = keep
     try:
         yield
     finally:
-        del runner._hift_input  # the class's method again
+        del runner.vocoder.hift_input  # the class's method again
 
 
 def decoder_cost(calls: list[dict]) -> dict | None:

@@ -11,7 +11,7 @@ Chunking follows the official CosyVoice2 streaming path:
   ``scale = 1`` keeps every hop at 25 tokens, as the reference package does;
 - the vocoder keeps the last 8 mel frames of each chunk as context for the next, and the
   last 8 x 480 output samples are held back and cross-faded with the next chunk's first
-  ones (runner.py); the final chunk flushes everything.
+  ones (streaming_vocoder.py); the final chunk flushes everything.
 
 Beyond the official rule: a listener about to run out of audio may get the tokens there
 are as an *early* chunk (``next_job(early=True)``), and the first-chunk lane runs a turn's

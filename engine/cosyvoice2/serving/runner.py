@@ -1,23 +1,23 @@
 """The token2wav runner: runs chunks of many utterances as batched flow and vocoder calls.
 
 It owns what the model calls need beyond the weights: each utterance's caches (the
-vocoder's context, and in incremental mode the flow's state), the voice-prefix cache, the
-CUDA graphs of the flow and the vocoder, and the running totals of the flow's work.
+vocoder's context, streaming_vocoder.py, and in incremental mode the flow's state), the
+voice-prefix cache, the CUDA graphs of the flow and the vocoder, and the running totals of
+its work (flow_work.py).
 
 The flow runs in one of three modes, each exact (a chunk equals the official flow's
 streaming call over prompt + all tokens so far). ``recompute`` is the official one: every
 chunk re-runs the flow over prompt + all tokens, so chunk k costs O(k); a batch (on a GPU,
 of more than one row) starts its decoder after each voice's shared prompt prefix instead
 (prefix_bank.py). ``paged`` starts it after the voice prefix and the turn's stored chunks
-too, keeping each turn's decoder state in a pool while it is generated (turn_pool.py), and
-its token encoder's state (incremental_encoder.py): a chunk's decoder work is its own frames,
-and rows of any turns batch together. ``incremental`` keeps each
-utterance's state on its own (incremental.py) and runs it alone. The last chunk is
-chunk-causal like the others (``final_attention = "chunk"``, the official flow's streaming
-mode) or one pass of full attention over prompt + all tokens (``"full"``, as the official
-``tts()`` loop calls it). Every mode solves with the same number of Euler steps
-(``flow_steps``; 10, the official count, by default), and every state it keeps (incremental
-caches, voice prefixes, the turn pool, the CUDA graphs' step loop) is laid out for it.
+too (paged_flow.py): a chunk's decoder work is its own frames, and rows of any turns batch
+together. ``incremental`` keeps each utterance's state on its own (incremental.py) and runs
+it alone. The last chunk is chunk-causal like the others (``final_attention = "chunk"``, the
+official flow's streaming mode) or one pass of full attention over prompt + all tokens
+(``"full"``, as the official ``tts()`` loop calls it). Every mode solves with the same
+number of Euler steps (``flow_steps``; 10, the official count, by default), and every state
+it keeps (incremental caches, voice prefixes, the turn pool, the CUDA graphs' step loop) is
+laid out for it.
 
 Synchronous torch code: the scheduler runs it on its worker threads (:meth:`launch`, then
 :meth:`finish`; :meth:`run` does both).
@@ -25,52 +25,32 @@ Synchronous torch code: the scheduler runs it on its worker threads (:meth:`laun
 
 from __future__ import annotations
 
-import collections
-import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
-from tts_gateway.engine.cosyvoice2.model.flow import DecoderInputs, EncodedTokens, Flow
-from tts_gateway.engine.cosyvoice2.model.flow_encoder import project_speaker
+from tts_gateway.engine.cosyvoice2.model.flow import DecoderInputs, Flow
 from tts_gateway.engine.cosyvoice2.model.hift import HiFT
-from tts_gateway.engine.cosyvoice2.serving.buckets import CAPTURE_LOCK
 from tts_gateway.engine.cosyvoice2.serving.call_plan import CallPlanner
-from tts_gateway.engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, ChunkJob, ChunkSchedule, call_kind
+from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob, ChunkSchedule
 from tts_gateway.engine.cosyvoice2.serving.encoder_graphs import EncoderGraphs
+from tts_gateway.engine.cosyvoice2.serving.flow_args import batch_args
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
+from tts_gateway.engine.cosyvoice2.serving.flow_work import FlowWork
 from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 from tts_gateway.engine.cosyvoice2.serving.incremental import FlowStreamCache, inference_chunk
-from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState, IncrementalEncoder
-from tts_gateway.engine.cosyvoice2.serving.prefix_bank import PrefixBank, VoicePrefixCache, flow_after_prefix, solve_after_prefix
-from tts_gateway.engine.cosyvoice2.serving.request import StreamState, VoicePrompt
-from tts_gateway.engine.cosyvoice2.serving.paged_varlen import attend_reference, flash_attend
-from tts_gateway.engine.cosyvoice2.serving.phase_clock import PhaseClock
-from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
-    PagedAttention, TurnRows, TurnStatePool, flow_paged, solve_paged,
+from tts_gateway.engine.cosyvoice2.serving.paged_flow import PagedFlow
+from tts_gateway.engine.cosyvoice2.serving.prefix_bank import (
+    PrefixBank, VoicePrefixCache, flow_after_prefix, solve_after_prefix,
 )
+from tts_gateway.engine.cosyvoice2.serving.request import StreamState, VoicePrompt
+from tts_gateway.engine.cosyvoice2.serving.phase_clock import PhaseClock, timed_as
+from tts_gateway.engine.cosyvoice2.serving.streaming_vocoder import StreamingVocoder
 from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
-
-
-def timed_as(phase: str) -> Callable:
-    """A runner method whose work is one phase of its thread's call in flight (phase_clock.py);
-    what the call launched before it was the flow's other work."""
-
-    def wrap(method: Callable) -> Callable:
-        @functools.wraps(method)
-        def timed(self: Token2WavRunner, *args, **kwargs):
-            self._lap("flow_other")
-            result = method(self, *args, **kwargs)
-            self._lap(phase)
-            return result
-
-        return timed
-
-    return wrap
 
 
 @dataclass(frozen=True)
@@ -113,30 +93,6 @@ class LaunchedCall:
     def gpu_seconds(self) -> float | None:
         """The call's time on its stream (None off a GPU, or before ``finish``)."""
         return None if self.gpu_phase_seconds is None else sum(self.gpu_phase_seconds.values())
-
-
-def paged_kernel(flow: Flow) -> PagedAttention:
-    """The turn pool's attention: vLLM's paged FlashAttention on a GPU (the engine runs on
-    vLLM there), the reference by gathers elsewhere."""
-    if not flow.decoder.noise.is_cuda:
-        return attend_reference
-    return flash_attend(flow.decoder.estimator.attention_layers[0].dim)  # the pool keeps layer inputs
-
-
-def _padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows padded into a batch, and their lengths."""
-    lengths = to_device([len(row) for row in rows], torch.int32, rows[0].device)
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), lengths
-
-
-def _read_on_this_stream(*tensors: torch.Tensor) -> None:
-    """Tensors of an utterance's state that this call reads on the current stream, which may
-    not be the stream that made them (a turn's first chunk runs on the first-chunk lane's):
-    once they are replaced, the allocator must not hand their memory to the other stream's
-    work before this stream's reads of them have run."""
-    for tensor in tensors:
-        if tensor.is_cuda:
-            tensor.record_stream(torch.cuda.current_stream(tensor.device))
 
 
 def by_finalize(indices: list[int], jobs: list[ChunkJob]) -> Iterator[tuple[bool, list[int]]]:
@@ -186,17 +142,19 @@ class Token2WavRunner:
         self.prefixes = None
         if prefix_voices and not incremental:
             self.prefixes = VoicePrefixCache(flow, prefix_voices, flow_steps, keep_inputs=bool(turn_state_bytes))
-        self.turn_pool = None
-        self.token_encoder = None  # paged calls encode each turn's tokens once (_encode_turns)
+        # The work as running totals (see work_totals); two worker threads add to them.
+        self.flow_work = FlowWork()
+        # With a prefix cache, turns may keep their decoder state in a pool: the paged calls.
+        self.paged_flow = None
         if turn_state_bytes and self.prefixes is not None:
-            like = next(flow.parameters())
-            self.turn_pool = TurnStatePool.within(flow.decoder, turn_state_bytes, like, flow_steps, paged_kernel(flow))
-            self.token_encoder = IncrementalEncoder(flow)
-        self._window = torch.from_numpy(np.hamming(2 * schedule.cache_samples))
-        # The flow's work as running totals (see work_totals); two worker threads add to them.
-        self._work: collections.Counter[str] = collections.Counter()
-        self._work_lock = threading.Lock()
-        # This thread's call in flight: .clock (PhaseClock), .pinned (_pin), .work (_add).
+            self.paged_flow = PagedFlow.within(
+                flow, schedule, self.prefixes, turn_state_bytes, flow_steps, self.flow_work, self._lap
+            )
+        # Its pool and its token encoder (each turn's tokens encoded once), as start-up and the engine read them.
+        self.turn_pool = None if self.paged_flow is None else self.paged_flow.pool
+        self.token_encoder = None if self.paged_flow is None else self.paged_flow.token_encoder
+        self.vocoder = StreamingVocoder(hift, schedule, self.flow_work, self.release)
+        # This thread's call in flight: .clock (PhaseClock), .pinned (_pin).
         self._phases = threading.local()
 
     @classmethod
@@ -240,7 +198,7 @@ class Token2WavRunner:
         several rows after voice prefixes only makes cheaper, ``Lane.after_prefix``)."""
         on_engine_thread = self.prefixes is not None and lane is None
         prefix = self.prefixes.shortest() if on_engine_thread else None
-        stored = self.stored_frames if on_engine_thread and self.turn_pool is not None else None
+        stored = self.paged_flow.stored_frames if on_engine_thread and self.paged_flow is not None else None
         return self.planner.plan(jobs, self._flow_graphs(lane), prefix, stored)
 
     def lane_serves(self, job: ChunkJob, lane: Lane) -> bool:
@@ -283,7 +241,7 @@ class Token2WavRunner:
             clock = PhaseClock(stream)
             self._phases.clock = clock
             self._phases.pinned = pinned = []  # voice-prefix slots the call reads on the lane (_pin)
-            self._phases.work = work = collections.Counter()  # the call's share of the work totals (_add)
+            work = self.flow_work.open_call()  # the call's share of the work totals
             try:
                 audio = self._run(jobs, lane)
                 # One copy to the host for the whole call, which finish waits for.
@@ -301,7 +259,8 @@ class Token2WavRunner:
                         self.prefixes.unpin(pinned)
                 raise
             finally:
-                self._phases.clock = self._phases.pinned = self._phases.work = None
+                self._phases.clock = self._phases.pinned = None
+                self.flow_work.close_call()
             done = None
             if stream is not None:
                 done = torch.cuda.Event()
@@ -328,29 +287,18 @@ class Token2WavRunner:
             call.gpu_phase_seconds = {
                 name.removeprefix(prefix): value for name, value in totals.items() if name.startswith(prefix)
             }
-        with self._work_lock:
-            self._work.update({f"{call.infix}phase_{name}": value for name, value in totals.items()})
-            self._work[f"{call.infix}phase_calls"] += 1
+        self.flow_work.book_phases(call.infix, totals)
         audio = call.host.numpy()
         return [chunk.copy() for chunk in np.split(audio, np.cumsum(call.lengths)[:-1])]
 
     def _run(self, jobs: list[ChunkJob], lane: Lane | None) -> list[torch.Tensor]:
         """``launch`` on the current stream: each job's audio, on the device."""
-        inputs = [self._hift_input(job, mel) for job, mel in zip(jobs, self._flows(jobs, lane))]
+        vocoder = self.vocoder
+        inputs = [vocoder.hift_input(job, mel) for job, mel in zip(jobs, self._flows(jobs, lane))]
         self._lap("flow_other")
-        groups: dict[tuple, list[int]] = {}
-        for i, (mel, cache_source) in enumerate(inputs):
-            groups.setdefault((mel.shape[2], cache_source.shape[2]), []).append(i)
-        speech: list[torch.Tensor | None] = [None] * len(jobs)
-        source: list[torch.Tensor | None] = [None] * len(jobs)
-        for rows in groups.values():
-            mel = torch.cat([inputs[i][0] for i in rows])
-            cache_source = torch.cat([inputs[i][1] for i in rows])
-            wav, src = self._vocode(mel, cache_source, lane)
-            for k, i in enumerate(rows):
-                speech[i], source[i] = wav[k : k + 1], src[k : k + 1]
+        speech, source = vocoder.run(inputs, self.hift_graphs if lane is None else lane.hift_graphs)
         self._lap("vocoder")
-        return [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
+        return [vocoder.emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
 
     def _lap(self, phase: str) -> None:
         """Close a phase of this thread's call in flight (PhaseClock.lap); else nothing."""
@@ -378,29 +326,13 @@ class Token2WavRunner:
     def _streaming(self, finalize: bool) -> bool:
         return self.planner.streaming(finalize)
 
-    def _batch_args(self, jobs: list[ChunkJob]) -> tuple[torch.Tensor, ...]:
-        """``Flow.decoder_inputs``' arguments up to ``embedding`` for these jobs, rows padded."""
-        device = jobs[0].request.prompt.speech_feat.device
-        token, token_len = _padded(
-            [to_device(job.request.tokens[: job.end], torch.int32, device) for job in jobs]
-        )
-        prompt_token, prompt_token_len = _padded([job.request.prompt.speech_tokens[0] for job in jobs])
-        return token, token_len, prompt_token, prompt_token_len, *self._prompt_args(jobs)
-
-    @staticmethod
-    def _prompt_args(jobs: list[ChunkJob]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The jobs' prompt mel (rows padded), its lengths and their speaker embeddings: the
-        decoder's conditions (``Flow.inputs_after``)."""
-        prompts = [job.request.prompt for job in jobs]
-        return *_padded([p.speech_feat[0] for p in prompts]), torch.cat([p.embedding for p in prompts])
-
     @torch.inference_mode()
     @timed_as("unpaged")
     def _flow_batched(self, jobs: list[ChunkJob], finalize: bool, lane: Lane | None = None) -> list[torch.Tensor]:
         """Chunks of several utterances in one flow call (each row equals running it alone)."""
         prompts = [job.request.prompt for job in jobs]
         device = prompts[0].speech_feat.device
-        args = self._batch_args(jobs)
+        args = batch_args(jobs)
         streaming = self._streaming(finalize)
         widths = [self.planner.decoder_width(self.schedule.job_frames(job), finalize) for job in jobs]
         prefix_frames = [self.flow.voice_prefix_frames(p.tokens) for p in prompts]
@@ -469,150 +401,33 @@ class Token2WavRunner:
         slots = self.prefixes.pin([job.request.prompt for job in jobs])
         if slots is not None:
             pinned.extend(slots)
-            self._count("lane_calls_after_prefix")
+            self.flow_work.count("lane_calls_after_prefix")
         return slots
 
     # ------------------------------------------------------------------ turns' stored chunks
 
     def _paged_serves(self, jobs: list[ChunkJob], lane: Lane | None) -> bool:
-        """Whether these jobs run after their voice prefixes and stored chunks: chunk-causal
-        calls on the engine's own thread (the lane keeps its graphs of whole first chunks)
-        whose voices all fit the prefix bank."""
-        if self.turn_pool is None or lane is not None or not all(self._streaming(job.finalize) for job in jobs):
+        """Whether these jobs run after their voice prefixes and stored chunks (paged_flow.py):
+        chunk-causal calls on the engine's own thread (the lane keeps its graphs of whole first
+        chunks) whose voices all fit the prefix bank."""
+        if self.paged_flow is None or lane is not None or not all(self._streaming(job.finalize) for job in jobs):
             return False
-        prompts = {id(job.request.prompt): job.request.prompt for job in jobs}.values()
-        if len(prompts) > self.prefixes.capacity:
-            return False
-        like = next(iter(prompts)).speech_feat
-        self.prefixes.make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), like)
-        return self.prefixes.slots(list(prompts)) is not None
+        return self.paged_flow.has_voices(jobs)
 
     @torch.inference_mode()
     def _flow_paged(self, jobs: list[ChunkJob]) -> list[torch.Tensor]:
         """Chunks that start after their voice prefix and their turn's stored frames, and keep
-        the chunks they complete (turn_pool.py): each costs its own frames. Chunks of turns the
-        pool has no room for run without it (after their voice prefix), in one call."""
-        mels: dict[int, torch.Tensor] = {}
-        fallen = [i for i, job in enumerate(jobs) if getattr(job.request.stream.turn, "fell_back", False)]
-        paged = [i for i in range(len(jobs)) if i not in fallen]
-        if paged:
-            mels.update((paged[k], mel) for k, mel in self._paged_call([jobs[i] for i in paged]).items())
-        # A turn that fell back comes back once the pool has room for it again, one a call (each
-        # judged by the pool as the calls before left it), in a paged call of its own: it would
-        # widen the others' (all of it after its voice prefix is new there, as on the recompute
-        # path). Not for its last chunk: nothing would use what it stored.
-        back = next((i for i in fallen if not jobs[i].finalize and self._pool_has_room(jobs[i])), None)
-        if back is not None:
-            jobs[back].request.stream.turn = None
-            served = self._paged_call([jobs[back]])
-            if served:
-                mels[back] = served[0]
-                self.turn_pool.count_return()
+        the chunks they complete (``PagedFlow.run``): each costs its own frames. Chunks of turns
+        the pool has no room for run without it (after their voice prefix), in one call."""
+        mels = self.paged_flow.run(jobs, self.flow_graphs)
         for finalize, rest in by_finalize([i for i in range(len(jobs)) if i not in mels], jobs):
             mels.update(zip(rest, self._flow_batched([jobs[i] for i in rest], finalize)))
         return [mels[i] for i in range(len(jobs))]
 
-    def _pool_has_room(self, job: ChunkJob) -> bool:
-        """Whether the pool would take the job's turn now, its pages counted to the job's end
-        (its look-ahead included: at most a page more than its call stores)."""
-        prefix = self.flow.voice_prefix_frames(job.request.prompt.tokens)
-        return self.turn_pool.has_room(prefix, self.schedule.job_frames(job))
-
-    def _paged_call(self, jobs: list[ChunkJob]) -> dict[int, torch.Tensor]:
-        """One paged call of these jobs: the mel of each job it served, by index (those it did
-        not serve fell back)."""
-        slots = [self.prefixes.slot(job.request.prompt) for job in jobs]
-        states = [job.request.stream for job in jobs]
-        prompt_feat, prompt_feat_len, embedding = self._prompt_args(jobs)
-        encoded, ends = self._encode_turns(jobs, embedding)
-        padded: list[int | None] = []
-
-        def inputs_from(starts: list[int]) -> tuple[DecoderInputs, list[int]]:
-            # A row whose encoded frames end before its start has no new frame (as inputs_after gives it).
-            row_ends = [max(s, e) for s, e in zip(starts, ends)]
-            width = max(e - s for s, e in zip(starts, row_ends))
-            start = to_device(starts, torch.long, prompt_feat.device)
-            return self.flow.inputs_after(encoded, prompt_feat, prompt_feat_len, start, width), row_ends
-
-        def solve(rows: TurnRows, *inputs: torch.Tensor) -> torch.Tensor:
-            mel, replayed = self._solve_paged(rows, *inputs)
-            padded.append(replayed)
-            return mel
-
-        result, turns = flow_paged(
-            self.flow, self.prefixes.bank, self.turn_pool, slots, [s.turn for s in states], inputs_from,
-            keep=[not job.finalize for job in jobs], solve=solve,
-        )
-        for state, turn in zip(states, turns):
-            state.turn = turn
-            if turn.fell_back:  # it goes on by recompute: its encoder state serves no later call
-                state.encoder = None
-        self._lap("decoder")
-        served = [i for i, s in enumerate(result.served) if s]
-        if not served:
-            return {}
-        start, end, mel, replayed = result.start, result.end, result.mel, padded[0]
-        computed = len(served) * mel.shape[2] if replayed is None else replayed
-        self._book([jobs[i] for i in served], [end[i] - start[i] for i in served], computed, replayed is None)
-        mels = {}
-        for row, i in enumerate(served):
-            # The chunk's audio starts at the first frame of its first token (earlier frames of
-            # a call, back to its last stored chunk, were spoken before).
-            request = jobs[i].request
-            first = self.schedule.mel_ratio * (request.prompt.tokens + request.stream.offset)
-            if first < start[i]:
-                raise RuntimeError(f"a chunk's frames start at {first}, its call at {start[i]}")
-            mels[i] = mel[row : row + 1, :, first - start[i] : end[i] - start[i]]
-        return mels
-
-    @timed_as("encoder")
-    def _encode_turns(self, jobs: list[ChunkJob], embedding: torch.Tensor) -> tuple[EncodedTokens, list[int]]:
-        """A paged call's token encoding, each turn's tokens encoded once: its stream keeps the
-        encoder's state of its complete chunks from call to call (incremental_encoder.py), so a
-        call encodes only the tokens after them (a turn's first paged call: its prompt's and all
-        so far), attending over the kept ones: a call's encoder work grows linearly with its
-        turn, not quadratically. The decoder commits the same whole chunks, so the encoder
-        holds the frames the decoder starts at. ``embedding``: the rows' speaker embeddings.
-        Also each row's end frame, counted on the host."""
-        states, joined = [], []
-        for job in jobs:
-            stream, prompt = job.request.stream, job.request.prompt
-            if stream.encoder is None:
-                stream.encoder = EncoderStreamState()
-            start = self.flow.voice_prefix_frames(prompt.tokens) + self.stored_frames(job)
-            if stream.encoder.committed * self.schedule.mel_ratio > start:
-                raise RuntimeError(f"the token encoder has moved past frame {start}, where the decoder starts")
-            states.append(stream.encoder)
-            device = prompt.speech_tokens.device
-            turn_tokens = to_device(job.request.tokens[: job.end], torch.long, device)
-            joined.append(torch.cat([prompt.speech_tokens[0].long(), turn_tokens]))
-        out = self.token_encoder.step_joined(states, joined, [job.finalize for job in jobs])
-        if out.by_graph:
-            self._count("encoder_graph_calls")
-        speaker = project_speaker(self.flow, embedding)
-        return EncodedTokens(out.mu, out.mel_start, out.mel_start + out.mel_len, speaker), out.mel_end
-
-    def _solve_paged(
-        self, rows: TurnRows, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
-    ) -> tuple[torch.Tensor, int | None]:
-        """The decoder after the rows' prefixes and stored chunks, and the row-frames its graph
-        computed: the engine thread's graph replay when one exists for the shape, else the
-        eager solve (None)."""
-        if self.flow_graphs is not None:
-            replayed = self.flow_graphs.run_paged(rows, mu, mask, spks, cond)
-            if replayed is not None:
-                return replayed
-        bank = self.prefixes.bank
-        return solve_paged(self.flow.decoder, bank, self.turn_pool, rows, mu, mask, spks, cond), None
-
     def call_frames(self, job: ChunkJob) -> int:
         """The frames a job's flow call covers, less what its turn has stored: what it costs."""
-        return self.schedule.job_frames(job) - self.stored_frames(job)
-
-    def stored_frames(self, job: ChunkJob) -> int:
-        """Decoder frames of the job's turn already stored (its voice prefix aside)."""
-        turn = job.request.stream.turn
-        return 0 if turn is None or self.turn_pool is None else turn.frames
+        stored = 0 if self.paged_flow is None else self.paged_flow.stored_frames(job)
+        return self.schedule.job_frames(job) - stored
 
     def release(self, state: StreamState) -> None:
         """Free an utterance's stored flow state (decoder and token encoder) at once (it ended
@@ -642,7 +457,7 @@ class Token2WavRunner:
     @timed_as("unpaged")
     def _flow(self, job: ChunkJob, lane: Lane | None = None) -> torch.Tensor:
         state = job.request.stream
-        args = self._batch_args([job])
+        args = batch_args([job])
         graphs = self._flow_graphs(lane)
         streaming = self._streaming(job.finalize)
         if state.flow_cache is None or not streaming:
@@ -689,7 +504,7 @@ class Token2WavRunner:
         token, token_len, prompt_token, prompt_token_len, _, _, embedding = args
         encoding = encoder_graphs.run(token, token_len, prompt_token, prompt_token_len, embedding, totals, finalize)
         if encoding is not None:
-            self._count("encoder_graph_calls")
+            self.flow_work.count("encoder_graph_calls")
         return encoding
 
     def _decode(self, inputs: DecoderInputs, streaming: bool, graphs: FlowGraphs | None) -> torch.Tensor:
@@ -714,104 +529,22 @@ class Token2WavRunner:
                 return mel
         return solve_after_prefix(self.flow.decoder, self.prefixes.bank, slots, mu, mask, spks, cond)
 
-    # ------------------------------------------------------------------ the vocoder
-
-    def _vocode(
-        self, mel: torch.Tensor, cache_source: torch.Tensor, lane: Lane | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        graphs = self.hift_graphs if lane is None else lane.hift_graphs
-        with CAPTURE_LOCK:  # it draws noise: not while the other thread captures a graph
-            if graphs is not None:
-                replayed = graphs.run(mel, cache_source)
-                if replayed is not None:
-                    return replayed
-            self._count("vocoder_eager_calls")
-            return self.hift(mel, cache_source)
-
-    def _hift_input(self, job: ChunkJob, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk's mel behind the cached frames of the last chunk, and the cached source."""
-        state = job.request.stream
-        mel = mel.to(self._hift_dtype)
-        if state.hift_mel is None:
-            return mel, mel.new_zeros(1, 1, 0)
-        _read_on_this_stream(state.hift_mel, state.hift_source)
-        return torch.cat([state.hift_mel, mel], dim=2), state.hift_source
-
-    def _emit(self, job: ChunkJob, mel: torch.Tensor, speech: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        """The chunk's audio (float32, on the device): cross-faded with the last chunk's tail, its
-        own tail held back for the next (all of it at the end of the turn); moves the utterance
-        past the chunk."""
-        state = job.request.stream
-        cache_samples = self.schedule.cache_samples
-        if state.hift_speech is not None:
-            _read_on_this_stream(state.hift_speech)
-            speech = self._cross_fade(speech, state.hift_speech)
-        if job.finalize:
-            state.hift_mel = state.hift_source = state.hift_speech = None
-            self.release(state)  # the flow's stored state goes at once
-        else:
-            state.hift_mel = mel[:, :, -MEL_CACHE_FRAMES:]
-            state.hift_source = source[:, :, -cache_samples:]
-            state.hift_speech = speech[:, -cache_samples:]
-            speech = speech[:, :-cache_samples]
-        self.schedule.spoken(job)
-        return speech[0].float()
-
-    @property
-    def _hift_dtype(self) -> torch.dtype:
-        return next(self.hift.parameters()).dtype
-
-    def _cross_fade(self, speech: torch.Tensor, previous_tail: torch.Tensor) -> torch.Tensor:
-        """Blend the held-back tail of the last chunk into the start of this one."""
-        n = self.schedule.cache_samples
-        if self._window.device != speech.device:  # once: a copy per chunk would wait for the GPU
-            self._window = self._window.to(speech.device)
-        window = self._window
-        head = speech[:, :n].double() * window[:n] + previous_tail.double() * window[n:]
-        return torch.cat([head.to(speech.dtype), speech[:, n:]], dim=1)
-
     # ------------------------------------------------------------------ work totals
 
     def work_totals(self) -> dict[str, float]:
         """The token2wav work so far, as running totals (exported as
-        tts_token2wav_<name>_total): ``flow_calls``, of which ``flow_eager_calls`` had no CUDA
-        graph, ``flow_encoder_graph_calls`` had their token encoder replayed from one, and
-        ``flow_lane_calls_after_prefix`` were the first-chunk lane's calls after voice prefixes;
-        ``flow_vocoder_eager_calls``, vocoder calls no graph held;
-        ``flow_row_frames_{first,later,final}``, the mel frames the decoder had to
-        compute for each kind of chunk (rows x their own widths: what the work grows with);
-        ``flow_padded_row_frames``, what it computed (rows and frames padded to the call's
-        widest row, or to its graph's bucket). Padded / needed is the share spent on padding.
-        With a turn-state pool, its ``turn_state_*`` totals too (``TurnStatePool.totals``). The
-        engine thread's calls phase by phase (phase_clock.py): ``flow_phase_calls``, and
-        ``flow_phase_gpu_seconds_<phase>`` (on a GPU) and ``flow_phase_thread_seconds_<phase>``;
-        the first-chunk lane's as ``flow_lane_phase_*``."""
-        with self._work_lock:
-            totals = {f"flow_{name}": float(value) for name, value in self._work.items()}
+        tts_token2wav_<name>_total): the flow's and the vocoder's, ``flow_*`` (``FlowWork``),
+        and with a turn-state pool, its ``turn_state_*`` totals too (``TurnStatePool.totals``)."""
+        totals = self.flow_work.totals()
         if self.turn_pool is not None:
             totals |= {f"turn_state_{name}": float(value) for name, value in self.turn_pool.totals().items()}
         return totals
 
-    def _count(self, total: str) -> None:
-        self._add({total: 1})
-
-    def _add(self, counts: dict[str, int]) -> None:
-        """Add to the work totals, and to the share of the call this thread is launching."""
-        with self._work_lock:
-            self._work.update(counts)
-        call = getattr(self._phases, "work", None)
-        if call is not None:
-            call.update(counts)
-
-    def _count_call(self, jobs: list[ChunkJob], widths: list[int], after_prefix: bool, graphs: FlowGraphs | None) -> None:
+    def _count_call(
+        self, jobs: list[ChunkJob], widths: list[int], after_prefix: bool, graphs: FlowGraphs | None
+    ) -> None:
         """Book one flow call of these jobs, whose rows need ``widths`` decoder frames each."""
         rows, width = len(widths), max(widths)
         streaming = self._streaming(jobs[0].finalize)
         replayed = self.planner.replayed_row_frames(graphs, rows, width, streaming, after_prefix)
-        self._book(jobs, widths, rows * width if replayed is None else replayed, replayed is None)
-
-    def _book(self, jobs: list[ChunkJob], widths: list[int], padded: int, eager: bool) -> None:
-        kind = call_kind(jobs)  # as the scheduler books the call's time: per call, not per row
-        self._add({
-            "calls": 1, "eager_calls": int(eager), f"row_frames_{kind}": sum(widths), "padded_row_frames": padded,
-        })
+        self.flow_work.book(jobs, widths, rows * width if replayed is None else replayed, replayed is None)

@@ -472,7 +472,7 @@ def test_a_lane_after_prefixes_runs_calls_of_several_rows_there_and_unpins_their
     assert list(token2wav.prefixes._slots) == [id(prompt)]  # the lane took no slot
     assert token2wav.work_totals()["flow_lane_calls_after_prefix"] == 2
     # A call that fails unpins what it pinned.
-    monkeypatch.setattr(token2wav, "_vocode", lambda *_: (_ for _ in ()).throw(RuntimeError("vocoder failed")))
+    monkeypatch.setattr(token2wav.vocoder, "vocode", lambda *_: (_ for _ in ()).throw(RuntimeError("vocoder failed")))
     pins.clear()
     with pytest.raises(RuntimeError, match="vocoder failed"):
         token2wav.launch([chunk_after(token2wav, prompt, tokens, 0) for _ in range(2)], cases[0][0])
@@ -936,8 +936,8 @@ def test_hops_grow_as_upstream_after_a_first_chunk_of_a_whole_hop(models, voice,
     hops = []
     while (job := token2wav.schedule.next_job(state)) is not None:
         hops.append(job.advance)
-        token2wav._emit(job, torch.zeros(1, 80, 2 * job.advance), torch.zeros(1, 480 * 2 * job.advance),
-                        torch.zeros(1, 1, 480 * 2 * job.advance))
+        token2wav.vocoder.emit(job, torch.zeros(1, 80, 2 * job.advance), torch.zeros(1, 480 * 2 * job.advance),
+                               torch.zeros(1, 1, 480 * 2 * job.advance))
     if first >= 25:
         assert hops[:4] == [first, 50, 100, 200]
     else:
@@ -958,9 +958,9 @@ def test_the_lane_runs_a_turns_opening_chunks_at_the_widths_and_shapes_it_has_gr
     state = stream(token2wav, prompt)
     state.tokens = list(tokens)
     vocoded = []
-    vocode = token2wav._vocode
-    monkeypatch.setattr(token2wav, "_vocode", lambda mel, source, lane: (
-        vocoded.append((mel.shape[2], source.shape[2])), vocode(mel, source, lane))[1])
+    vocode = token2wav.vocoder.vocode
+    monkeypatch.setattr(token2wav.vocoder, "vocode", lambda mel, source, graphs: (
+        vocoded.append((mel.shape[2], source.shape[2])), vocode(mel, source, graphs))[1])
     opening, widths = [], []
     for _ in range(3):
         job = token2wav.schedule.next_job(state)
@@ -999,8 +999,8 @@ def test_a_short_first_chunk_lengthened_to_the_official_one(models, voice, token
     hops = []
     while (job := token2wav.schedule.next_job(state)) is not None:
         hops.append(job.advance)
-        token2wav._emit(job, torch.zeros(1, 80, 2 * job.advance), torch.zeros(1, 480 * 2 * job.advance),
-                        torch.zeros(1, 1, 480 * 2 * job.advance))
+        token2wav.vocoder.emit(job, torch.zeros(1, 80, 2 * job.advance), torch.zeros(1, 480 * 2 * job.advance),
+                               torch.zeros(1, 1, 480 * 2 * job.advance))
         assert not token2wav.schedule.lengthen_first_chunk(state)  # once speaking, never
     assert hops[:3] == [official, 50, 100]
     # Run for real, in both flow modes: every token is spoken once.
