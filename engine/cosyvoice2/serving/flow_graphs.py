@@ -35,7 +35,7 @@ Memory: all graphs share one private memory pool. Their inputs, the ODE state x 
 step counter live in one set of static buffers sized for the largest bucket, outside the
 pool and shared by all graphs too. Sharing is safe because solves of one ``FlowGraphs``
 never overlap (they run on one worker thread, on one stream; the first-chunk lane has its
-own ``FlowGraphs``, see runner.Lane) and nothing stays live in the pool between
+own ``FlowGraphs``, see calls.Lane) and nothing stays live in the pool between
 replays: the mel is copied out of the shared state buffer right after a solve's last
 replay, before any other solve can overwrite it. ``FlowGraphs.reserved_bytes`` is the growth
 of ``torch.cuda.memory_reserved`` since construction (pool + static buffers), for the

@@ -25,7 +25,7 @@ from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob
 from tts_gateway.engine.cosyvoice2.serving.request import Request
 
 if TYPE_CHECKING:
-    from tts_gateway.engine.cosyvoice2.serving.runner import LaunchedCall
+    from tts_gateway.engine.cosyvoice2.serving.calls import LaunchedCall
 
 
 class LatencyBook:

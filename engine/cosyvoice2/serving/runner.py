@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +35,7 @@ from tts_gateway.engine.cosyvoice2.model.cfm import N_TIMESTEPS
 from tts_gateway.engine.cosyvoice2.model.flow import DecoderInputs, Flow
 from tts_gateway.engine.cosyvoice2.model.hift import HiFT
 from tts_gateway.engine.cosyvoice2.serving.call_plan import CallPlanner
+from tts_gateway.engine.cosyvoice2.serving.calls import Lane, LaunchedCall
 from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob, ChunkSchedule
 from tts_gateway.engine.cosyvoice2.serving.encoder_graphs import EncoderGraphs
 from tts_gateway.engine.cosyvoice2.serving.flow_args import batch_args
@@ -51,48 +51,6 @@ from tts_gateway.engine.cosyvoice2.serving.request import StreamState, VoiceProm
 from tts_gateway.engine.cosyvoice2.serving.phase_clock import PhaseClock, timed_as
 from tts_gateway.engine.cosyvoice2.serving.streaming_vocoder import StreamingVocoder
 from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
-
-
-@dataclass(frozen=True)
-class Lane:
-    """What a second worker thread runs chunks on while the first runs others: its own CUDA
-    stream (of high priority, so that its kernels go first on a busy GPU) and its own CUDA
-    graphs (graphs that share a memory pool or static buffers must not replay at the same
-    time). Its calls run whole, or with ``after_prefix`` a call of several rows whose voices
-    the bank holds runs after their voice prefixes, pinning their slots meanwhile (the first
-    thread takes the bank's slots); it keeps nothing in the turn pool."""
-
-    stream: torch.cuda.Stream | None = None
-    flow_graphs: FlowGraphs | None = None
-    hift_graphs: HiftGraphs | None = None
-    encoder_graphs: EncoderGraphs | None = None
-    after_prefix: bool = False
-
-
-@dataclass
-class LaunchedCall:
-    """A call whose work is enqueued (``Token2WavRunner.launch``): its chunks' audio, one after
-    another in ``host`` (pinned host memory on a GPU, filled once ``done`` has passed), their
-    ``lengths``, and the phase clock it ran on (``infix``: its thread's, in the totals' names);
-    ``work``, its own share of ``work_totals`` (the flow's counters, named without ``flow_``:
-    its flow calls, the row-frames they needed and computed, its graph and eager calls).
-    ``finish`` sets ``gpu_phase_seconds``, the call's time on its stream by phase (None off a
-    GPU; ``gpu_seconds`` is their sum), and unpins the voice-prefix slots the call read
-    (``pinned``: a lane's call after prefixes)."""
-
-    host: torch.Tensor
-    lengths: list[int]
-    done: torch.cuda.Event | None
-    clock: PhaseClock
-    infix: str
-    work: dict[str, int] = field(default_factory=dict)
-    gpu_phase_seconds: dict[str, float] | None = None
-    pinned: list[int] = field(default_factory=list)
-
-    @property
-    def gpu_seconds(self) -> float | None:
-        """The call's time on its stream (None off a GPU, or before ``finish``)."""
-        return None if self.gpu_phase_seconds is None else sum(self.gpu_phase_seconds.values())
 
 
 def by_finalize(indices: list[int], jobs: list[ChunkJob]) -> Iterator[tuple[bool, list[int]]]:

@@ -10,7 +10,7 @@ utterance about to run out of audio, with too few tokens for a whole hop, gets t
 there are as an early chunk while batches are short. An utterance whose consumer has not
 taken its last chunks is not scheduled, so output stays bounded.
 
-With a first-chunk lane (a GPU's second stream and graphs, see ``runner.Lane``) a second
+With a first-chunk lane (a GPU's second stream and graphs, see ``calls.Lane``) a second
 thread runs new turns' first chunks there, up to ``FIRST_LANE_MAX_BATCH`` at a time, as
 soon as they are ready: a first chunk then does not wait for the flow call in flight.
 While the lane is busy, the main thread takes first chunks too (a burst of new turns).
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 from tts_gateway.engine.base import EngineError
 from tts_gateway.engine.cosyvoice2.serving.call_plan import PADDING_LIMIT
+from tts_gateway.engine.cosyvoice2.serving.calls import Lane, LaunchedCall
 from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob, call_kind
 from tts_gateway.engine.cosyvoice2.serving.latency import LatencyBook
 from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus
-from tts_gateway.engine.cosyvoice2.serving.runner import Lane, LaunchedCall
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,13 @@ import torch
 from tts_gateway.engine.base import EngineError
 from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets
 from tts_gateway.engine.cosyvoice2.serving.call_plan import MAX_CALL_ROW_FRAMES
+from tts_gateway.engine.cosyvoice2.serving.calls import Lane
 from tts_gateway.engine.cosyvoice2.serving.encoder_graphs import EncoderGraphs
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 from tts_gateway.engine.cosyvoice2.serving.incremental_encoder_graphs import IncrementalEncoderGraphs
 from tts_gateway.engine.cosyvoice2.serving.lm.stage import LMStage
-from tts_gateway.engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
+from tts_gateway.engine.cosyvoice2.serving.runner import Token2WavRunner
 from tts_gateway.engine.cosyvoice2.serving.scheduler import FIRST_LANE_MAX_BATCH
 from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings, VLLMSettings
 

@@ -28,12 +28,13 @@ from tts_gateway.engine.cosyvoice2.serving import call_plan as call_plan_module
 from tts_gateway.engine.cosyvoice2.serving import phase_clock
 from tts_gateway.engine.cosyvoice2.serving import runner as runner_module
 from tts_gateway.engine.cosyvoice2.serving.buckets import FlowBuckets
+from tts_gateway.engine.cosyvoice2.serving.calls import Lane
 from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkSchedule, call_kind
 from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus, StreamState, VoicePrompt
 from tts_gateway.engine.cosyvoice2.serving.encoder_graphs import EncoderGraphs
 from tts_gateway.engine.cosyvoice2.serving.incremental_encoder_graphs import IncrementalEncoderGraphs
-from tts_gateway.engine.cosyvoice2.serving.runner import Lane, Token2WavRunner
+from tts_gateway.engine.cosyvoice2.serving.runner import Token2WavRunner
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnStatePool
 from tts_gateway.testkit.checkpoint import make_checkpoint
 from tests.engine.cosyvoice2.flow_pairs import STEPS, official_steps

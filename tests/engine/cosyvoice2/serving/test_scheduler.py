@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tts_gateway.engine.cosyvoice2.serving.call_plan import cheapest_groups
+from tts_gateway.engine.cosyvoice2.serving.calls import Lane
 from tts_gateway.engine.cosyvoice2.serving.request import Request, RequestStatus
-from tts_gateway.engine.cosyvoice2.serving.runner import Lane
 from tts_gateway.engine.cosyvoice2.serving.scheduler import END, Scheduler, short_first_chunk_fits
 
 from tests.conftest import eventually, until
