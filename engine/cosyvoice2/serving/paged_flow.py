@@ -25,7 +25,6 @@ from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
 from tts_gateway.engine.cosyvoice2.serving.flow_work import FlowWork
 from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState, IncrementalEncoder
 from tts_gateway.engine.cosyvoice2.serving.paged_varlen import attend_reference, flash_attend
-from tts_gateway.engine.cosyvoice2.serving.phase_clock import timed_as
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import VoicePrefixCache
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
     PagedAttention, TurnRows, TurnStatePool, flow_paged, solve_paged,
@@ -44,13 +43,14 @@ def paged_kernel(flow: Flow) -> PagedAttention:
 class PagedFlow:
     """Paged flow calls of ``flow``'s chunks (``schedule``'s) after their voices' prefixes in
     ``prefixes`` and their turns' stored frames in ``pool``, each turn's tokens encoded once by
-    ``token_encoder``. It books its calls in ``work`` and closes the phases of the thread's
-    call in flight with ``lap`` (the runner's). Its calls run inside the runner's inference
-    mode."""
+    ``token_encoder``. It books its calls in ``work``. Its calls run inside the runner's
+    inference mode, each given the ``lap`` that closes the phases of the thread's call in
+    flight (``Token2WavRunner._lap``; passed per call, so that the paged flow holds nothing of
+    the runner)."""
 
     def __init__(
         self, flow: Flow, schedule: ChunkSchedule, prefixes: VoicePrefixCache, pool: TurnStatePool,
-        token_encoder: IncrementalEncoder, work: FlowWork, lap: Callable[[str], None],
+        token_encoder: IncrementalEncoder, work: FlowWork,
     ) -> None:
         self.flow = flow
         self.schedule = schedule
@@ -58,18 +58,17 @@ class PagedFlow:
         self.pool = pool
         self.token_encoder = token_encoder
         self.work = work
-        self._lap = lap  # timed_as closes phases with it too
 
     @classmethod
     def within(
         cls, flow: Flow, schedule: ChunkSchedule, prefixes: VoicePrefixCache, state_bytes: int, steps: int,
-        work: FlowWork, lap: Callable[[str], None],
+        work: FlowWork,
     ) -> PagedFlow:
         """A paged flow whose pool keeps the turns' decoder state of ``steps`` Euler steps in
         ``state_bytes`` (``TurnStatePool.within``)."""
         like = next(flow.parameters())
         pool = TurnStatePool.within(flow.decoder, state_bytes, like, steps, paged_kernel(flow))
-        return cls(flow, schedule, prefixes, pool, IncrementalEncoder(flow), work, lap)
+        return cls(flow, schedule, prefixes, pool, IncrementalEncoder(flow), work)
 
     def has_voices(self, jobs: list[ChunkJob]) -> bool:
         """Whether the prefix bank holds the voices of all these jobs, whose calls would start
@@ -81,16 +80,18 @@ class PagedFlow:
         self.prefixes.make_room(max(self.flow.voice_prefix_frames(p.tokens) for p in prompts), like)
         return self.prefixes.slots(list(prompts)) is not None
 
-    def run(self, jobs: list[ChunkJob], graphs: FlowGraphs | None) -> dict[int, torch.Tensor]:
+    def run(
+        self, jobs: list[ChunkJob], graphs: FlowGraphs | None, lap: Callable[[str], None]
+    ) -> dict[int, torch.Tensor]:
         """The mel of each of these chunks the pool served, by index: each started after its voice
         prefix and its turn's stored frames, and the chunks it completes are kept (each costs
         its own frames). Chunks of turns the pool has no room for are left out (they fell back).
-        ``graphs``: the engine thread's flow graphs."""
+        ``graphs``: the engine thread's flow graphs; ``lap``: closes a phase of the call in flight."""
         mels: dict[int, torch.Tensor] = {}
         fallen = [i for i, job in enumerate(jobs) if getattr(job.request.stream.turn, "fell_back", False)]
         paged = [i for i in range(len(jobs)) if i not in fallen]
         if paged:
-            mels.update((paged[k], mel) for k, mel in self.call([jobs[i] for i in paged], graphs).items())
+            mels.update((paged[k], mel) for k, mel in self.call([jobs[i] for i in paged], graphs, lap).items())
         # A turn that fell back comes back once the pool has room for it again, one a call (each
         # judged by the pool as the calls before left it), in a paged call of its own: it would
         # widen the others' (all of it after its voice prefix is new there, as on the recompute
@@ -98,7 +99,7 @@ class PagedFlow:
         back = next((i for i in fallen if not jobs[i].finalize and self._has_room(jobs[i])), None)
         if back is not None:
             jobs[back].request.stream.turn = None
-            served = self.call([jobs[back]], graphs)
+            served = self.call([jobs[back]], graphs, lap)
             if served:
                 mels[back] = served[0]
                 self.pool.count_return()
@@ -110,13 +111,17 @@ class PagedFlow:
         prefix = self.flow.voice_prefix_frames(job.request.prompt.tokens)
         return self.pool.has_room(prefix, self.schedule.job_frames(job))
 
-    def call(self, jobs: list[ChunkJob], graphs: FlowGraphs | None) -> dict[int, torch.Tensor]:
+    def call(
+        self, jobs: list[ChunkJob], graphs: FlowGraphs | None, lap: Callable[[str], None]
+    ) -> dict[int, torch.Tensor]:
         """One paged call of these jobs: the mel of each job it served, by index (those it did
-        not serve fell back)."""
+        not serve fell back). Its phases: the token encoder's, then the decoder's."""
         slots = [self.prefixes.slot(job.request.prompt) for job in jobs]
         states = [job.request.stream for job in jobs]
         prompt_feat, prompt_feat_len, embedding = prompt_args(jobs)
+        lap("flow_other")
         encoded, ends = self._encode_turns(jobs, embedding)
+        lap("encoder")
         padded: list[int | None] = []
 
         def inputs_from(starts: list[int]) -> tuple[DecoderInputs, list[int]]:
@@ -139,7 +144,7 @@ class PagedFlow:
             state.turn = turn
             if turn.fell_back:  # it goes on by recompute: its encoder state serves no later call
                 state.encoder = None
-        self._lap("decoder")
+        lap("decoder")
         served = [i for i, s in enumerate(result.served) if s]
         if not served:
             return {}
@@ -157,7 +162,6 @@ class PagedFlow:
             mels[i] = mel[row : row + 1, :, first - start[i] : end[i] - start[i]]
         return mels
 
-    @timed_as("encoder")
     def _encode_turns(self, jobs: list[ChunkJob], embedding: torch.Tensor) -> tuple[EncodedTokens, list[int]]:
         """A paged call's token encoding, each turn's tokens encoded once: its stream keeps the
         encoder's state of its complete chunks from call to call (incremental_encoder.py), so a

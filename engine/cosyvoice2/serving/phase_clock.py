@@ -22,31 +22,11 @@ per level by ``bench/gpu_check.py``.
 from __future__ import annotations
 
 import collections
-import functools
 import time
-from collections.abc import Callable
 
 import torch
 
 from tts_gateway.engine.cosyvoice2.metrics import PHASES
-
-
-def timed_as(phase: str) -> Callable:
-    """A method whose work is one phase of its thread's call in flight; what the call launched
-    before it was the flow's other work. Its object closes phases with ``_lap(phase)`` (the
-    runner's, which laps the clock of the thread's call in flight, if any)."""
-
-    def wrap(method: Callable) -> Callable:
-        @functools.wraps(method)
-        def timed(self, *args, **kwargs):
-            self._lap("flow_other")
-            result = method(self, *args, **kwargs)
-            self._lap(phase)
-            return result
-
-        return timed
-
-    return wrap
 
 
 class PhaseClock:

@@ -25,8 +25,9 @@ Synchronous torch code: the scheduler runs it on its worker threads (:meth:`laun
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -48,9 +49,26 @@ from tts_gateway.engine.cosyvoice2.serving.prefix_bank import (
     PrefixBank, VoicePrefixCache, flow_after_prefix, solve_after_prefix,
 )
 from tts_gateway.engine.cosyvoice2.serving.request import StreamState, VoicePrompt
-from tts_gateway.engine.cosyvoice2.serving.phase_clock import PhaseClock, timed_as
+from tts_gateway.engine.cosyvoice2.serving.phase_clock import PhaseClock
 from tts_gateway.engine.cosyvoice2.serving.streaming_vocoder import StreamingVocoder
 from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
+
+
+def timed_as(phase: str) -> Callable:
+    """A runner method whose work is one phase of its thread's call in flight (phase_clock.py);
+    what the call launched before it was the flow's other work."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def timed(self: Token2WavRunner, *args, **kwargs):
+            self._lap("flow_other")
+            result = method(self, *args, **kwargs)
+            self._lap(phase)
+            return result
+
+        return timed
+
+    return wrap
 
 
 def by_finalize(indices: list[int], jobs: list[ChunkJob]) -> Iterator[tuple[bool, list[int]]]:
@@ -106,12 +124,14 @@ class Token2WavRunner:
         self.paged_flow = None
         if turn_state_bytes and self.prefixes is not None:
             self.paged_flow = PagedFlow.within(
-                flow, schedule, self.prefixes, turn_state_bytes, flow_steps, self.flow_work, self._lap
+                flow, schedule, self.prefixes, turn_state_bytes, flow_steps, self.flow_work
             )
         # Its pool and its token encoder (each turn's tokens encoded once), as start-up and the engine read them.
         self.turn_pool = None if self.paged_flow is None else self.paged_flow.pool
         self.token_encoder = None if self.paged_flow is None else self.paged_flow.token_encoder
-        self.vocoder = StreamingVocoder(hift, schedule, self.flow_work, self.release)
+        # The paged flow and the vocoder hold nothing of the runner: a runner dropped frees its GPU
+        # memory (pool, prefix bank, graphs) at once.
+        self.vocoder = StreamingVocoder(hift, schedule, self.flow_work)
         # This thread's call in flight: .clock (PhaseClock), .pinned (_pin).
         self._phases = threading.local()
 
@@ -256,7 +276,15 @@ class Token2WavRunner:
         self._lap("flow_other")
         speech, source = vocoder.run(inputs, self.hift_graphs if lane is None else lane.hift_graphs)
         self._lap("vocoder")
-        return [vocoder.emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
+        return [self._emit(job, inputs[i][0], speech[i], source[i]) for i, job in enumerate(jobs)]
+
+    def _emit(self, job: ChunkJob, mel: torch.Tensor, speech: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """The chunk's audio (``StreamingVocoder.emit``); at the turn's last chunk its stored flow
+        state goes at once (``release``)."""
+        audio = self.vocoder.emit(job, mel, speech, source)
+        if job.finalize:
+            self.release(job.request.stream)
+        return audio
 
     def _lap(self, phase: str) -> None:
         """Close a phase of this thread's call in flight (PhaseClock.lap); else nothing."""
@@ -377,7 +405,7 @@ class Token2WavRunner:
         """Chunks that start after their voice prefix and their turn's stored frames, and keep
         the chunks they complete (``PagedFlow.run``): each costs its own frames. Chunks of turns
         the pool has no room for run without it (after their voice prefix), in one call."""
-        mels = self.paged_flow.run(jobs, self.flow_graphs)
+        mels = self.paged_flow.run(jobs, self.flow_graphs, self._lap)
         for finalize, rest in by_finalize([i for i in range(len(jobs)) if i not in mels], jobs):
             mels.update(zip(rest, self._flow_batched([jobs[i] for i in rest], finalize)))
         return [mels[i] for i in range(len(jobs))]

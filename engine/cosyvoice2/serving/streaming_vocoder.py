@@ -10,8 +10,6 @@ CUDA graph's replay where one holds the shape (hift_graphs.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
@@ -20,7 +18,6 @@ from tts_gateway.engine.cosyvoice2.serving.buckets import CAPTURE_LOCK
 from tts_gateway.engine.cosyvoice2.serving.chunking import MEL_CACHE_FRAMES, ChunkJob, ChunkSchedule
 from tts_gateway.engine.cosyvoice2.serving.flow_work import FlowWork
 from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
-from tts_gateway.engine.cosyvoice2.serving.request import StreamState
 
 
 def _read_on_this_stream(*tensors: torch.Tensor) -> None:
@@ -35,16 +32,12 @@ def _read_on_this_stream(*tensors: torch.Tensor) -> None:
 
 class StreamingVocoder:
     """``hift`` on the chunks of many utterances as ``schedule`` cuts them (which it moves past
-    each chunk emitted); counts the calls no graph held in ``work``; ``release``: frees an
-    utterance's stored flow state at its last chunk (``Token2WavRunner.release``)."""
+    each chunk emitted); counts the calls no graph held in ``work``."""
 
-    def __init__(
-        self, hift: HiFT, schedule: ChunkSchedule, work: FlowWork, release: Callable[[StreamState], None]
-    ) -> None:
+    def __init__(self, hift: HiFT, schedule: ChunkSchedule, work: FlowWork) -> None:
         self.hift = hift
         self.schedule = schedule
         self.work = work
-        self._release = release
         self._window = torch.from_numpy(np.hamming(2 * schedule.cache_samples))
 
     def run(
@@ -90,7 +83,7 @@ class StreamingVocoder:
     def emit(self, job: ChunkJob, mel: torch.Tensor, speech: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """The chunk's audio (float32, on the device): cross-faded with the last chunk's tail, its
         own tail held back for the next (all of it at the end of the turn); moves the utterance
-        past the chunk."""
+        past the chunk. The flow's stored state is the runner's to release (``Token2WavRunner._emit``)."""
         state = job.request.stream
         cache_samples = self.schedule.cache_samples
         if state.hift_speech is not None:
@@ -98,7 +91,6 @@ class StreamingVocoder:
             speech = self._cross_fade(speech, state.hift_speech)
         if job.finalize:
             state.hift_mel = state.hift_source = state.hift_speech = None
-            self._release(state)  # the flow's stored state goes at once
         else:
             state.hift_mel = mel[:, :, -MEL_CACHE_FRAMES:]
             state.hift_source = source[:, :, -cache_samples:]

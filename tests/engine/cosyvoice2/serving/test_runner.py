@@ -9,9 +9,11 @@ fixed token list, so both sides vocode exactly the same tokens.
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import threading
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import create_autospec
@@ -239,6 +241,25 @@ def test_paged_calls_ask_the_graphs_first(models, voice, tokens):
     while (job := token2wav.schedule.next_job(state)) is not None:
         token2wav.run([job])
     assert graphs.run_paged.call_count >= 4
+
+
+def test_a_runner_dropped_is_freed_at_once(models, voice, tokens):
+    """Nothing a runner holds refers back to it (its paged flow and its vocoder keep no method of
+    it): a runner dropped, its turn pool and prefix bank with it, is freed at once, by reference
+    counting, not at the cyclic collector's next pass (which this test keeps from running)."""
+    page = TurnStatePool.page_bytes(models.flow.decoder, torch.float32)
+    token2wav = make_runner(models, incremental=False, prefix_voices=2, turn_state_bytes=65 * page)
+    state = stream(token2wav, VoicePrompt(voice.speech_tokens, voice.speech_feat, voice.embedding), tokens, done=True)
+    token2wav.run([token2wav.schedule.next_job(state)], Lane())
+    while (job := token2wav.schedule.next_job(state)) is not None:
+        token2wav.run([job])
+    dropped = [weakref.ref(token2wav), weakref.ref(token2wav.turn_pool), weakref.ref(token2wav.prefixes.bank)]
+    gc.disable()
+    try:
+        del token2wav
+        assert [ref() for ref in dropped] == [None, None, None]
+    finally:
+        gc.enable()
 
 
 def test_a_flow_of_no_euler_steps_is_refused(models):
@@ -937,8 +958,8 @@ def test_hops_grow_as_upstream_after_a_first_chunk_of_a_whole_hop(models, voice,
     hops = []
     while (job := token2wav.schedule.next_job(state)) is not None:
         hops.append(job.advance)
-        token2wav.vocoder.emit(job, torch.zeros(1, 80, 2 * job.advance), torch.zeros(1, 480 * 2 * job.advance),
-                               torch.zeros(1, 1, 480 * 2 * job.advance))
+        token2wav._emit(job, torch.zeros(1, 80, 2 * job.advance), torch.zeros(1, 480 * 2 * job.advance),
+                        torch.zeros(1, 1, 480 * 2 * job.advance))
     if first >= 25:
         assert hops[:4] == [first, 50, 100, 200]
     else:
@@ -1000,8 +1021,8 @@ def test_a_short_first_chunk_lengthened_to_the_official_one(models, voice, token
     hops = []
     while (job := token2wav.schedule.next_job(state)) is not None:
         hops.append(job.advance)
-        token2wav.vocoder.emit(job, torch.zeros(1, 80, 2 * job.advance), torch.zeros(1, 480 * 2 * job.advance),
-                               torch.zeros(1, 1, 480 * 2 * job.advance))
+        token2wav._emit(job, torch.zeros(1, 80, 2 * job.advance), torch.zeros(1, 480 * 2 * job.advance),
+                        torch.zeros(1, 1, 480 * 2 * job.advance))
         assert not token2wav.schedule.lengthen_first_chunk(state)  # once speaking, never
     assert hops[:3] == [official, 50, 100]
     # Run for real, in both flow modes: every token is spoken once.
