@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -52,6 +53,10 @@ from tts_gateway.engine.cosyvoice2.serving.request import StreamState, VoiceProm
 from tts_gateway.engine.cosyvoice2.serving.phase_clock import PhaseClock
 from tts_gateway.engine.cosyvoice2.serving.streaming_vocoder import StreamingVocoder
 from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
+
+if TYPE_CHECKING:
+    from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import IncrementalEncoder
+    from tts_gateway.engine.cosyvoice2.serving.turn_pool import TurnStatePool
 
 
 def timed_as(phase: str) -> Callable:
@@ -104,7 +109,6 @@ class Token2WavRunner:
             raise ValueError(f"flow_steps must be >= 1, got {flow_steps}")
         self.flow = flow
         self.flow_steps = flow_steps
-        self.hift = hift
         self.schedule = schedule
         self.incremental = incremental
         self.final_streaming = final_attention == "chunk"
@@ -126,14 +130,27 @@ class Token2WavRunner:
             self.paged_flow = PagedFlow.within(
                 flow, schedule, self.prefixes, turn_state_bytes, flow_steps, self.flow_work
             )
-        # Its pool and its token encoder (each turn's tokens encoded once), as start-up and the engine read them.
-        self.turn_pool = None if self.paged_flow is None else self.paged_flow.pool
-        self.token_encoder = None if self.paged_flow is None else self.paged_flow.token_encoder
-        # The paged flow and the vocoder hold nothing of the runner: a runner dropped frees its GPU
-        # memory (pool, prefix bank, graphs) at once.
+        # The paged flow and the vocoder share the runner's flow, schedule and prefix cache (set once) but hold
+        # nothing of the runner: a runner dropped frees its GPU memory (pool, prefix bank, graphs) at once.
         self.vocoder = StreamingVocoder(hift, schedule, self.flow_work)
         # This thread's call in flight: .clock (PhaseClock), .pinned (_pin).
         self._phases = threading.local()
+
+    @property
+    def hift(self) -> HiFT:
+        """The vocoder's model (``StreamingVocoder`` runs it)."""
+        return self.vocoder.hift
+
+    @property
+    def turn_pool(self) -> TurnStatePool | None:
+        """The paged flow's pool of turns' decoder state (None: no paged flow), which the flow graphs read."""
+        return None if self.paged_flow is None else self.paged_flow.pool
+
+    @property
+    def token_encoder(self) -> IncrementalEncoder | None:
+        """The paged flow's token encoder, each turn's tokens encoded once (None: no paged flow),
+        which start-up gives its graphs."""
+        return None if self.paged_flow is None else self.paged_flow.token_encoder
 
     @classmethod
     def build(
@@ -421,7 +438,7 @@ class Token2WavRunner:
         state.flow_cache = None
         state.encoder = None
         if state.turn is not None:
-            self.turn_pool.release(state.turn)
+            self.paged_flow.pool.release(state.turn)
             state.turn = None
 
     def _prefix_serves(self, jobs: list[ChunkJob]) -> bool:
@@ -522,8 +539,8 @@ class Token2WavRunner:
         tts_token2wav_<name>_total): the flow's and the vocoder's, ``flow_*`` (``FlowWork``),
         and with a turn-state pool, its ``turn_state_*`` totals too (``TurnStatePool.totals``)."""
         totals = self.flow_work.totals()
-        if self.turn_pool is not None:
-            totals |= {f"turn_state_{name}": float(value) for name, value in self.turn_pool.totals().items()}
+        if self.paged_flow is not None:
+            totals |= {f"turn_state_{name}": float(value) for name, value in self.paged_flow.pool.totals().items()}
         return totals
 
     def _count_call(
