@@ -9,13 +9,15 @@ whose sum the scheduler books (latency.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from tts_gateway.engine.cosyvoice2.serving.encoder_graphs import EncoderGraphs
-from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
-from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
-from tts_gateway.engine.cosyvoice2.serving.phase_clock import PhaseClock
+if TYPE_CHECKING:
+    from tts_gateway.engine.cosyvoice2.serving.encoder_graphs import EncoderGraphs
+    from tts_gateway.engine.cosyvoice2.serving.flow_graphs import FlowGraphs
+    from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
+    from tts_gateway.engine.cosyvoice2.serving.phase_clock import PhaseClock
 
 
 @dataclass(frozen=True)

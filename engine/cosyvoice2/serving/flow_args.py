@@ -14,7 +14,7 @@ from tts_gateway.engine.cosyvoice2.serving.chunking import ChunkJob
 from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
 
 
-def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows padded into a batch, and their lengths."""
     lengths = to_device([len(row) for row in rows], torch.int32, rows[0].device)
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), lengths
@@ -23,10 +23,10 @@ def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 def batch_args(jobs: list[ChunkJob]) -> tuple[torch.Tensor, ...]:
     """``Flow.decoder_inputs``' arguments up to ``embedding`` for these jobs, rows padded."""
     device = jobs[0].request.prompt.speech_feat.device
-    token, token_len = padded(
+    token, token_len = _padded(
         [to_device(job.request.tokens[: job.end], torch.int32, device) for job in jobs]
     )
-    prompt_token, prompt_token_len = padded([job.request.prompt.speech_tokens[0] for job in jobs])
+    prompt_token, prompt_token_len = _padded([job.request.prompt.speech_tokens[0] for job in jobs])
     return token, token_len, prompt_token, prompt_token_len, *prompt_args(jobs)
 
 
@@ -34,4 +34,4 @@ def prompt_args(jobs: list[ChunkJob]) -> tuple[torch.Tensor, torch.Tensor, torch
     """The jobs' prompt mel (rows padded), its lengths and their speaker embeddings: the
     decoder's conditions (``Flow.inputs_after``)."""
     prompts = [job.request.prompt for job in jobs]
-    return *padded([p.speech_feat[0] for p in prompts]), torch.cat([p.embedding for p in prompts])
+    return *_padded([p.speech_feat[0] for p in prompts]), torch.cat([p.embedding for p in prompts])

@@ -106,9 +106,8 @@ class Scheduler:
     """Runs token2wav for every open request, most urgent first, in batches.
 
     ``runner``: what runs chunks (runner.Token2WavRunner: ``schedule``, ``plan``, ``launch`` (a call
-    whose ``gpu_seconds`` its ``finish`` sets), ``finish``, ``done``,
-    ``call_frames``, ``release``, ``lane_serves``, ``work_totals``, ``hift``); ``loop``: the event loop the requests'
-    outputs belong to.
+    whose ``gpu_seconds`` its ``finish`` sets), ``finish``, ``done``, ``call_frames``, ``release``,
+    ``lane_serves``, ``work_totals``); ``loop``: the event loop the requests' outputs belong to.
     """
 
     def __init__(

@@ -500,9 +500,9 @@ def flow_paged(
     Returns the mel of the rows it served and the turns (a row not served fell back: run it on
     the recompute path).
 
-    ``solve``: the decoder (default :func:`solve_paged`, eager; the runner passes a graph's replay).
-    Positions are counted on the host: the call waits for the GPU nowhere (``inputs_from`` as
-    the runner gives it neither).
+    ``solve``: the decoder (default :func:`solve_paged`, eager; the paged flow passes a graph's
+    replay, paged_flow.py). Positions are counted on the host: the call waits for the GPU
+    nowhere (``inputs_from`` as the paged flow gives it neither).
     """
     chunk = pool.chunk
     starts = [bank.start_frames[slot] + (t.frames if t is not None else 0) for slot, t in zip(slots, turns)]
