@@ -140,7 +140,7 @@ def vocode(t2w: Token2WavRunner, job: ChunkJob, mel: torch.Tensor) -> np.ndarray
     """HiFT and its caches for one chunk: the second half of ``Token2WavRunner.run`` for a single job."""
     mel, cache_source = t2w.vocoder.hift_input(job, mel)
     speech, source = t2w.hift(mel, cache_source)
-    return t2w._emit(job, mel, speech, source)
+    return t2w._emit(job, mel, speech, source).cpu().numpy()  # the runner's finish copies it to the host too
 
 
 def run_stream(t2w: Token2WavRunner, prompt: VoicePrompt, tokens: list[int], clock: Clock) -> tuple[list[dict], np.ndarray]:

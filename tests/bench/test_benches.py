@@ -15,6 +15,7 @@ from bench import flow_profile as bench_flow_profile
 from bench import gpu_sharing as bench_gpu_sharing
 from bench import launch_waits as bench_launch_waits
 from bench import sdpa_choice as bench_sdpa_choice
+from bench import token2wav_chunk_cost as bench_token2wav_chunk_cost
 from bench import word_timings_cost as bench_word_timings_cost
 
 
@@ -192,3 +193,17 @@ def test_bench_estimator_ops_counts_what_compiling_leaves() -> None:
     assert compiled["max_abs_vs_eager"] < 1e-5 and compiled["compile_s"] > 0
     with pytest.raises(SystemExit):
         bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x50", "--inductor", "--paged"])
+
+
+def test_bench_token2wav_chunk_cost_streams_both_exact_modes(tmp_path) -> None:
+    """bench/token2wav_chunk_cost.py: each exact flow mode streamed chunk by chunk, its audio
+    checked against the other's, and a whole-text pass, all in one report."""
+    out = tmp_path / "cost.json"
+    assert bench_token2wav_chunk_cost.main(["--size", "tiny", "--device", "cpu", "--chunks", "3", "--repeats", "1",
+                                            "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["check"]["enforced"] and report["check"]["passed"]
+    for mode in ("recompute", "incremental"):
+        result = report["modes"][mode]
+        assert len(result["chunks"]) >= 2 and result["final"]["final"] and result["audio_s"] > 0
+    assert report["offline"]["audio_s"] > 0
