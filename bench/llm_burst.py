@@ -20,8 +20,8 @@ turn, p50 / p95):
 Random weights never sample eos, so every turn runs to ``--tokens`` and is then cancelled.
 
 ``--async-scheduling`` starts vLLM with its pipelined scheduling (the ``async_scheduling``
-setting, which the gateway refuses: on vLLM 0.26 each bistream round then returns a token past
-its stop, docs/cosyvoice2.md), for ``offline`` levels only, whose requests take one input: what a
+setting, which the engine refuses: on vLLM 0.26 a bistream round then returned a token past its
+stop, docs/cosyvoice2.md), for ``offline`` levels only, whose requests take one input: what a
 step costs when vLLM prepares the next while the GPU runs this one. Each level is then warmed up
 by one untimed offline level, not by the stage's bistream warm-up.
 

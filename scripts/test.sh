@@ -15,8 +15,10 @@ pip -r tests/requirements-reference.txt
 pip --no-deps cosyvoice-minicpmo==0.1.0
 # Debian's Chromium for the browser-client tests (tests/web/test_browser.py), HAProxy for the
 # load-balancer test (tests/deploy/test_load_balancer.py) and ShellCheck for the benchmark
-# scripts' lint (tests/bench/test_official_baseline.py); CI runs as root.
+# scripts' lint (tests/bench/test_official_baseline.py), and a C++ compiler for torch.compile's
+# CPU code (bench/estimator_ops.py --inductor, tests/bench/test_benches.py); CI runs as root.
 missing=()
+command -v g++ >/dev/null || missing+=(g++)
 command -v chromium >/dev/null || missing+=(chromium)
 command -v haproxy >/dev/null || missing+=(haproxy)
 command -v shellcheck >/dev/null || missing+=(shellcheck)

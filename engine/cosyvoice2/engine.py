@@ -77,10 +77,10 @@ class CosyVoice2Engine(Engine):
         dtype = DTYPES[settings.dtype]
         if settings.llm_backend == "vllm":
             if settings.vllm.async_scheduling:
-                # Measured on vLLM 0.26: the pipelined step after a round's stop token is already
-                # scheduled, so every round returns a token past its end (the warm-up's first fails).
-                raise EngineError("async_scheduling = true cannot serve bistream rounds on this vLLM (a token "
-                                  "comes after each round's stop); set it to false")
+                # On vLLM 0.26 the warm-up's first round returned a token past its stop: by vLLM's
+                # code, the pipelined step after a stop token is already scheduled for the request.
+                raise EngineError("[engine.cosyvoice2.vllm] async_scheduling = true cannot serve bistream rounds on "
+                                  "this vLLM (a round returned a token past its stop); set it to false")
             if device.type != "cuda":
                 raise EngineError("llm_backend = 'vllm' needs a CUDA GPU; use llm_backend = 'torch' on this machine")
             # vLLM first: it sizes its KV cache from the memory it finds free.

@@ -36,8 +36,8 @@ class VLLMSettings:
     enable_prefix_caching: bool = True  # voice prompts are a shared prefix
     dtype: str = "bfloat16"  # the LM's weights on vLLM: bfloat16, float16, float32
     # vLLM's pipelined scheduling (next step scheduled before the last one is processed):
-    # faster steps, but on vLLM 0.26 each bistream round then returns a token past its stop,
-    # so the gateway refuses it (bench/llm_burst.py measures it on one-input requests).
+    # faster steps, but on vLLM 0.26 a bistream round then returned a token past its stop, so
+    # the engine refuses it (bench/llm_burst.py measures it on one-input requests).
     async_scheduling: bool = False
     # Under CUDA MPS, the client priority of vLLM's engine core (CUDA_MPS_CLIENT_PRIORITY):
     # "below-normal" lets token2wav's kernels go first when both stages have work. The LLM

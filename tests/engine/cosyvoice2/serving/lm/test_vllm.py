@@ -427,15 +427,15 @@ async def test_the_vllm_backend_asks_for_a_gpu(tiny_dir) -> None:
 
 
 async def test_the_vllm_backend_refuses_pipelined_scheduling(tiny_dir) -> None:
-    """async_scheduling = true: every bistream round would return a token past its stop, so the
-    engine says so at start, before vLLM is started."""
+    """async_scheduling = true: a bistream round returned a token past its stop with it on, so
+    the engine says so at start, naming the setting, before vLLM is started."""
     from tts_gateway.engine.base import EngineError
     from tts_gateway.engine.cosyvoice2.engine import CosyVoice2Engine
     from tts_gateway.engine.cosyvoice2.settings import CosyVoice2Settings, VLLMSettings
 
     settings = CosyVoice2Settings(model_dir=str(tiny_dir), device="cpu", llm_backend="vllm",
                                   vllm=VLLMSettings(async_scheduling=True))
-    with pytest.raises(EngineError, match="async_scheduling = true cannot serve bistream rounds"):
+    with pytest.raises(EngineError, match=r"\[engine.cosyvoice2.vllm\] async_scheduling = true cannot serve bistream rounds"):
         await CosyVoice2Engine(settings).start()
 
 
