@@ -171,9 +171,11 @@ INDUCTOR_FUSED = re.compile(r"^\s+(?:cpp_fused_\w+|triton_\w+)(?:\.run)?\(", re.
 INDUCTOR_LIBRARY = re.compile(r"(?:extern_kernels\.(\w+)|torch\.ops\.\w+\.(\w+)(?:\.\w+)?)\(")
 
 
-def inductor_kernels(step: Callable[[], torch.Tensor]) -> tuple[collections.Counter[str], float, float]:
-    """The kernels of ``torch.compile``'s code for ``step`` by name, the compile time in seconds
-    and the largest absolute difference of the compiled result from eager."""
+def inductor_kernels(step: Callable[[], object]) -> tuple[collections.Counter[str], float, float]:
+    """The kernels of ``torch.compile``'s code for ``step`` (which returns a tensor) by name, the
+    compile time in seconds and the largest absolute difference of the compiled result from eager."""
+    # Inductor's own helper (private, but the one way to see the code it generates); imported
+    # here so that counting torch ops needs nothing of Inductor.
     from torch._inductor.utils import run_and_get_code
 
     started = time.perf_counter()

@@ -187,10 +187,10 @@ def test_bench_estimator_ops_counts_what_compiling_leaves() -> None:
     eager = bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x50"])["results"][0]
     compiled = bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x50", "--inductor"])["results"][0]
     kernels = compiled["by_name"]
-    assert compiled["kernels"] == sum(kernels.values()) < eager["ops"]
+    assert compiled["kernels"] < eager["ops"]
     assert kernels["fused"] > 0 and kernels["addmm"] > 0 and kernels["convolution"] > 0
     assert sum(count for name, count in kernels.items() if "attention" in name) == 4
-    assert compiled["max_abs_vs_eager"] < 1e-5 and compiled["compile_s"] > 0
+    assert compiled["max_abs_vs_eager"] < 1e-5
     with pytest.raises(SystemExit):
         bench_estimator_ops.main(["--size", "tiny", "--shapes", "2x50", "--inductor", "--paged"])
 
@@ -205,5 +205,6 @@ def test_bench_token2wav_chunk_cost_streams_both_exact_modes(tmp_path) -> None:
     assert report["check"]["enforced"] and report["check"]["passed"]
     for mode in ("recompute", "incremental"):
         result = report["modes"][mode]
-        assert len(result["chunks"]) >= 2 and result["final"]["final"] and result["audio_s"] > 0
+        assert len(result["chunks"]) == 3 and not any(chunk["final"] for chunk in result["chunks"])
+        assert result["final"]["final"] and result["audio_s"] > 0
     assert report["offline"]["audio_s"] > 0

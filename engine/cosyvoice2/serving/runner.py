@@ -46,11 +46,11 @@ from tts_gateway.engine.cosyvoice2.serving.flow_work import FlowWork
 from tts_gateway.engine.cosyvoice2.serving.hift_graphs import HiftGraphs
 from tts_gateway.engine.cosyvoice2.serving.incremental import FlowStreamCache, inference_chunk
 from tts_gateway.engine.cosyvoice2.serving.paged_flow import PagedFlow
+from tts_gateway.engine.cosyvoice2.serving.phase_clock import PhaseClock
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import (
     PrefixBank, VoicePrefixCache, flow_after_prefix, solve_after_prefix,
 )
 from tts_gateway.engine.cosyvoice2.serving.request import StreamState, VoicePrompt
-from tts_gateway.engine.cosyvoice2.serving.phase_clock import PhaseClock
 from tts_gateway.engine.cosyvoice2.serving.streaming_vocoder import StreamingVocoder
 from tts_gateway.engine.cosyvoice2.serving.uploads import to_device
 
