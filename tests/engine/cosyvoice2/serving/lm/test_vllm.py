@@ -792,6 +792,42 @@ def test_bench_llm_burst_splits_gaps_at_round_ends() -> None:
     assert llm_burst.summarize([], steps=0, tokens=0, seconds=0)["tokens_per_step"] is None
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["stage-warm-up", "one-input-warm-up"])
+async def test_bench_llm_burst_warms_pipelined_levels_up_with_one_input_turns(
+    plain_inputs, monkeypatch, tmp_path, pipelined
+) -> None:
+    """With --async-scheduling the stage starts without its bistream warm-up, which pipelined
+    scheduling cannot serve, and each turn count runs one untimed offline level first."""
+    from bench import llm_burst
+    from tts_gateway.engine.cosyvoice2.serving import startup
+
+    started = []
+
+    async def start_stage(settings):
+        started.append(settings.vllm)
+        engine = StreamingInputEngine(random_model(seed=2))
+        engine.shutdown = lambda: None
+        return stage_on(engine, greedy=False)
+
+    levels_run = []
+    run_level = llm_burst.run_level
+
+    async def counted_level(stage, turns, *args):
+        levels_run.append((turns, args[-1]))
+        return await run_level(stage, turns, *args)
+
+    monkeypatch.setattr(startup, "start_vllm_stage", start_stage)
+    monkeypatch.setattr(llm_burst, "run_level", counted_level)
+    (tmp_path / "README.md").write_text("a model directory stand-in")  # no checkpoint made
+    argv = ["--model-dir", str(tmp_path), "--turns", "2", "--repeats", "1", "--tokens", "10", "--modes", "offline",
+            "--prompt-text", "3", "--prompt-speech", "6", "--text-tokens", "8"]
+    report = await llm_burst.main(llm_burst.parse_arguments(argv + (["--async-scheduling"] if pipelined else [])))
+    assert started[0].async_scheduling is pipelined
+    assert (started[0].warmup_batch_sizes == ()) is pipelined
+    assert levels_run == [(2, "offline")] * (2 if pipelined else 1)
+    assert [(level["turns"], level["mode"]) for level in report["levels"]] == [(2, "offline")]
+
+
 def test_bench_llm_burst_runs_pipelined_scheduling_on_one_input_requests_only() -> None:
     """--async-scheduling (vLLM's pipelined scheduling, which cannot serve rounds given one after
     another) is refused for bistream levels and taken for offline ones."""
