@@ -55,12 +55,15 @@ class FlowWork:
         if call is not None:
             call.update(counts)
 
-    def book(self, jobs: list[ChunkJob], widths: list[int], padded: int, eager: bool) -> None:
+    def book(self, jobs: list[ChunkJob], widths: list[int], width: int, replayed: int | None) -> None:
         """Book one flow call of these jobs, whose rows needed ``widths`` decoder frames each and
-        which computed ``padded`` row-frames (``eager``: no CUDA graph held it)."""
+        were ``width`` frames wide; ``replayed``: the row-frames of the CUDA graph that held it
+        (None: it ran eager, over its rows at that width)."""
         kind = call_kind(jobs)  # as the scheduler books the call's time: per call, not per row
+        padded = len(widths) * width if replayed is None else replayed
         self.add({
-            "calls": 1, "eager_calls": int(eager), f"row_frames_{kind}": sum(widths), "padded_row_frames": padded,
+            "calls": 1, "eager_calls": int(replayed is None), f"row_frames_{kind}": sum(widths),
+            "padded_row_frames": padded,
         })
 
     def book_phases(self, infix: str, seconds: dict[str, float]) -> None:

@@ -26,6 +26,7 @@ from tts_gateway.engine.cosyvoice2.serving.flow_work import FlowWork
 from tts_gateway.engine.cosyvoice2.serving.incremental_encoder import EncoderStreamState, IncrementalEncoder
 from tts_gateway.engine.cosyvoice2.serving.paged_varlen import attend_reference, flash_attend
 from tts_gateway.engine.cosyvoice2.serving.prefix_bank import VoicePrefixCache
+from tts_gateway.engine.cosyvoice2.serving.request import StreamState
 from tts_gateway.engine.cosyvoice2.serving.turn_pool import (
     PagedAttention, TurnRows, TurnStatePool, flow_paged, solve_paged,
 )
@@ -69,6 +70,17 @@ class PagedFlow:
         like = next(flow.parameters())
         pool = TurnStatePool.within(flow.decoder, state_bytes, like, steps, paged_kernel(flow))
         return cls(flow, schedule, prefixes, pool, IncrementalEncoder(flow), work)
+
+    def release(self, state: StreamState) -> None:
+        """Free the turn's pages and its token encoder's state (it ended or was cancelled)."""
+        state.encoder = None
+        if state.turn is not None:
+            self.pool.release(state.turn)
+            state.turn = None
+
+    def totals(self) -> dict[str, float]:
+        """The pool's running totals, as ``turn_state_<name>`` (``TurnStatePool.totals``)."""
+        return {f"turn_state_{name}": float(value) for name, value in self.pool.totals().items()}
 
     def has_voices(self, jobs: list[ChunkJob]) -> bool:
         """Whether the prefix bank holds the voices of all these jobs, whose calls would start
@@ -149,8 +161,7 @@ class PagedFlow:
         if not served:
             return {}
         start, end, mel, replayed = result.start, result.end, result.mel, padded[0]
-        computed = len(served) * mel.shape[2] if replayed is None else replayed
-        self.work.book([jobs[i] for i in served], [end[i] - start[i] for i in served], computed, replayed is None)
+        self.work.book([jobs[i] for i in served], [end[i] - start[i] for i in served], mel.shape[2], replayed)
         mels = {}
         for row, i in enumerate(served):
             # The chunk's audio starts at the first frame of its first token (earlier frames of

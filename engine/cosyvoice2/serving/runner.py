@@ -436,10 +436,8 @@ class Token2WavRunner:
         """Free an utterance's stored flow state (decoder and token encoder) at once (it ended
         or was cancelled; no call of it may be running)."""
         state.flow_cache = None
-        state.encoder = None
-        if state.turn is not None:
-            self.paged_flow.pool.release(state.turn)
-            state.turn = None
+        if self.paged_flow is not None:
+            self.paged_flow.release(state)
 
     def _prefix_serves(self, jobs: list[ChunkJob]) -> bool:
         """Whether these non-final jobs start after their voice prefixes: unless a graph of the
@@ -540,7 +538,7 @@ class Token2WavRunner:
         and with a turn-state pool, its ``turn_state_*`` totals too (``TurnStatePool.totals``)."""
         totals = self.flow_work.totals()
         if self.paged_flow is not None:
-            totals |= {f"turn_state_{name}": float(value) for name, value in self.paged_flow.pool.totals().items()}
+            totals |= self.paged_flow.totals()
         return totals
 
     def _count_call(
@@ -550,4 +548,4 @@ class Token2WavRunner:
         rows, width = len(widths), max(widths)
         streaming = self._streaming(jobs[0].finalize)
         replayed = self.planner.replayed_row_frames(graphs, rows, width, streaming, after_prefix)
-        self.flow_work.book(jobs, widths, rows * width if replayed is None else replayed, replayed is None)
+        self.flow_work.book(jobs, widths, width, replayed)
